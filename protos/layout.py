@@ -1,0 +1,258 @@
+"""Checkpoints at rest: names, paths on a tier, the manifest and its checksums.
+
+Both the daemon (which writes and drains checkpoints) and the client (which
+reads them back) import this module, so it must stay free of torch and of the
+daemon. The format is described for people in docs/FORMAT.md.
+
+A tier directory looks like::
+
+    <tier>/<job>/step-000000000010/rank-00000/data.safetensors
+                                             /manifest.json
+    <tier>/.tmp/<random>/     temporaries, renamed into place on commit
+
+A *part* is one rank's share of one step. A part directory exists only once
+it is complete: it is written under ``.tmp``, every file fsynced, the
+manifest written last, then renamed into place and its parent fsynced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+FORMAT = "ckptstage/1"
+DATA_FILE = "data.safetensors"
+MANIFEST_FILE = "manifest.json"
+TMP_DIR = ".tmp"
+# Checksums are taken per chunk so that writers and readers can hash in
+# parallel and a reader can verify while it copies, without a second pass.
+DEFAULT_CHUNK_BYTES = 64 << 20
+CHECKSUM = "xxh3_64"
+
+_JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_STEP_RE = re.compile(r"step-(\d{12})")
+_RANK_RE = re.compile(r"rank-(\d{5})")
+MAX_STEP = 10**12 - 1
+MAX_RANK = 10**5 - 1
+
+
+class InvalidName(ValueError):
+    """A job name, step or rank that cannot name a directory safely."""
+
+
+class ManifestError(ValueError):
+    """A manifest that is missing, unreadable, or inconsistent with its files."""
+
+
+class ChecksumMismatch(ManifestError):
+    """A data file whose size or checksum differs from its manifest."""
+
+    def __init__(self, path: Path, detail: str) -> None:
+        super().__init__(f"{path}: {detail}")
+        self.path = path
+        self.detail = detail
+
+
+def check_job(job: str) -> str:
+    """Returns ``job`` if it is a safe directory name, else raises :class:`InvalidName`."""
+    if not isinstance(job, str) or not _JOB_RE.fullmatch(job) or ".." in job:
+        raise InvalidName(
+            f"invalid job name {job!r}: use 1-128 characters from [A-Za-z0-9._-], "
+            "starting with a letter or digit, without '..'"
+        )
+    return job
+
+
+def check_step(step: int) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise InvalidName(f"invalid step {step!r}: an int in [0, {MAX_STEP}]")
+    return step
+
+
+def check_rank(rank: int, world_size: int) -> int:
+    if not 1 <= world_size <= MAX_RANK + 1:
+        raise InvalidName(f"invalid world_size {world_size!r}: an int in [1, {MAX_RANK + 1}]")
+    if not 0 <= rank < world_size:
+        raise InvalidName(f"invalid rank {rank!r} for world_size {world_size}")
+    return rank
+
+
+def step_dirname(step: int) -> str:
+    return f"step-{check_step(step):012d}"
+
+
+def rank_dirname(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def part_dir(tier_dir: Path, job: str, step: int, rank: int) -> Path:
+    return tier_dir / check_job(job) / step_dirname(step) / rank_dirname(rank)
+
+
+def tmp_root(tier_dir: Path) -> Path:
+    return tier_dir / TMP_DIR
+
+
+@dataclass(frozen=True)
+class PartRef:
+    """A committed part found on a tier."""
+
+    job: str
+    step: int
+    rank: int
+    path: Path
+
+
+def scan_tier(tier_dir: Path) -> Iterator[PartRef]:
+    """Yields every renamed-into-place part directory that has a manifest.
+
+    Only names this module produces are considered; anything else on the
+    tier (an operator's notes, another tool's files) is left alone.
+    """
+    if not tier_dir.is_dir():
+        return
+    for job_entry in os.scandir(tier_dir):
+        if not job_entry.is_dir() or not _JOB_RE.fullmatch(job_entry.name):
+            continue
+        for step_entry in os.scandir(job_entry.path):
+            m = _STEP_RE.fullmatch(step_entry.name)
+            if not m or not step_entry.is_dir():
+                continue
+            for rank_entry in os.scandir(step_entry.path):
+                r = _RANK_RE.fullmatch(rank_entry.name)
+                if r and os.path.isfile(os.path.join(rank_entry.path, MANIFEST_FILE)):
+                    yield PartRef(job_entry.name, int(m.group(1)), int(r.group(1)), Path(rank_entry.path))
+
+
+# --- checksums --------------------------------------------------------------
+
+
+def chunk_digest(data: Any) -> str:
+    """xxh3_64 of one chunk (any buffer), as 16 hex digits."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def chunk_count(size: int, chunk_bytes: int) -> int:
+    return max(1, -(-size // chunk_bytes))
+
+
+def file_digests(path: Path, chunk_bytes: int) -> list[str]:
+    """Reads a file once and returns its per-chunk digests."""
+    digests = []
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(chunk_bytes)
+        view = memoryview(buf)
+        while True:
+            n = f.readinto(view)
+            if not n:
+                break
+            digests.append(chunk_digest(view[:n]))
+    return digests or [chunk_digest(b"")]
+
+
+# --- the manifest -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes live in the data file (absolute file offsets)."""
+
+    name: str
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> TensorEntry:
+        return cls(str(obj["name"]), str(obj["dtype"]), tuple(int(d) for d in obj["shape"]),
+                   int(obj["offset"]), int(obj["nbytes"]))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+                "offset": self.offset, "nbytes": self.nbytes}
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    chunk_bytes: int
+    digests: tuple[str, ...]
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> FileEntry:
+        return cls(int(obj["size"]), int(obj["chunk_bytes"]), tuple(obj[CHECKSUM]))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "chunk_bytes": self.chunk_bytes, CHECKSUM: list(self.digests)}
+
+
+def validate_tensor_table(tensors: Sequence[TensorEntry], data_start: int, data_bytes: int) -> None:
+    """Checks that every tensor lies inside the data section and none overlap.
+
+    Raises :class:`ManifestError` naming the first offending tensor.
+    """
+    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors)
+    prev_end, prev_name = data_start, "<header>"
+    for start, end, name in spans:
+        if start < prev_end:
+            raise ManifestError(f"tensor {name!r} at offset {start} overlaps {prev_name!r} (ends at {prev_end})")
+        if end > data_bytes:
+            raise ManifestError(f"tensor {name!r} ends at {end}, past the data file's {data_bytes} bytes")
+        prev_end, prev_name = end, name
+
+
+def encode_manifest(manifest: dict[str, Any]) -> bytes:
+    return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+
+
+def read_manifest(part: Path) -> dict[str, Any]:
+    """Reads and sanity-checks a part's manifest; raises :class:`ManifestError`."""
+    path = part / MANIFEST_FILE
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise ManifestError(f"{path}: unreadable manifest: {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ManifestError(f"{path}: not a {FORMAT} manifest (format={manifest.get('format')!r})"
+                            if isinstance(manifest, dict) else f"{path}: not a JSON object")
+    for key in ("job", "step", "rank", "world_size", "tensors", "files", "tree"):
+        if key not in manifest:
+            raise ManifestError(f"{path}: missing key {key!r}")
+    return manifest
+
+
+def manifest_files(manifest: dict[str, Any]) -> dict[str, FileEntry]:
+    return {name: FileEntry.from_json(entry) for name, entry in manifest["files"].items()}
+
+
+def part_bytes(manifest: dict[str, Any]) -> int:
+    return sum(entry.size for entry in manifest_files(manifest).values())
+
+
+def verify_part(part: Path, manifest: dict[str, Any] | None = None) -> None:
+    """Re-reads every file of a part and checks sizes and checksums.
+
+    Raises :class:`ChecksumMismatch` naming the file and the first bad chunk.
+    """
+    manifest = manifest if manifest is not None else read_manifest(part)
+    for name, entry in manifest_files(manifest).items():
+        path = part / name
+        try:
+            size = path.stat().st_size
+        except OSError as e:
+            raise ChecksumMismatch(path, f"missing: {e}") from e
+        if size != entry.size:
+            raise ChecksumMismatch(path, f"size {size} != {entry.size} in the manifest")
+        got = file_digests(path, entry.chunk_bytes)
+        for i, (a, b) in enumerate(zip(got, entry.digests)):
+            if a != b:
+                raise ChecksumMismatch(path, f"chunk {i} (bytes {i * entry.chunk_bytes}..) "
+                                             f"{CHECKSUM} {a} != {b} in the manifest")

@@ -1,0 +1,415 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    LOCAL: _ClassVar[Tier]
+    SHARED: _ClassVar[Tier]
+TIER_UNSPECIFIED: Tier
+LOCAL: Tier
+SHARED: Tier
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RetentionOverrides(_message.Message):
+    __slots__ = ("local_keep_last", "shared_keep_last", "shared_keep_every", "keep_best_metric", "keep_best_mode", "keep_best_n")
+    LOCAL_KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
+    SHARED_KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
+    SHARED_KEEP_EVERY_FIELD_NUMBER: _ClassVar[int]
+    KEEP_BEST_METRIC_FIELD_NUMBER: _ClassVar[int]
+    KEEP_BEST_MODE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_BEST_N_FIELD_NUMBER: _ClassVar[int]
+    local_keep_last: int
+    shared_keep_last: int
+    shared_keep_every: int
+    keep_best_metric: str
+    keep_best_mode: str
+    keep_best_n: int
+    def __init__(self, local_keep_last: _Optional[int] = ..., shared_keep_last: _Optional[int] = ..., shared_keep_every: _Optional[int] = ..., keep_best_metric: _Optional[str] = ..., keep_best_mode: _Optional[str] = ..., keep_best_n: _Optional[int] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("job", "rank", "world_size", "pid", "hostname", "retention")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    world_size: int
+    pid: int
+    hostname: str
+    retention: RetentionOverrides
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., retention: _Optional[_Union[RetentionOverrides, _Mapping]] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "chunk_bytes", "daemon_version")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    chunk_bytes: int
+    daemon_version: str
+    def __init__(self, session_id: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., daemon_version: _Optional[str] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("kind", "message")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[SessionEvent.Kind]
+        READY: _ClassVar[SessionEvent.Kind]
+        SHUTTING_DOWN: _ClassVar[SessionEvent.Kind]
+    KIND_UNSPECIFIED: SessionEvent.Kind
+    READY: SessionEvent.Kind
+    SHUTTING_DOWN: SessionEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    kind: SessionEvent.Kind
+    message: str
+    def __init__(self, kind: _Optional[_Union[SessionEvent.Kind, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class EnsureArenaRequest(_message.Message):
+    __slots__ = ("session_id", "want_bytes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    WANT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    want_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., want_bytes: _Optional[int] = ...) -> None: ...
+
+class ArenaInfo(_message.Message):
+    __slots__ = ("path", "size_bytes", "generation")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size_bytes: int
+    generation: int
+    def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class ArenaMappedRequest(_message.Message):
+    __slots__ = ("session_id", "generation")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    generation: int
+    def __init__(self, session_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class BeginSaveRequest(_message.Message):
+    __slots__ = ("session_id", "step", "manifest_json", "data_bytes", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    DATA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    step: int
+    manifest_json: bytes
+    data_bytes: int
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., manifest_json: _Optional[bytes] = ..., data_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class BeginSaveResponse(_message.Message):
+    __slots__ = ("save_id", "stream_base")
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAM_BASE_FIELD_NUMBER: _ClassVar[int]
+    save_id: str
+    stream_base: int
+    def __init__(self, save_id: _Optional[str] = ..., stream_base: _Optional[int] = ...) -> None: ...
+
+class ProgressRequest(_message.Message):
+    __slots__ = ("save_id", "copied_upto", "wait_released")
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    COPIED_UPTO_FIELD_NUMBER: _ClassVar[int]
+    WAIT_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    save_id: str
+    copied_upto: int
+    wait_released: int
+    def __init__(self, save_id: _Optional[str] = ..., copied_upto: _Optional[int] = ..., wait_released: _Optional[int] = ...) -> None: ...
+
+class ProgressResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class FinishSaveRequest(_message.Message):
+    __slots__ = ("save_id",)
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    save_id: str
+    def __init__(self, save_id: _Optional[str] = ...) -> None: ...
+
+class AbortSaveRequest(_message.Message):
+    __slots__ = ("save_id", "reason")
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    save_id: str
+    reason: str
+    def __init__(self, save_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class WaitSaveRequest(_message.Message):
+    __slots__ = ("save_id", "tier", "timeout_s")
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    save_id: str
+    tier: Tier
+    timeout_s: float
+    def __init__(self, save_id: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class WaitSaveResponse(_message.Message):
+    __slots__ = ("done",)
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    done: bool
+    def __init__(self, done: _Optional[bool] = ...) -> None: ...
+
+class CheckpointInfo(_message.Message):
+    __slots__ = ("job", "step", "world_size", "ranks_local", "ranks_shared", "bytes", "created", "complete", "pinned", "drain_state", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    RANKS_SHARED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_STATE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    world_size: int
+    ranks_local: _containers.RepeatedScalarFieldContainer[int]
+    ranks_shared: _containers.RepeatedScalarFieldContainer[int]
+    bytes: int
+    created: float
+    complete: bool
+    pinned: bool
+    drain_state: str
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks_local: _Optional[_Iterable[int]] = ..., ranks_shared: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., created: _Optional[float] = ..., complete: _Optional[bool] = ..., pinned: _Optional[bool] = ..., drain_state: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class ListResponse(_message.Message):
+    __slots__ = ("checkpoints",)
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointInfo]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ...) -> None: ...
+
+class LocateRequest(_message.Message):
+    __slots__ = ("job", "step", "latest", "rank")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    latest: bool
+    rank: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class PartLocation(_message.Message):
+    __slots__ = ("tier", "dir")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    dir: str
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., dir: _Optional[str] = ...) -> None: ...
+
+class LocateResponse(_message.Message):
+    __slots__ = ("step", "world_size", "locations")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    world_size: int
+    locations: _containers.RepeatedCompositeFieldContainer[PartLocation]
+    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[PartLocation, _Mapping]]] = ...) -> None: ...
+
+class ReportCorruptRequest(_message.Message):
+    __slots__ = ("job", "step", "rank", "tier", "detail")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    rank: int
+    tier: Tier
+    detail: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("job", "step", "pinned")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    pinned: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("job", "wait", "timeout_s")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    wait: bool
+    timeout_s: float
+    def __init__(self, job: _Optional[str] = ..., wait: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("pending", "failed")
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    pending: int
+    failed: int
+    def __init__(self, pending: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
+
+class GcRequest(_message.Message):
+    __slots__ = ("dry_run",)
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    dry_run: bool
+    def __init__(self, dry_run: _Optional[bool] = ...) -> None: ...
+
+class GcAction(_message.Message):
+    __slots__ = ("job", "step", "tier", "reason", "bytes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    tier: Tier
+    reason: str
+    bytes: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., reason: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class GcResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: _containers.RepeatedCompositeFieldContainer[GcAction]
+    def __init__(self, deleted: _Optional[_Iterable[_Union[GcAction, _Mapping]]] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("job", "step", "latest")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    latest: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("step", "parts")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    parts: int
+    def __init__(self, step: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStatus(_message.Message):
+    __slots__ = ("tier", "dir", "enabled", "reachable", "used_bytes", "free_bytes", "checkpoints")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    dir: str
+    enabled: bool
+    reachable: bool
+    used_bytes: int
+    free_bytes: int
+    checkpoints: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., dir: _Optional[str] = ..., enabled: _Optional[bool] = ..., reachable: _Optional[bool] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., checkpoints: _Optional[int] = ...) -> None: ...
+
+class SessionStatus(_message.Message):
+    __slots__ = ("session_id", "job", "rank", "pid", "arena_bytes", "saves_in_flight")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SAVES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    job: str
+    rank: int
+    pid: int
+    arena_bytes: int
+    saves_in_flight: int
+    def __init__(self, session_id: _Optional[str] = ..., job: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., saves_in_flight: _Optional[int] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("version", "pid", "uptime_s", "socket", "arena_budget_bytes", "arena_used_bytes", "sessions", "tiers", "drain_queue", "metrics_url")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ARENA_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    pid: int
+    uptime_s: float
+    socket: str
+    arena_budget_bytes: int
+    arena_used_bytes: int
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionStatus]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStatus]
+    drain_queue: int
+    metrics_url: str
+    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., socket: _Optional[str] = ..., arena_budget_bytes: _Optional[int] = ..., arena_used_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., drain_queue: _Optional[int] = ..., metrics_url: _Optional[str] = ...) -> None: ...
