@@ -1,0 +1,55 @@
+"""The daemon's domain errors. The servicer maps each to one gRPC status code."""
+
+from __future__ import annotations
+
+
+class DaemonError(Exception):
+    """Base of every error the daemon reports to a client."""
+
+
+class InvalidRequest(DaemonError, ValueError):
+    """The request is malformed: a bad name, size, offset or manifest."""
+
+
+class SessionNotFound(DaemonError, LookupError):
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"no open session {session_id!r} (closed, or the daemon restarted)")
+        self.session_id = session_id
+
+
+class SaveNotFound(DaemonError, LookupError):
+    def __init__(self, save_id: str) -> None:
+        super().__init__(f"no save {save_id!r} in flight (finished, aborted, or the daemon restarted)")
+        self.save_id = save_id
+
+
+class CheckpointNotFound(DaemonError, LookupError):
+    def __init__(self, job: str, step: int | None, detail: str = "") -> None:
+        what = f"step {step} of job {job!r}" if step is not None else f"any complete checkpoint of job {job!r}"
+        super().__init__(f"no {what}{': ' + detail if detail else ''}")
+        self.job, self.step = job, step
+
+
+class AlreadyExists(DaemonError):
+    """A save for a (job, step, rank) that is already committed or in flight."""
+
+
+class ArenaFull(DaemonError):
+    """The global shared-memory budget cannot grant even one chunk."""
+
+    def __init__(self, wanted: int, free: int, budget: int, chunk: int) -> None:
+        super().__init__(
+            f"arena budget exhausted: this session needs at least {chunk} bytes (one chunk; "
+            f"{wanted} for the whole state without streaming), {free} of {budget} are free; "
+            "raise [arena] max_bytes or close other sessions"
+        )
+        self.wanted, self.free, self.budget, self.chunk = wanted, free, budget, chunk
+
+
+class SaveFailed(DaemonError):
+    """A save could not be committed on a tier; the message says why."""
+
+
+class ShuttingDown(DaemonError):
+    def __init__(self) -> None:
+        super().__init__("the daemon is shutting down; retry against its successor")

@@ -1,0 +1,153 @@
+"""``ckptstaged``: the node daemon's entry point (flags, socket, signals, metrics endpoint)."""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import logging
+import os
+import signal
+import socket as socketlib
+import sys
+import threading
+from concurrent import futures
+from pathlib import Path
+from typing import IO, Any
+
+import grpc
+
+from ckptstage.daemon import fsutil
+from ckptstage.daemon.config import Config, ConfigError, load_config
+from ckptstage.daemon.node import STATE_DIR, VERSION, Node
+from ckptstage.daemon.servicer import Servicer
+from ckptstage.protos.v1 import ckptstage_pb2_grpc as pb_grpc
+
+log = logging.getLogger("ckptstaged")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="ckptstaged", description="ckptstage node daemon. Flags override the config file.")
+    p.add_argument("--config", type=Path, help="TOML config file (default: built-in defaults)")
+    p.add_argument("--socket", help="Unix socket to serve on")
+    p.add_argument("--local-dir", help="local tier directory (node SSD)")
+    p.add_argument("--shared-dir", help="shared tier directory (parallel file system)")
+    p.add_argument("--metrics-listen", help="HOST:PORT for Prometheus /metrics")
+    p.add_argument("--log-level", default=os.environ.get("CKPTSTAGE_LOG_LEVEL", "INFO"))
+    p.add_argument("--version", action="version", version=f"ckptstaged {VERSION}")
+    return p.parse_args(argv)
+
+
+def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
+    flags = {"socket": args.socket, "local.dir": args.local_dir, "shared.dir": args.shared_dir,
+             "metrics.listen": args.metrics_listen}
+    return {k: v for k, v in flags.items() if v is not None}
+
+
+class Daemon:
+    """One running daemon: node, gRPC server on the Unix socket, optional metrics server."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._lock_file = self._lock_local_tier()
+        self.node = Node(config)
+        self.metrics_url = ""
+        self._stopped = threading.Event()
+        self._done = threading.Event()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="rpc"),
+                                  options=[("grpc.max_receive_message_length", 256 << 20)])
+        self.servicer = Servicer(self.node, str(config.socket))
+        pb_grpc.add_CheckpointerServicer_to_server(self.servicer, self.server)
+
+    def start(self) -> None:
+        self.node.recover()
+        self._start_metrics()
+        self.servicer.metrics_url = self.metrics_url
+        _prepare_socket(self.config.socket)
+        self.server.add_insecure_port(f"unix:{self.config.socket}")
+        self.server.start()
+        os.chmod(self.config.socket, 0o600)
+        log.info("ckptstaged %s serving on %s (local %s, shared %s, arena budget %d bytes)", VERSION,
+                 self.config.socket, self.config.local.dir, self.config.shared.dir or "disabled",
+                 self.config.arena.max_bytes)
+
+    def stop(self) -> None:
+        """SIGTERM path: refuse new work, let in-flight saves commit (bounded), exit."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        timeout = self.config.persist.shutdown_timeout_s
+        log.info("shutting down: finishing in-flight saves (up to %.0fs)", timeout)
+        self.servicer.begin_shutdown()
+        self.node.shutdown(timeout)
+        self.server.stop(grace=2).wait()
+        try:
+            self.config.socket.unlink()
+        except FileNotFoundError:
+            pass
+        log.info("stopped")
+        self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+
+    def _start_metrics(self) -> None:
+        listen = self.config.metrics.listen
+        if not listen:
+            return
+        from prometheus_client import disable_created_metrics, start_http_server
+
+        disable_created_metrics()  # the _created series only double the scrape here
+
+        host, _, port = listen.rpartition(":")
+        start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=self.node.metrics.registry)
+        self.metrics_url = f"http://{listen}/metrics"
+        log.info("metrics on %s", self.metrics_url)
+
+    def _lock_local_tier(self) -> IO[bytes]:
+        """Two daemons must never share a local tier: hold an exclusive lock on it."""
+        state = self.config.local.dir / STATE_DIR
+        fsutil.makedirs_durable(state)
+        f = open(state / "daemon.lock", "ab")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise SystemExit(f"ckptstaged: another daemon already uses the local tier {self.config.local.dir}")
+        return f
+
+
+def _prepare_socket(path: Path) -> None:
+    """Creates the socket's directory (0700: only this user may connect) and clears a stale socket."""
+    if not path.parent.exists():
+        path.parent.mkdir(parents=True, mode=0o700)
+    if path.exists() or path.is_symlink():
+        probe = socketlib.socket(socketlib.AF_UNIX)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()  # nobody listens: left by a killed daemon
+        else:
+            raise SystemExit(f"ckptstaged: another daemon is serving on {path}")
+        finally:
+            probe.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args.config, overrides_from(args))
+    except ConfigError as e:
+        print(f"ckptstaged: {e}", file=sys.stderr)
+        return 2
+    daemon = Daemon(config)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: threading.Thread(target=daemon.stop, name="shutdown").start())
+    daemon.start()
+    daemon.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Prometheus metrics. The daemon owns its registry; state gauges are computed at scrape time."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+_DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 150, 300, 900)
+
+
+@dataclass(frozen=True)
+class StateProbe:
+    """What the scrape-time collector reads from the daemon (injected, so tests can fake it)."""
+
+    arena_used: Callable[[], int]
+    arena_total: Callable[[], int]
+    sessions: Callable[[], int]
+    tier_dirs: Callable[[], dict[str, Path]]
+    tier_used: Callable[[str], int]
+    drain_queue: Callable[[], tuple[int, int]]   # (parts, bytes)
+    drain_lag_s: Callable[[], float]
+    shared_reachable: Callable[[], bool | None]
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.saves_started = Counter("ckptstage_saves_started", "Saves begun by clients.", registry=r)
+        self.saves_committed = Counter("ckptstage_saves_committed", "Parts committed, by tier.",
+                                       ["tier"], registry=r)
+        self.saves_failed = Counter("ckptstage_saves_failed", "Saves that failed or were aborted.", registry=r)
+        self.bytes_persisted = Counter("ckptstage_persisted_bytes", "Bytes committed, by tier.",
+                                       ["tier"], registry=r)
+        self.persist_seconds = Histogram("ckptstage_persist_duration_seconds",
+                                         "BeginSave to local commit.", buckets=_DURATION_BUCKETS, registry=r)
+        self.drain_seconds = Histogram("ckptstage_drain_duration_seconds",
+                                       "Copy of one part to the shared tier, verified and committed.",
+                                       buckets=_DURATION_BUCKETS, registry=r)
+        self.drain_retries = Counter("ckptstage_drain_retries", "Drain attempts that failed and will be retried.",
+                                     registry=r)
+        self.evictions = Counter("ckptstage_evictions", "Parts deleted by retention, by tier and rule.",
+                                 ["tier", "rule"], registry=r)
+        self.corrupt = Counter("ckptstage_corrupt_parts", "Parts that failed verification, by tier.",
+                               ["tier"], registry=r)
+        self.sessions_opened = Counter("ckptstage_sessions_opened", "Client sessions opened.", registry=r)
+        self.sessions_reaped = Counter("ckptstage_sessions_reaped",
+                                       "Sessions closed because the client went away.", registry=r)
+        for tier in ("local", "shared"):
+            self.saves_committed.labels(tier)
+            self.bytes_persisted.labels(tier)
+            self.corrupt.labels(tier)
+
+    def add_state(self, probe: StateProbe) -> None:
+        self.registry.register(_StateCollector(probe))
+
+
+class _StateCollector(Collector):
+    def __init__(self, probe: StateProbe) -> None:
+        self.p = probe
+
+    def collect(self) -> Iterable[Metric]:
+        p = self.p
+        yield GaugeMetricFamily("ckptstage_arena_used_bytes", "Shared memory granted to sessions.",
+                                value=p.arena_used())
+        yield GaugeMetricFamily("ckptstage_arena_budget_bytes", "The [arena] max_bytes budget.",
+                                value=p.arena_total())
+        yield GaugeMetricFamily("ckptstage_sessions", "Open client sessions.", value=p.sessions())
+        used = GaugeMetricFamily("ckptstage_tier_used_bytes", "Bytes of committed checkpoints.", labels=["tier"])
+        free = GaugeMetricFamily("ckptstage_tier_free_bytes", "Free bytes on the tier's file system.",
+                                 labels=["tier"])
+        for tier, path in p.tier_dirs().items():
+            used.add_metric([tier], p.tier_used(tier))
+            try:
+                free.add_metric([tier], shutil.disk_usage(path).free)
+            except OSError:
+                pass
+        yield used
+        yield free
+        parts, nbytes = p.drain_queue()
+        yield GaugeMetricFamily("ckptstage_drain_queue_parts", "Parts waiting to reach the shared tier.",
+                                value=parts)
+        yield GaugeMetricFamily("ckptstage_drain_queue_bytes", "Bytes waiting to reach the shared tier.",
+                                value=nbytes)
+        yield GaugeMetricFamily("ckptstage_drain_lag_seconds",
+                                "Age of the oldest part not yet on the shared tier.", value=p.drain_lag_s())
+        reachable = p.shared_reachable()
+        if reachable is not None:
+            yield GaugeMetricFamily("ckptstage_shared_tier_up", "1 when the last shared-tier operation worked.",
+                                    value=1 if reachable else 0)

@@ -1,0 +1,433 @@
+"""The node's checkpoint service: the one domain object the gRPC servicer calls.
+
+It wires sessions, the persister, the catalogue, the drainer and retention
+together and owns the order of events: commit locally -> index -> drain ->
+apply retention. Nothing here knows about gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptstage.daemon import arena as arena_mod
+from ckptstage.daemon import fsutil, retention
+from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
+from ckptstage.daemon.config import Config
+from ckptstage.daemon.drainer import Drainer
+from ckptstage.daemon.errors import (
+    AlreadyExists,
+    CheckpointNotFound,
+    InvalidRequest,
+    SaveFailed,
+    SaveNotFound,
+    ShuttingDown,
+)
+from ckptstage.daemon.metrics import Metrics, StateProbe
+from ckptstage.daemon.persister import Persister, Save, parse_manifest
+from ckptstage.daemon.sessions import Session, SessionInfo, SessionTable
+from ckptstage.protos import layout
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+STATE_DIR = ".state"  # under the local tier: pins; ignored by tier scans (not a job name)
+
+
+@dataclass(frozen=True)
+class GcAction:
+    job: str
+    step: int
+    tier: TierName
+    reason: str
+    nbytes: int
+
+
+def node_name() -> str:
+    """This node's name as used for its temporaries on shared tiers."""
+    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in socket.gethostname())
+    return name.lstrip("._-") or "node"
+
+
+class Node:
+    """Everything one ``ckptstaged`` does, minus the wire."""
+
+    def __init__(self, config: Config, metrics: Metrics | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.clock = clock
+        self.owner = node_name()
+        self.started = time.monotonic()
+        self.budget = arena_mod.Budget(config.arena.max_bytes)
+        self.sessions = SessionTable()
+        self.catalog = Catalog(config.local.dir / STATE_DIR / "pins.json")
+        self._saves: dict[str, Save] = {}
+        self._owners: dict[str, Session] = {}  # save id -> its session, even after the session closed
+        self._saves_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._retention_lock = threading.Lock()
+        self.persister = Persister(config.persist.workers, self._on_commit, self._on_failure, self._on_progress)
+        self.drainer: Drainer | None = None
+        if config.shared.enabled:
+            assert config.shared.dir is not None
+            self.drainer = Drainer(config.shared, config.local.dir, self.owner, self.catalog, self.metrics,
+                                   on_drained=lambda part: self.apply_retention(part.job),
+                                   on_corrupt=lambda part, why: self.report_corrupt(
+                                       part.job, part.step, part.rank, TierName.LOCAL, why))
+        self.metrics.add_state(self._probe())
+
+    # --- life cycle -------------------------------------------------------------
+
+    def recover(self) -> None:
+        """Invariant 3: clean temporaries, re-read what is committed, resume draining."""
+        fsutil.makedirs_durable(self.config.local.dir)
+        removed = fsutil.clean_temporaries(self.config.local.dir, self.owner)
+        stale = arena_mod.sweep_stale()
+        n_local = self.catalog.load_tier(TierName.LOCAL, self.config.local.dir)
+        log.info("local tier %s: %d committed parts, %d temporaries removed, %d stale arenas removed",
+                 self.config.local.dir, n_local, removed, stale)
+        if self.drainer is not None:
+            self.drainer.recover()
+            self.drainer.start()
+        for job in self.catalog.jobs():
+            self.apply_retention(job)
+
+    def shutdown(self, timeout: float) -> None:
+        """Stops taking saves, lets finished ones commit (bounded), then stops the drainer."""
+        self._stopping.set()
+        deadline = time.monotonic() + timeout
+        for session in self.sessions.all():
+            for save in session.close():
+                self.persister.fail(save, "daemon shutting down before the client finished copying")
+        for save in self._live_saves():
+            if not save.local_done.wait(max(0.0, deadline - time.monotonic())):
+                self.persister.fail(save, "daemon shutdown timed out before the save committed")
+        self.persister.shutdown(wait=True)
+        if self.drainer is not None:
+            self.drainer.stop(max(0.0, deadline - time.monotonic()))
+
+    # --- sessions -----------------------------------------------------------------
+
+    def open_session(self, info: SessionInfo) -> Session:
+        self._check_running()
+        layout.check_job(info.job)
+        try:
+            layout.check_rank(info.rank, info.world_size)
+        except layout.InvalidName as e:
+            raise InvalidRequest(str(e)) from e
+        session = Session(info, self.budget, self.config.persist.chunk_bytes, os.getpid())
+        self.sessions.add(session)
+        self.metrics.sessions_opened.inc()
+        log.info("session %s opened: job %s rank %d/%d pid %d on %s", session.id, info.job, info.rank,
+                 info.world_size, info.pid, info.hostname)
+        return session
+
+    def close_session(self, session_id: str, reason: str) -> None:
+        session = self.sessions.pop(session_id)
+        if session is None:
+            return
+        for save in session.close():
+            self.persister.fail(save, f"session closed before the save finished ({reason})")
+        log.info("session %s closed: %s", session_id, reason)
+
+    def ensure_arena(self, session_id: str, want: int) -> arena_mod.Arena:
+        self._check_running()
+        return self.sessions.get(session_id).ensure_arena(want, self.config.arena.min_session_bytes)
+
+    def arena_mapped(self, session_id: str, generation: int) -> None:
+        arena = self.sessions.get(session_id).arena
+        if arena is not None and arena.generation == generation:
+            arena.unlink()
+
+    # --- saves --------------------------------------------------------------------
+
+    def begin_save(self, session_id: str, step: int, manifest_json: bytes, data_bytes: int,
+                   metrics: dict[str, float]) -> Save:
+        self._check_running()
+        session = self.sessions.get(session_id)
+        info = session.info
+        if session.arena is None:
+            raise InvalidRequest("no arena: call EnsureArena before BeginSave")
+        spec = parse_manifest(manifest_json, info.job, step, info.rank, info.world_size, data_bytes, metrics)
+        if self.catalog.has(info.job, step, info.rank) or self._in_flight(info.job, step, info.rank):
+            raise AlreadyExists(f"step {step} of job {info.job!r} rank {info.rank} is already committed "
+                                "or being saved; save a new step (or delete that one first)")
+        writer = fsutil.PartWriter(self.config.local.dir, self.owner, info.job, step, info.rank)
+        try:
+            save = Save(uuid.uuid4().hex[:16], session.id, spec, session.arena,
+                        session.stream_base_for_next_save(), session.chunk_bytes, writer)
+        except OSError as e:
+            writer.abort()
+            raise SaveFailed(f"cannot create the data file for step {step} on {self.config.local.dir}: {e}") from e
+        session.add_save(save)
+        with self._saves_lock:
+            self._saves[save.id] = save
+            self._owners[save.id] = session
+        self.metrics.saves_started.inc()
+        return save
+
+    def progress(self, save_id: str, copied_upto: int, wait_released: int, timeout: float) -> int:
+        save = self._save(save_id)
+        self.persister.progress(save, copied_upto)
+        session = self._owner(save)
+        if wait_released:
+            with session.cond:
+                session.cond.wait_for(lambda: session.released() >= wait_released or save.error is not None
+                                      or session.closed.is_set() or self._stopping.is_set(), timeout)
+        if save.error is not None:
+            raise SaveFailed(save.error)
+        return session.released()
+
+    def finish_save(self, save_id: str) -> None:
+        save = self._save(save_id)
+        self.persister.progress(save, save.spec.data_bytes, finished=True)
+
+    def abort_save(self, save_id: str, reason: str) -> None:
+        self.persister.fail(self._save(save_id), f"aborted by the client: {reason}")
+
+    def wait_save(self, save_id: str, tier: TierName, timeout: float) -> bool:
+        """True once the save is committed on ``tier``; raises :class:`SaveFailed` if it cannot be."""
+        save = self._save(save_id)
+        deadline = time.monotonic() + timeout
+        while not save.settled:
+            if not save.local_done.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    return False
+        if save.error is not None:
+            raise SaveFailed(save.error)
+        if tier == TierName.LOCAL:
+            return True
+        if self.drainer is None:
+            raise SaveFailed("this daemon has no shared tier ([shared] dir is not set)")
+        spec = save.spec
+        return self.drainer.wait_part(spec.job, spec.step, spec.rank, max(0.0, deadline - time.monotonic()))
+
+    # --- catalogue ------------------------------------------------------------------
+
+    def checkpoints(self, job: str) -> list[Checkpoint]:
+        return self.catalog.checkpoints(layout.check_job(job))
+
+    def drain_state(self, ckpt: Checkpoint) -> str:
+        if self.drainer is None:
+            return "disabled"
+        return self.drainer.checkpoint_state(ckpt)
+
+    def locate(self, job: str, step: int | None, rank: int) -> tuple[Checkpoint, list[Part]]:
+        layout.check_job(job)
+        ckpt = self.catalog.latest_complete(job) if step is None else self.catalog.get(job, step)
+        if ckpt is None or (step is not None and not ckpt.complete):
+            raise CheckpointNotFound(job, step, "" if ckpt is None else
+                                     f"ranks {sorted(set(range(ckpt.world_size)) - set(ckpt.parts))} missing")
+        tiers = ckpt.parts.get(rank)
+        if not tiers:
+            raise CheckpointNotFound(job, ckpt.step, f"no part for rank {rank} (world size {ckpt.world_size})")
+        ordered = [tiers[t] for t in (TierName.LOCAL, TierName.SHARED) if t in tiers]
+        return ckpt, ordered
+
+    def report_corrupt(self, job: str, step: int, rank: int, tier: TierName, detail: str) -> None:
+        """A reader found a copy that fails verification: drop it from the index, keep it for forensics."""
+        self.metrics.corrupt.labels(tier.value).inc()
+        log.error("corrupt %s copy of %s step %d rank %d: %s", tier.value, job, step, rank, detail)
+        ckpt = self.catalog.get(job, step)
+        part = ckpt.parts.get(rank, {}).get(tier) if ckpt else None
+        if part is None:
+            return
+        self.catalog.remove(part)
+        quarantine = part.path.parent / f".corrupt-{part.path.name}-{uuid.uuid4().hex[:6]}"
+        try:
+            os.rename(part.path, quarantine)
+        except OSError as e:
+            log.error("cannot quarantine %s: %s", part.path, e)
+
+    def set_pin(self, job: str, step: int, pinned: bool) -> None:
+        layout.check_job(job)
+        if pinned and self.catalog.get(job, step) is None:
+            raise CheckpointNotFound(job, step)
+        self.catalog.set_pin(job, step, pinned)
+
+    def prefetch(self, job: str, step: int | None) -> tuple[int, int]:
+        """Copies a checkpoint's shared-only parts back onto the local tier."""
+        if self.drainer is None:
+            raise InvalidRequest("this daemon has no shared tier to prefetch from")
+        ckpt, _ = self.locate(job, step, 0)
+        copied = 0
+        for rank, tiers in sorted(ckpt.parts.items()):
+            if TierName.LOCAL not in tiers and TierName.SHARED in tiers:
+                self.catalog.add(self.drainer.fetch(tiers[TierName.SHARED]))
+                copied += 1
+        return ckpt.step, copied
+
+    # --- retention and drain -----------------------------------------------------------
+
+    def apply_retention(self, job: str, dry_run: bool = False) -> list[GcAction]:
+        """Runs both tiers' rules for one job; deletes (unless dry_run) and returns what goes."""
+        with self._retention_lock:
+            actions = self._plan_retention(job)
+            if not dry_run:
+                for action in actions:
+                    self._delete(action)
+            return actions
+
+    def gc(self, dry_run: bool) -> list[GcAction]:
+        return [a for job in self.catalog.jobs() for a in self.apply_retention(job, dry_run)]
+
+    def drain(self, job: str | None, wait: bool, timeout: float) -> tuple[int, int]:
+        if self.drainer is None:
+            return 0, 0
+        if job:
+            layout.check_job(job)
+        return self.drainer.wait_idle(job or None, timeout if wait else 0.0)
+
+    # --- internals ---------------------------------------------------------------------
+
+    def _plan_retention(self, job: str) -> list[GcAction]:
+        ckpts = self.catalog.checkpoints(job)
+        local_records, shared_records = [], []
+        for c in ckpts:
+            local_ranks = c.ranks_on(TierName.LOCAL)
+            if local_ranks:
+                drained = self.drainer is None or all(TierName.SHARED in c.parts[r] for r in local_ranks)
+                local_records.append(retention.Record(c.step, c.nbytes(TierName.LOCAL), drained=drained,
+                                                      pinned=c.pinned, complete=c.complete, metrics=c.metrics))
+            if c.ranks_on(TierName.SHARED):
+                shared_records.append(retention.Record(c.step, c.nbytes(TierName.SHARED), pinned=c.pinned,
+                                                       complete=c.complete_on(TierName.SHARED),
+                                                       metrics=c.metrics))
+        actions = []
+        free = _free_bytes(self.config.local.dir)
+        local_plan = retention.plan_local(local_records, self._local_rules(), free)
+        actions += [GcAction(job, s, TierName.LOCAL, why, _nbytes(local_records, s))
+                    for s, why in sorted(local_plan.delete.items())]
+        if self.drainer is not None:
+            shared_plan = retention.plan_shared(shared_records, self._shared_rules())
+            actions += [GcAction(job, s, TierName.SHARED, why, _nbytes(shared_records, s))
+                        for s, why in sorted(shared_plan.delete.items())]
+        return actions
+
+    def _local_rules(self) -> retention.LocalRules:
+        c = self.config.local
+        return retention.LocalRules(keep_last=c.keep_last, max_bytes=c.max_bytes, min_free_bytes=c.min_free_bytes)
+
+    def _shared_rules(self) -> retention.SharedRules:
+        c = self.config.shared
+        best = (retention.KeepBest(c.keep_best.metric, c.keep_best.mode, c.keep_best.n)
+                if c.keep_best is not None else None)
+        return retention.SharedRules(keep_last=c.keep_last, keep_every=c.keep_every, keep_best=best)
+
+    def _delete(self, action: GcAction) -> None:
+        ckpt = self.catalog.get(action.job, action.step)
+        if ckpt is None:
+            return
+        tier_dir = self.config.local.dir if action.tier == TierName.LOCAL else self.config.shared.dir
+        assert tier_dir is not None
+        for part in ckpt.on_tier(action.tier):
+            if self._in_flight(part.job, part.step, part.rank) and action.tier == TierName.SHARED:
+                continue
+            if self.drainer is not None and action.tier == TierName.LOCAL and self.drainer.busy_with(part):
+                continue  # being read by the drainer right now; the next pass gets it
+            try:
+                fsutil.remove_part(tier_dir, self.owner, part.path)
+            except OSError as e:
+                log.error("retention could not delete %s: %s", part.path, e)
+                continue
+            self.catalog.remove(part)
+            self.metrics.evictions.labels(action.tier.value, retention.rule_name(action.reason)).inc()
+            log.info("retention: deleted %s step %d rank %d from %s (%s, %d bytes)", part.job, part.step,
+                     part.rank, action.tier.value, action.reason, part.nbytes)
+
+    def _on_commit(self, save: Save) -> None:
+        assert save.committed_path is not None
+        spec = save.spec
+        part = Part(spec.job, spec.step, spec.rank, spec.world_size, TierName.LOCAL, save.committed_path,
+                    spec.data_bytes, self.clock(), dict(spec.metrics))
+        self.catalog.add(part)
+        self.metrics.saves_committed.labels("local").inc()
+        self.metrics.bytes_persisted.labels("local").inc(spec.data_bytes)
+        elapsed = time.monotonic() - save.started
+        self.metrics.persist_seconds.observe(elapsed)
+        log.info("committed %s step %d rank %d on local: %d bytes in %.2fs", spec.job, spec.step, spec.rank,
+                 spec.data_bytes, elapsed)
+        self._settle(save)
+        if self.drainer is not None:
+            self.drainer.enqueue(part)
+        self.apply_retention(spec.job)
+
+    def _on_failure(self, save: Save) -> None:
+        self.metrics.saves_failed.inc()
+        self._settle(save)
+
+    def _on_progress(self, save: Save) -> None:
+        session = self._owner(save)
+        with session.cond:
+            session.cond.notify_all()
+
+    def _settle(self, save: Save) -> None:
+        self._owner(save).settle(save)
+
+    def _owner(self, save: Save) -> Session:
+        with self._saves_lock:
+            return self._owners[save.id]
+
+    def _save(self, save_id: str) -> Save:
+        with self._saves_lock:
+            save = self._saves.get(save_id)
+            self._forget_old_saves()
+        if save is None:
+            raise SaveNotFound(save_id)
+        return save
+
+    def _forget_old_saves(self, keep_s: float = 3600.0) -> None:
+        now = time.monotonic()
+        for sid in [sid for sid, s in self._saves.items() if s.settled and now - s.started > keep_s]:
+            del self._saves[sid]
+            del self._owners[sid]
+
+    def _live_saves(self) -> list[Save]:
+        with self._saves_lock:
+            return [s for s in self._saves.values() if not s.settled]
+
+    def _in_flight(self, job: str, step: int, rank: int) -> bool:
+        return any(s.spec.job == job and s.spec.step == step and s.spec.rank == rank for s in self._live_saves())
+
+    def _check_running(self) -> None:
+        if self._stopping.is_set():
+            raise ShuttingDown()
+
+    def _probe(self) -> StateProbe:
+        def tier_dirs() -> dict[str, Path]:
+            dirs = {"local": self.config.local.dir}
+            if self.config.shared.dir is not None:
+                dirs["shared"] = self.config.shared.dir
+            return dirs
+
+        def tier_used(tier: str) -> int:
+            return sum(p.nbytes for p in self.catalog.all_parts(TierName(tier)))
+
+        d = self.drainer
+        return StateProbe(
+            arena_used=lambda: self.budget.used, arena_total=lambda: self.budget.total,
+            sessions=lambda: len(self.sessions.all()), tier_dirs=tier_dirs, tier_used=tier_used,
+            drain_queue=(lambda: d.pending()) if d else (lambda: (0, 0)),
+            drain_lag_s=(lambda: d.lag_s()) if d else (lambda: 0.0),
+            shared_reachable=(lambda: d.reachable) if d else (lambda: None))
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _nbytes(records: list[retention.Record], step: int) -> int:
+    return next((r.nbytes for r in records if r.step == step), 0)
+

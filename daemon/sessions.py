@@ -1,0 +1,145 @@
+"""Client sessions: one per trainer rank, each with its arena and saves in flight."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ckptstage.daemon.arena import Arena, Budget, arena_name
+from ckptstage.daemon.errors import SessionNotFound
+from ckptstage.daemon.persister import Save
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    job: str
+    rank: int
+    world_size: int
+    pid: int
+    hostname: str
+    overrides: dict[str, object] = field(default_factory=dict)
+
+
+class Session:
+    """A trainer rank's connection: its arena stream and the saves using it.
+
+    Arena stream positions grow monotonically across saves; position ``p``
+    lives at arena offset ``p % arena.size``. A save's bytes are released as
+    the persister writes them; the client may overwrite a position only when
+    everything below it has been released (back-pressure).
+    """
+
+    def __init__(self, info: SessionInfo, budget: Budget, chunk_bytes: int, daemon_pid: int) -> None:
+        self.id = uuid.uuid4().hex[:16]
+        self.info = info
+        self.opened = time.time()
+        self.chunk_bytes = chunk_bytes
+        self.cond = threading.Condition()
+        self.closed = threading.Event()
+        self.saves: dict[str, Save] = {}  # not yet settled
+        self.arena: Arena | None = None
+        self._stream_end = 0
+        self._generation = 0
+        self._budget = budget
+        self._daemon_pid = daemon_pid
+
+    # --- arena ----------------------------------------------------------------
+
+    def ensure_arena(self, want: int, min_bytes: int) -> Arena:
+        """Returns an arena for a save of ``want`` bytes, growing it when the budget allows.
+
+        A save larger than the arena still works (it streams); growing only
+        happens between saves, never under one in flight.
+        """
+        with self.cond:
+            current = self.arena
+            if current is not None and (current.size >= want or self.saves):
+                return current
+            size = self._budget.grant(max(want, min_bytes), self.chunk_bytes)
+            if current is not None and size <= current.size:
+                self._budget.release(size)
+                return current
+            try:
+                self._generation += 1
+                arena = Arena(arena_name(self._daemon_pid, self.id, self._generation), size, self._generation)
+            except BaseException:
+                self._budget.release(size)
+                raise
+            if current is not None:
+                self._free(current)
+            self.arena = arena
+            # A new arena starts a new stream: align the next save to a chunk.
+            self._stream_end = 0
+            return arena
+
+    def stream_base_for_next_save(self) -> int:
+        """Chunk-aligned start of the next save in the arena stream."""
+        with self.cond:
+            c = self.chunk_bytes
+            return -(-self._stream_end // c) * c
+
+    def add_save(self, save: Save) -> None:
+        with self.cond:
+            self.saves[save.id] = save
+            self._stream_end = save.end
+
+    def released(self) -> int:
+        """Every stream position below this is free for the client to overwrite."""
+        with self.cond:
+            active = [s.released for s in self.saves.values()]
+            return min(active) if active else self._stream_end
+
+    def settle(self, save: Save) -> None:
+        """Drops a committed or failed save; frees arenas nobody uses any more."""
+        with self.cond:
+            self.saves.pop(save.id, None)
+            self.cond.notify_all()
+            if self.closed.is_set() and not self.saves and self.arena is not None:
+                self._free(self.arena)
+                self.arena = None
+
+    def close(self) -> list[Save]:
+        """Marks the session closed; returns saves the client never finished.
+
+        Saves it did finish keep persisting from the arena (their bytes reached
+        the daemon); the arena is freed once the last of them settles.
+        """
+        with self.cond:
+            self.closed.set()
+            unfinished = [s for s in self.saves.values() if not s.finished]
+            if not self.saves and self.arena is not None:
+                self._free(self.arena)
+                self.arena = None
+            self.cond.notify_all()
+            return unfinished
+
+    def _free(self, arena: Arena) -> None:
+        arena.close()
+        self._budget.release(arena.size)
+
+
+class SessionTable:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sessions: dict[str, Session] = {}
+
+    def add(self, session: Session) -> None:
+        with self._lock:
+            self._sessions[session.id] = session
+
+    def get(self, session_id: str) -> Session:
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None or session.closed.is_set():
+            raise SessionNotFound(session_id)
+        return session
+
+    def pop(self, session_id: str) -> Session | None:
+        with self._lock:
+            return self._sessions.pop(session_id, None)
+
+    def all(self) -> list[Session]:
+        with self._lock:
+            return list(self._sessions.values())
