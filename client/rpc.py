@@ -1,0 +1,52 @@
+"""A connection to the node daemon: the gRPC channel on its Unix socket, errors typed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from ckptstage.client.errors import from_rpc_error
+from ckptstage.protos import paths
+from ckptstage.protos.v1 import ckptstage_pb2 as pb
+from ckptstage.protos.v1 import ckptstage_pb2_grpc as pb_grpc
+
+# Unary calls that should answer at once; blocking calls pass their own timeout.
+DEFAULT_TIMEOUT_S = 30.0
+
+
+def resolve_socket(socket: str | os.PathLike[str] | None) -> Path:
+    if socket is not None:
+        return Path(socket)
+    env = os.environ.get("CKPTSTAGE_SOCKET")
+    return Path(env) if env else paths.default_socket_path()
+
+
+class Connection:
+    """One channel to ``ckptstaged``; ``call`` raises :mod:`ckptstage.client.errors` types."""
+
+    def __init__(self, socket: str | os.PathLike[str] | None = None) -> None:
+        self.socket = resolve_socket(socket)
+        self.channel = grpc.insecure_channel(f"unix:{self.socket}", options=[
+            ("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)])
+        self.stub = pb_grpc.CheckpointerStub(self.channel)
+
+    def call(self, method: str, request: Any, timeout: float | None = DEFAULT_TIMEOUT_S) -> Any:
+        try:
+            return getattr(self.stub, method)(request, timeout=timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, str(self.socket)) from None
+
+    def status(self, timeout: float = 5.0) -> pb.StatusResponse:
+        return self.call("Status", pb.StatusRequest(), timeout=timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,531 @@
+"""The daemon's configuration: one frozen dataclass per TOML section.
+
+A config file is optional: with none, every key takes the default written on
+its dataclass field below (the one place defaults live; ``default.toml`` beside
+this module documents them and a test keeps the two in step). Two defaults
+depend on the environment and are filled in by :func:`load_config`:
+
+* ``socket``: ``$XDG_RUNTIME_DIR/ckptstage/ckptstage.sock``, else
+  ``<data_dir>/ckptstage.sock``;
+* ``local.dir``: ``<data_dir>/local``,
+
+where ``data_dir`` is ``$XDG_DATA_HOME/ckptstage``, else
+``~/.local/share/ckptstage``.
+
+Everything is validated on load. A mistake raises :class:`ConfigError` naming
+the dotted key and where the value came from (the file, a command-line
+override, or the environment); unknown sections and keys are errors too, so a
+typo is never silently ignored.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from fractions import Fraction
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+from ckptstage.protos.paths import default_data_dir, default_socket_path  # noqa: F401 - re-exported
+
+# Linux's sockaddr_un.sun_path holds 108 bytes including the terminating NUL;
+# a longer path fails at bind() with an error that does not say why.
+MAX_SOCKET_PATH_BYTES = 107
+OVERRIDE_ORIGIN = "command-line override"
+ENV_ORIGIN = "default from the environment"
+DEFAULTS_ORIGIN = "built-in defaults"
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used.
+
+    ``key`` is the dotted key (``"shared.keep_last"``), or None for a problem
+    with the whole file; ``source`` says where the value came from: the config
+    file's path or a phrase such as ``"command-line override"``.
+    """
+
+    def __init__(self, key: str | None, problem: str, source: Path | str | None = None) -> None:
+        self.key = key
+        self.problem = problem
+        self.source = source
+        parts = [str(p) for p in (source, key) if p is not None]
+        super().__init__(": ".join([*parts, problem]))
+
+    def with_source(self, source: Path | str) -> ConfigError:
+        """The same error, now saying where the bad value came from."""
+        return ConfigError(self.key, self.problem, source)
+
+
+# ---------------------------------------------------------------- sizes, rates
+
+
+def _size_units() -> dict[str, int]:
+    """Lower-case unit -> bytes: "k" and "kib" are binary, "kb" decimal (as disks are sold)."""
+    units = {"": 1, "b": 1}
+    for power, prefix in enumerate("kmgt", start=1):
+        units[prefix] = units[prefix + "ib"] = 1024**power
+        units[prefix + "b"] = 1000**power
+    return units
+
+
+_UNITS = _size_units()
+_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]*)", re.IGNORECASE)
+_FORMAT_UNITS = [("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)]
+
+
+def parse_size(value: object, key: str) -> int:
+    """Bytes from an int or a string such as ``"64MiB"``, ``"1.5 GiB"``, ``"500MB"``, ``"4096"``.
+
+    KiB/MiB/GiB/TiB and the bare K/M/G/T are binary; KB/MB/GB/TB are decimal.
+    Units are case-insensitive; a fractional result is rounded down to whole bytes.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(key, f'expected a size such as "64MiB" or an int of bytes, got {value!r}')
+    if isinstance(value, int):
+        n = value
+    else:
+        match = _SIZE_RE.fullmatch(value.strip())
+        unit = _UNITS.get(match.group(2).lower()) if match else None
+        if match is None or unit is None:
+            raise ConfigError(
+                key, f'invalid size {value!r}: expected e.g. "4096", "64MiB", "1.5GiB" or "500MB"'
+            )
+        n = int(Fraction(match.group(1)) * unit)
+    if n < 0:
+        raise ConfigError(key, f"a size cannot be negative, got {value!r}")
+    return n
+
+
+def parse_rate(value: object, key: str) -> int:
+    """Bytes per second from an int or a string such as ``"2GiB/s"`` or ``"500 MB/s"``; must be > 0."""
+    if isinstance(value, str):
+        if not value.strip().lower().endswith("/s"):
+            raise ConfigError(key, f'invalid rate {value!r}: expected a size per second such as "2GiB/s"')
+        rate = parse_size(value.strip()[:-2], key)
+    else:
+        rate = parse_size(value, key)
+    if rate <= 0:
+        raise ConfigError(key, f"a rate must be positive, got {value!r}")
+    return rate
+
+
+def format_size(n: int) -> str:
+    """A size for people: ``1610612736`` -> ``"1.5 GiB"``, ``512`` -> ``"512 B"``."""
+    for name, unit in _FORMAT_UNITS:
+        if abs(n) >= unit:
+            number = f"{n / unit:.2f}".rstrip("0").rstrip(".")
+            return f"{number} {name}"
+    return f"{n} B"
+
+
+# ------------------------------------------------------- kinds of config value
+
+
+class _Kind(NamedTuple):
+    """How one key is read from TOML and written back to it."""
+
+    parse: Callable[[Any, str], Any]
+    dump: Callable[[Any], str]
+
+
+def _exact_size(n: int) -> str:
+    """``n`` in the largest binary unit that keeps it exact (``"4GiB"``), so a dump round-trips."""
+    for name, unit in _FORMAT_UNITS:
+        if n and n % unit == 0:
+            return f"{n // unit}{name}"
+    return str(n)
+
+
+def _dump_size(n: int) -> str:
+    text = _exact_size(n)
+    return text if text.isdigit() else f'"{text}"'
+
+
+def _dump_rate(n: int) -> str:
+    return f'"{_exact_size(n)}/s"'
+
+
+def _dump_str(text: str) -> str:
+    """A TOML basic string: escape quotes, backslashes and control characters."""
+    escaped = "".join(
+        "\\" + ch if ch in '"\\' else f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch
+        for ch in text
+    )
+    return f'"{escaped}"'
+
+
+def _size(minimum: int = 1, multiple_of: int = 1) -> _Kind:
+    def parse(value: Any, key: str) -> int:
+        n = parse_size(value, key)
+        if n < minimum:
+            raise ConfigError(key, f"must be at least {minimum} bytes, got {value!r}")
+        if n % multiple_of:
+            raise ConfigError(key, f"must be a multiple of {multiple_of} bytes, got {value!r}")
+        return n
+
+    return _Kind(parse, _dump_size)
+
+
+def _int(minimum: int = 1) -> _Kind:
+    def parse(value: Any, key: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(key, f"must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    return _Kind(parse, str)
+
+
+def _parse_seconds(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ConfigError(key, f"must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _parse_bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(key, f"must be true or false, got {value!r}")
+    return value
+
+
+def _parse_path(value: Any, key: str) -> Path:
+    """A path as written; :func:`_absolute` expands ``~`` and anchors it later."""
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise ConfigError(key, f"must be a non-empty path string, got {value!r}")
+    return Path(value)
+
+
+def _parse_optional_path(value: Any, key: str) -> Path | None:
+    """A path, or None for "" (how a config or a flag turns a tier off)."""
+    return None if value == "" else _parse_path(value, key)
+
+
+def _parse_listen(value: Any, key: str) -> str | None:
+    """``"HOST:PORT"`` (``"[::1]:9464"`` for IPv6), or None for "" = no metrics endpoint."""
+    if value == "":
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(key, f'expected "HOST:PORT", got {value!r}')
+    host, _, port = value.rpartition(":")
+    if not host.strip("[]") or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(key, f'expected "HOST:PORT" with a port in 0-65535, got {value!r}')
+    return value
+
+
+@dataclass(frozen=True)
+class KeepBest:
+    """Keep the ``n`` checkpoints with the best value of ``metric`` (lowest if ``mode`` is "min")."""
+
+    metric: str
+    mode: Literal["min", "max"]
+    n: int = 1
+
+
+def _parse_keep_best(value: Any, key: str) -> KeepBest:
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            key, f'expected a table such as {{metric = "val_loss", mode = "min", n = 3}}, got {value!r}'
+        )
+    _reject_unknown(value, {"metric", "mode", "n"}, key + ".")
+    metric, mode = value.get("metric"), value.get("mode")
+    if not isinstance(metric, str) or not metric:
+        raise ConfigError(key + ".metric", f"must be a non-empty metric name, got {metric!r}")
+    if mode not in ("min", "max"):
+        raise ConfigError(key + ".mode", f'must be "min" or "max", got {mode!r}')
+    n = _int(1).parse(value.get("n", 1), key + ".n")
+    return KeepBest(metric, mode, n)
+
+
+def _dump_keep_best(best: KeepBest) -> str:
+    return f"{{ metric = {_dump_str(best.metric)}, mode = {_dump_str(best.mode)}, n = {best.n} }}"
+
+
+_SECONDS = _Kind(_parse_seconds, repr)
+_BOOL = _Kind(_parse_bool, lambda b: "true" if b else "false")
+_PATH = _Kind(_parse_path, lambda p: _dump_str(str(p)))
+_OPTIONAL_PATH = _Kind(_parse_optional_path, lambda p: _dump_str(str(p)))
+_RATE = _Kind(parse_rate, _dump_rate)
+_LISTEN = _Kind(_parse_listen, _dump_str)
+_KEEP_BEST = _Kind(_parse_keep_best, _dump_keep_best)
+
+
+def _kind(kind: _Kind) -> dict[str, _Kind]:
+    """Field metadata: how the field is read from TOML and written back."""
+    return {"kind": kind}
+
+
+# ------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class ArenaConfig:
+    """Shared memory the daemon hands to trainers, across all sessions."""
+
+    max_bytes: int = field(default=4 << 30, metadata=_kind(_size()))
+    # The smallest arena granted; a state larger than its arena streams through it.
+    min_session_bytes: int = field(default=64 << 20, metadata=_kind(_size()))
+
+    def __post_init__(self) -> None:
+        if self.min_session_bytes > self.max_bytes:
+            raise ConfigError(
+                "arena.min_session_bytes",
+                f"{format_size(self.min_session_bytes)} exceeds arena.max_bytes "
+                f"({format_size(self.max_bytes)})",
+            )
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    """The node-local tier (an SSD): where checkpoints are first committed."""
+
+    # Default <data_dir>/local, filled in by load_config because it depends on the environment.
+    dir: Path = field(metadata=_kind(_PATH))
+    # Committed checkpoints kept per job (never the ones not yet drained).
+    keep_last: int = field(default=2, metadata=_kind(_int(1)))
+    # Evict the oldest drained checkpoints while the tier holds more than max_bytes
+    # or the disk has less than min_free_bytes free. None: no such limit.
+    max_bytes: int | None = field(default=None, metadata=_kind(_size()))
+    min_free_bytes: int | None = field(default=None, metadata=_kind(_size(0)))
+
+
+@dataclass(frozen=True)
+class SharedConfig:
+    """The shared (parallel) file system tier, drained to behind the local one."""
+
+    dir: Path | None = field(default=None, metadata=_kind(_OPTIONAL_PATH))  # None: no shared tier
+    keep_last: int = field(default=5, metadata=_kind(_int(1)))
+    # Also keep every step divisible by this.
+    keep_every: int | None = field(default=None, metadata=_kind(_int(1)))
+    keep_best: KeepBest | None = field(default=None, metadata=_kind(_KEEP_BEST))
+    # Drain rate cap in bytes/second; None: uncapped.
+    max_bandwidth: int | None = field(default=None, metadata=_kind(_RATE))
+    # Parts (one rank's share of one step) drained at once.
+    max_concurrent: int = field(default=2, metadata=_kind(_int(1)))
+    # A failed drain is retried after retry_initial_s, the delay doubling up to retry_max_s.
+    retry_initial_s: float = field(default=1.0, metadata=_kind(_SECONDS))
+    retry_max_s: float = field(default=60.0, metadata=_kind(_SECONDS))
+
+    def __post_init__(self) -> None:
+        if self.retry_max_s < self.retry_initial_s:
+            raise ConfigError(
+                "shared.retry_max_s",
+                f"{self.retry_max_s} is below shared.retry_initial_s ({self.retry_initial_s})",
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether there is a shared tier at all (if not, local retention deletes undrained checkpoints)."""
+        return self.dir is not None
+
+
+@dataclass(frozen=True)
+class PersistConfig:
+    """Writing arenas to the local tier."""
+
+    # Writer threads per node.
+    workers: int = field(default=2, metadata=_kind(_int(1)))
+    # Unit of writes and of per-chunk checksums; a multiple of the page size for O_DIRECT.
+    chunk_bytes: int = field(default=64 << 20, metadata=_kind(_size(4096, multiple_of=4096)))
+    direct_io: bool = field(default=False, metadata=_kind(_BOOL))
+    # On SIGTERM, how long to wait for in-flight writes (the systemd unit's TimeoutStopSec is above it).
+    shutdown_timeout_s: float = field(default=30.0, metadata=_kind(_SECONDS))
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """The Prometheus endpoint.
+
+    Off by default, so that two daemons on one machine (tests, two users) never fight over a port.
+    """
+
+    listen: str | None = field(default=None, metadata=_kind(_LISTEN))  # "HOST:PORT"
+
+    @property
+    def enabled(self) -> bool:
+        return self.listen is not None
+
+    @property
+    def host(self) -> str:
+        """The host to bind, without IPv6 brackets; raises if metrics are disabled."""
+        return self._split()[0]
+
+    @property
+    def port(self) -> int:
+        return self._split()[1]
+
+    def _split(self) -> tuple[str, int]:
+        if self.listen is None:
+            raise ValueError("metrics are disabled (metrics.listen is not set)")
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """When retention runs and what a client may ask for."""
+
+    # Seconds between timed retention passes.
+    interval_s: float = field(default=60.0, metadata=_kind(_SECONDS))
+    # The largest keep_last a client may request for its own job.
+    max_job_keep_last: int = field(default=100, metadata=_kind(_int(1)))
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration of one daemon. ``source`` is the file it came from (not compared)."""
+
+    socket: Path = field(metadata=_kind(_PATH))
+    arena: ArenaConfig = field(metadata={"section": ArenaConfig})
+    local: LocalConfig = field(metadata={"section": LocalConfig})
+    shared: SharedConfig = field(metadata={"section": SharedConfig})
+    persist: PersistConfig = field(metadata={"section": PersistConfig})
+    metrics: MetricsConfig = field(metadata={"section": MetricsConfig})
+    retention: RetentionConfig = field(metadata={"section": RetentionConfig})
+    source: Path | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(os.fsencode(self.socket)) > MAX_SOCKET_PATH_BYTES:
+            raise ConfigError(
+                "socket",
+                f"{self.socket} is longer than {MAX_SOCKET_PATH_BYTES} bytes, "
+                "the limit for a Unix socket path",
+            )
+        shared = self.shared.dir
+        # Retention on one tier would delete the other's checkpoints.
+        if shared is not None and (
+            shared.is_relative_to(self.local.dir) or self.local.dir.is_relative_to(shared)
+        ):
+            raise ConfigError(
+                "shared.dir", f"{shared} overlaps local.dir ({self.local.dir}); use separate directories"
+            )
+
+    def to_toml(self) -> str:
+        """Equivalent TOML text: ``load_config`` of it equals this config."""
+        return dump_config(self)
+
+
+# --------------------------------------------------------------- load and dump
+
+
+def default_toml() -> str:
+    """The text of the packaged ``default.toml``, which documents every key and its default."""
+    return resources.files("ckptstage.daemon").joinpath("default.toml").read_text(encoding="utf-8")
+
+
+def load_config(
+    path: Path | None,
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Config:
+    """Reads, merges and validates the configuration.
+
+    ``path`` is the TOML file (None: built-in defaults only). ``overrides``
+    come from command-line flags, keyed by dotted name (``"local.dir"``); a None
+    value means the flag was not given. ``env`` (default ``os.environ``) supplies
+    HOME and the XDG directories, so tests can inject their own.
+    """
+    env = os.environ if env is None else env
+    raw = _read_toml(path) if path is not None else {}
+    origins: dict[str, str] = {}
+    try:
+        _merge_overrides(raw, overrides or {}, origins)
+        _fill_env_defaults(raw, env, origins)
+        return _build(Config, raw, "", env, source=path)
+    except ConfigError as err:
+        if err.source is not None:
+            raise
+        where: Path | str = origins.get(err.key or "", path if path is not None else DEFAULTS_ORIGIN)
+        raise err.with_source(where) from None
+
+
+def dump_config(cfg: Config) -> str:
+    """Renders ``cfg`` as TOML; keys whose value is None (absent) are left out."""
+    lines = _dump_table(cfg)
+    for f in fields(cfg):
+        if "section" in f.metadata:
+            lines += ["", f"[{f.name}]", *_dump_table(getattr(cfg, f.name))]
+    return "\n".join(lines) + "\n"
+
+
+def _dump_table(obj: Any) -> list[str]:
+    return [
+        f"{f.name} = {f.metadata['kind'].dump(getattr(obj, f.name))}"
+        for f in fields(obj)
+        if "kind" in f.metadata and getattr(obj, f.name) is not None
+    ]
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except OSError as err:
+        raise ConfigError(None, f"cannot read the config file: {err.strerror}", path) from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(None, f"invalid TOML: {err}", path) from None
+
+
+def _merge_overrides(raw: dict[str, Any], overrides: Mapping[str, Any], origins: dict[str, str]) -> None:
+    """Puts command-line values over the file's, remembering which keys they set."""
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        section, _, name = key.rpartition(".")
+        table = raw.setdefault(section, {}) if section else raw
+        if not isinstance(table, dict):
+            raise ConfigError(section, f"expected a [{section}] table, got {table!r}")
+        table[name] = value
+        origins[key] = OVERRIDE_ORIGIN
+
+
+def _fill_env_defaults(raw: dict[str, Any], env: Mapping[str, str], origins: dict[str, str]) -> None:
+    """Supplies the defaults that depend on HOME and the XDG variables, where nothing set them."""
+    if "socket" not in raw:
+        raw["socket"] = str(default_socket_path(env))
+        origins["socket"] = ENV_ORIGIN
+    local = raw.setdefault("local", {})
+    if isinstance(local, dict) and "dir" not in local:
+        local["dir"] = str(default_data_dir(env) / "local")
+        origins["local.dir"] = ENV_ORIGIN
+
+
+def _build(cls: type, table: Mapping[str, Any], prefix: str, env: Mapping[str, str], **extra: Any) -> Any:
+    """Parses ``table`` into ``cls``, recursing into ``[section]`` fields; unknown keys are errors."""
+    if not isinstance(table, Mapping):
+        raise ConfigError(prefix.rstrip("."), f"expected a [{prefix.rstrip('.')}] table, got {table!r}")
+    known = {f.name: f for f in fields(cls) if f.metadata}
+    _reject_unknown(table, set(known), prefix)
+    kwargs = dict(extra)
+    for name, f in known.items():
+        if "section" in f.metadata:
+            kwargs[name] = _build(f.metadata["section"], table.get(name, {}), f"{name}.", env)
+        elif name in table:
+            value = f.metadata["kind"].parse(table[name], prefix + name)
+            kwargs[name] = _absolute(value, env) if isinstance(value, Path) else value
+    return cls(**kwargs)
+
+
+def _reject_unknown(table: Mapping[str, Any], known: set[str], prefix: str) -> None:
+    for name in table:
+        if name not in known:
+            what = "section" if isinstance(table[name], Mapping) and not prefix else "key"
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(known))})"
+            raise ConfigError(prefix + name, f"unknown {what}{hint}")
+
+
+def _home(env: Mapping[str, str]) -> Path:
+    return Path(env.get("HOME") or Path.home())
+
+
+def _absolute(path: Path, env: Mapping[str, str]) -> Path:
+    """Expands ``~`` (with the injected HOME) and anchors a relative path at the working directory."""
+    text = str(path)
+    if text == "~" or text.startswith("~/"):
+        path = Path(str(_home(env)) + text[1:])
+    return Path(os.path.abspath(path.expanduser()))
