@@ -73,7 +73,10 @@ class Checkpoint:
         return all(tier in self.parts.get(r, {}) for r in range(self.world_size))
 
     def nbytes(self, tier: TierName | None = None) -> int:
-        return sum(p.nbytes for tiers in self.parts.values() for t, p in tiers.items() if tier in (None, t))
+        """Bytes of the parts on ``tier``; with no tier, of one copy of each part."""
+        if tier is None:
+            return sum(max(p.nbytes for p in tiers.values()) for tiers in self.parts.values())
+        return sum(tiers[tier].nbytes for tiers in self.parts.values() if tier in tiers)
 
     @property
     def created(self) -> float:

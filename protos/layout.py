@@ -8,7 +8,7 @@ A tier directory looks like::
 
     <tier>/<job>/step-000000000010/rank-00000/data.safetensors
                                              /manifest.json
-    <tier>/.tmp/<random>/     temporaries, renamed into place on commit
+    <tier>/.tmp/<node>/<random>/   temporaries, renamed into place on commit
 
 A *part* is one rank's share of one step. A part directory exists only once
 it is complete: it is written under ``.tmp``, every file fsynced, the
@@ -96,8 +96,13 @@ def part_dir(tier_dir: Path, job: str, step: int, rank: int) -> Path:
     return tier_dir / check_job(job) / step_dirname(step) / rank_dirname(rank)
 
 
-def tmp_root(tier_dir: Path) -> Path:
-    return tier_dir / TMP_DIR
+def tmp_root(tier_dir: Path, owner: str) -> Path:
+    """Where one daemon keeps its temporaries on a tier.
+
+    ``owner`` is the node's name: daemons of several nodes share the shared
+    tier, and each cleans only its own temporaries on start.
+    """
+    return tier_dir / TMP_DIR / check_job(owner)
 
 
 @dataclass(frozen=True)

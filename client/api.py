@@ -1,0 +1,325 @@
+"""``Client`` and ``SaveHandle``: what a trainer calls.
+
+``save`` plans the file layout on the caller's thread (milliseconds; bad
+input raises here) and queues the copy on the client's snapshot thread, so
+training goes on while the state is copied into the daemon's arena. Two
+completion points stay separate: ``wait_snapshot`` (the tensors may be
+mutated again) and ``wait(tier)`` (durable on that tier).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket as socketlib
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from ckptstage.client import errors, tree
+from ckptstage.client.fileplan import FilePlan, build_manifest, plan_file
+from ckptstage.client.restore import read_part
+from ckptstage.client.rpc import Connection
+from ckptstage.client.snapshot import ArenaMap, Streamer
+from ckptstage.protos import layout
+from ckptstage.protos.v1 import ckptstage_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_TIERS = {"local": pb.LOCAL, "shared": pb.SHARED}
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One step of a job as the daemon knows it."""
+
+    step: int
+    tiers: tuple[str, ...]     # tiers holding every rank's part
+    bytes: int
+    created: float             # unix seconds
+    complete: bool             # every rank's part is committed somewhere: restorable
+    world_size: int
+    pinned: bool = False
+    drain_state: str = ""
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+class SaveHandle:
+    """A save in flight. ``wait_snapshot`` then ``wait("local")`` / ``wait("shared")``."""
+
+    def __init__(self, client: Client, step: int) -> None:
+        self.step = step
+        self._client = client
+        self._snapshot = threading.Event()
+        self._error: BaseException | None = None
+        self.save_id: str | None = None
+        self.blocked_s: float | None = None  # save() call to snapshot done
+        self._t0 = time.perf_counter()
+
+    def snapshot_done(self) -> bool:
+        return self._snapshot.is_set()
+
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Returns once the state is in the daemon's memory: the tensors may be mutated again."""
+        if not self._snapshot.wait(timeout):
+            raise TimeoutError(f"snapshot of step {self.step} not done after {timeout}s")
+        if self._error is not None:
+            raise self._error
+
+    def wait(self, tier: str = "local", timeout: float | None = None) -> None:
+        """Returns once the checkpoint is committed on ``tier``; raises :class:`SaveFailed` if it cannot be."""
+        if tier not in _TIERS:
+            raise ValueError(f"tier must be 'local' or 'shared', not {tier!r}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.wait_snapshot(timeout)
+        assert self.save_id is not None
+        while True:
+            left = 25.0 if deadline is None else min(25.0, deadline - time.monotonic())
+            if left <= 0:
+                raise TimeoutError(f"step {self.step} not committed on {tier} after {timeout}s")
+            resp = self._client._conn.call("WaitSave", pb.WaitSaveRequest(
+                save_id=self.save_id, tier=_TIERS[tier], timeout_s=left), timeout=left + 10)
+            if resp.done:
+                return
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self.blocked_s = time.perf_counter() - self._t0
+        self._snapshot.set()
+
+
+@dataclass
+class _Job:
+    handle: SaveHandle
+    plan: FilePlan
+    manifest: dict[str, Any]
+    tensors: list[torch.Tensor]
+    metrics: dict[str, float]
+
+
+class Client:
+    """A trainer rank's connection to its node's ``ckptstaged``.
+
+    ``socket`` defaults to ``$CKPTSTAGE_SOCKET``, else the daemon's default
+    path. ``arena_bytes`` pre-allocates the shared-memory arena now rather
+    than at the first save (which then pays for it).
+    """
+
+    def __init__(self, job: str, socket: str | os.PathLike[str] | None = None, rank: int = 0,
+                 world_size: int = 1, arena_bytes: int | None = None,
+                 retention: Mapping[str, Any] | None = None) -> None:
+        try:
+            self.job = layout.check_job(job)
+            layout.check_rank(rank, world_size)
+        except layout.InvalidName as e:
+            raise errors.InvalidRequest(str(e)) from None
+        self.rank, self.world_size = rank, world_size
+        self._retention = dict(retention or {})
+        self._conn = Connection(socket)
+        self._arena: ArenaMap | None = None
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._inflight: list[SaveHandle] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._open_session()
+        self._worker = threading.Thread(target=self._run, name=f"ckptstage-snapshot-{rank}", daemon=True)
+        self._worker.start()
+        if arena_bytes:
+            self._ensure_arena(arena_bytes)
+
+    # --- saving ---------------------------------------------------------------------
+
+    def save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None) -> SaveHandle:
+        """Starts a checkpoint of ``state`` and returns at once.
+
+        Do not mutate the state's tensors until ``wait_snapshot()`` returns
+        (or use :meth:`protect`). Raises ``TypeError`` naming the key path of
+        anything that cannot be saved.
+        """
+        self._check_open()
+        try:
+            layout.check_step(step)
+        except layout.InvalidName as e:
+            raise errors.InvalidRequest(str(e)) from None
+        tree_json, tensors, paths = tree.flatten(state)
+        plan = plan_file(tensors, paths)
+        manifest = build_manifest(plan, tree_json, self.job, step, self.rank, self.world_size)
+        clean_metrics = _check_metrics(metrics)
+        handle = SaveHandle(self, step)
+        with self._lock:
+            self._inflight = [h for h in self._inflight if not h.snapshot_done()] + [handle]
+        self._queue.put(_Job(handle, plan, manifest, tensors, clean_metrics))
+        return handle
+
+    def wait_snapshots(self) -> None:
+        """Blocks until every save started so far has been copied out."""
+        with self._lock:
+            pending = list(self._inflight)
+        for h in pending:
+            h._snapshot.wait()
+
+    def protect(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Makes ``optimizer.step()`` wait for snapshots still copying; returns the hook handle."""
+        return optimizer.register_step_pre_hook(lambda *_: self.wait_snapshots())
+
+    # --- reading --------------------------------------------------------------------
+
+    def latest(self) -> int | None:
+        """The newest step whose every rank is committed (restorable), or None."""
+        try:
+            resp = self._conn.call("Locate", pb.LocateRequest(job=self.job, latest=True, rank=self.rank))
+        except errors.CheckpointNotFound:
+            return None
+        return int(resp.step)
+
+    def list(self) -> list[CheckpointInfo]:
+        resp = self._conn.call("ListCheckpoints", pb.ListRequest(job=self.job))
+        return [_info(c) for c in resp.checkpoints]
+
+    def load(self, step: int | None = None, into: Any = None) -> Any:
+        """The state saved at ``step`` (newest restorable when None), verified.
+
+        A copy that fails verification is reported to the daemon and the
+        next copy (the shared tier's) is read instead; if none verifies,
+        :class:`CorruptCheckpoint` is raised. ``into`` fills a state of the
+        same structure in place (e.g. CUDA tensors) instead of allocating.
+        """
+        req = pb.LocateRequest(job=self.job, rank=self.rank, latest=step is None, step=step or 0)
+        resp = self._conn.call("Locate", req)
+        if resp.world_size != self.world_size:
+            raise errors.InvalidRequest(
+                f"step {resp.step} of {self.job!r} was saved by {resp.world_size} ranks, this client is one of "
+                f"{self.world_size}; resharding on load is done by `ckptstage consolidate` (not yet available)")
+        failures = []
+        for loc in resp.locations:
+            try:
+                _, state = read_part(Path(loc.dir), into)
+                return state
+            except (layout.ManifestError, OSError) as e:
+                failures.append(f"{pb.Tier.Name(loc.tier).lower()}: {e}")
+                log.error("checkpoint %s step %d rank %d: %s copy failed verification: %s", self.job, resp.step,
+                          self.rank, pb.Tier.Name(loc.tier).lower(), e)
+                self._conn.call("ReportCorrupt", pb.ReportCorruptRequest(
+                    job=self.job, step=resp.step, rank=self.rank, tier=loc.tier, detail=str(e)))
+        raise errors.CorruptCheckpoint(f"no copy of {self.job} step {resp.step} rank {self.rank} verifies: "
+                                       + "; ".join(failures))
+
+    def pin(self, step: int) -> None:
+        self._conn.call("SetPin", pb.PinRequest(job=self.job, step=step, pinned=True))
+
+    def unpin(self, step: int) -> None:
+        self._conn.call("SetPin", pb.PinRequest(job=self.job, step=step, pinned=False))
+
+    # --- life cycle ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finishes copying queued saves, then ends the session (the daemon keeps persisting)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._worker.join()
+        try:
+            self._conn.call("CloseSession", pb.CloseSessionRequest(session_id=self._session_id), timeout=10)
+        except errors.CkptStageError:
+            pass  # the daemon is gone; nothing is left to release there
+        self._attach.cancel()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+        self._conn.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _open_session(self) -> None:
+        o = self._retention
+        resp = self._conn.call("OpenSession", pb.OpenSessionRequest(
+            job=self.job, rank=self.rank, world_size=self.world_size, pid=os.getpid(),
+            hostname=socketlib.gethostname(), retention=pb.RetentionOverrides(**o)))
+        self._session_id = resp.session_id
+        self._chunk = resp.chunk_bytes
+        # Held open for the life of the session: if this process dies, the
+        # daemon sees the stream break and frees the session.
+        self._attach = self._conn.stub.Attach(pb.AttachRequest(session_id=self._session_id))
+        try:
+            first = next(self._attach)
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e, str(self._conn.socket)) from None
+        if first.kind != pb.SessionEvent.READY:
+            raise errors.DaemonUnavailable(f"daemon refused the session: {first.message}")
+
+    def _ensure_arena(self, want: int) -> ArenaMap:
+        if self._arena is not None and self._arena.size >= want:
+            return self._arena
+        info = self._conn.call("EnsureArena", pb.EnsureArenaRequest(session_id=self._session_id, want_bytes=want))
+        if self._arena is None or info.generation != self._arena.generation:
+            old, self._arena = self._arena, ArenaMap(info)
+            self._conn.call("ArenaMapped", pb.ArenaMappedRequest(session_id=self._session_id,
+                                                                 generation=info.generation))
+            if old is not None:
+                old.close()
+        return self._arena
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._copy(job)
+                job.handle._finish(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the trainer through the handle
+                job.handle._finish(e)
+            finally:
+                job.tensors.clear()  # drop references to the trainer's tensors
+
+    def _copy(self, job: _Job) -> None:
+        arena = self._ensure_arena(job.plan.data_bytes)
+        if any(t.is_cuda for t in job.tensors):
+            arena.register_cuda()
+        resp = self._conn.call("BeginSave", pb.BeginSaveRequest(
+            session_id=self._session_id, step=job.handle.step, manifest_json=layout.encode_manifest(job.manifest),
+            data_bytes=job.plan.data_bytes, metrics=job.metrics))
+        job.handle.save_id = resp.save_id
+        try:
+            Streamer(self._conn, arena, resp.save_id, resp.stream_base, self._chunk).run(job.plan, job.tensors)
+        except BaseException as e:
+            try:
+                self._conn.call("AbortSave", pb.AbortSaveRequest(save_id=resp.save_id, reason=repr(e)), timeout=5)
+            except errors.CkptStageError:
+                pass
+            raise
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise errors.CkptStageError("this Client is closed")
+
+
+def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
+    out = {}
+    for k, v in (metrics or {}).items():
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"metrics[{k!r}] must map a str to a number, got {type(v).__name__}")
+        out[k] = float(v)
+    return out
+
+
+def _info(c: pb.CheckpointInfo) -> CheckpointInfo:
+    tiers = tuple(t for t, ranks in (("local", c.ranks_local), ("shared", c.ranks_shared))
+                  if len(ranks) == c.world_size)
+    return CheckpointInfo(step=c.step, tiers=tiers, bytes=c.bytes, created=c.created, complete=c.complete,
+                          world_size=c.world_size, pinned=c.pinned, drain_state=c.drain_state,
+                          metrics=dict(c.metrics))

@@ -1,0 +1,147 @@
+"""The copy engine: training state -> the daemon's shared-memory arena.
+
+The data file's image streams through the arena as a ring: file offset ``f``
+of a save lands at arena offset ``(stream_base + f) % arena_size``. Bytes are
+copied in file order, in pieces of at most one chunk, straight from each
+tensor into an arena view of the tensor's dtype (``Tensor.copy_`` handles
+strides, devices and threads). After every chunk the daemon is told how far
+the copy got, so it persists while the client copies; when the ring is full
+the client waits for the daemon to release space (back-pressure).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ckptstage.client.fileplan import FilePlan
+from ckptstage.client.rpc import Connection
+from ckptstage.protos.v1 import ckptstage_pb2 as pb
+
+
+class ArenaMap:
+    """The client's mapping of its session's arena."""
+
+    def __init__(self, info: pb.ArenaInfo) -> None:
+        self.size = info.size_bytes
+        self.generation = info.generation
+        fd = os.open(info.path, os.O_RDWR)
+        try:
+            # MAP_POPULATE: fault the (already allocated) pages in now, not in the first save.
+            self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        self.u8 = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._registered = False
+
+    def register_cuda(self) -> None:
+        """Pins the arena for CUDA so device-to-host copies run at DMA speed (no-op without CUDA)."""
+        if self._registered or not torch.cuda.is_available():
+            return
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(self.u8.data_ptr(), self.size, 0)
+        self._registered = int(err) == 0
+
+    def close(self) -> None:
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.u8.data_ptr())
+            self._registered = False
+        del self.u8
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a tensor view is still alive somewhere; the mapping goes with it
+
+
+@dataclass
+class _Piece:
+    file_off: int
+    nbytes: int
+    src: torch.Tensor  # flat, of the destination dtype (or the tensor itself, with its shape)
+
+
+class Streamer:
+    """Copies one save's file image into the arena, with back-pressure."""
+
+    def __init__(self, conn: Connection, arena: ArenaMap, save_id: str, stream_base: int, chunk_bytes: int) -> None:
+        self.conn = conn
+        self.arena = arena
+        self.save_id = save_id
+        self.base = stream_base
+        self.chunk = chunk_bytes
+        self.copied = 0
+        self.reported = 0
+        self.released = 0
+
+    def run(self, plan: FilePlan, tensors: list[torch.Tensor]) -> None:
+        self._write_bytes(0, plan.header)
+        order = sorted(range(len(tensors)), key=lambda i: plan.entries[i].offset)
+        for i in order:
+            entry = plan.entries[i]
+            for piece in self._pieces(entry.offset, entry.nbytes, tensors[i]):
+                self._copy_piece(piece)
+        self.conn.call("FinishSave", pb.FinishSaveRequest(save_id=self.save_id))
+
+    def _pieces(self, offset: int, nbytes: int, t: torch.Tensor) -> Iterator[_Piece]:
+        """Splits a tensor at chunk boundaries and at the ring's end (element-aligned both)."""
+        if nbytes == 0:
+            return
+        spans = list(self._spans(offset, nbytes))
+        if len(spans) == 1:
+            yield _Piece(offset, nbytes, t)  # strided copy straight from the source
+            return
+        flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+        size = t.element_size()
+        for start, n in spans:
+            e0 = (start - offset) // size
+            yield _Piece(start, n, flat[e0:e0 + n // size])
+
+    def _spans(self, offset: int, nbytes: int) -> Iterator[tuple[int, int]]:
+        end = offset + nbytes
+        pos = offset
+        while pos < end:
+            next_chunk = (pos // self.chunk + 1) * self.chunk
+            ring_end = self.arena.size - (self.base + pos) % self.arena.size
+            n = min(end, next_chunk, pos + ring_end) - pos
+            yield pos, n
+            pos += n
+
+    def _copy_piece(self, piece: _Piece) -> None:
+        self._make_room(piece.file_off + piece.nbytes)
+        a = (self.base + piece.file_off) % self.arena.size
+        dst = self.arena.u8[a:a + piece.nbytes].view(piece.src.dtype)
+        if piece.src.dim() != 1 or piece.src.numel() != dst.numel():
+            dst = dst.view(piece.src.shape)
+        dst.copy_(piece.src)
+        self._advance(piece.file_off + piece.nbytes)
+
+    def _write_bytes(self, file_off: int, data: bytes) -> None:
+        for start, n in self._spans(file_off, len(data)):
+            self._make_room(start + n)
+            a = (self.base + start) % self.arena.size
+            self.arena.u8[a:a + n].copy_(torch.frombuffer(bytearray(data[start - file_off:start - file_off + n]),
+                                                          dtype=torch.uint8))
+            self._advance(start + n)
+
+    def _make_room(self, file_end: int) -> None:
+        """Blocks until the ring has space for bytes up to ``file_end``."""
+        need = self.base + file_end - self.arena.size
+        while need > self.released:
+            self._progress(wait_released=need)
+
+    def _advance(self, file_end: int) -> None:
+        self.copied = file_end
+        if self.copied - self.reported >= self.chunk:
+            self._progress(wait_released=0)
+
+    def _progress(self, wait_released: int) -> None:
+        if self.copied > 0 and self.copied > self.reported and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # reported bytes must really be in the arena
+        resp = self.conn.call("Progress", pb.ProgressRequest(
+            save_id=self.save_id, copied_upto=self.copied, wait_released=wait_released), timeout=60)
+        self.reported = self.copied
+        self.released = resp.released

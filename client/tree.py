@@ -1,0 +1,116 @@
+"""Training state <-> (JSON tree, list of tensors), with no pickle anywhere.
+
+The tree keeps containers, key types and plain values exactly; tensors are
+replaced by their index in the tensor list. Encoding, one JSON object per node:
+
+    {"T": i}                       tensor number i
+    {"N": 0} {"b": true} {"i": 7}  None, bool, int (any size)
+    {"f": "0x1.8p+1"}              float, as float.hex() (exact, NaN and inf included)
+    {"s": "..."} {"y": "base64"}   str, bytes
+    {"d": [[key, value], ...]}     dict (insertion order kept)
+    {"o": [[key, value], ...]}     collections.OrderedDict (what state_dict() returns)
+    {"l": [...]} {"t": [...]}      list, tuple
+    {"S": [...]}                   torch.Size
+
+Keys are encoded like values but only None, bool, int, float and str are
+allowed. Anything else raises ``TypeError`` naming its key path, e.g.
+``state['optim']['state'][0]['exp_avg']``.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_KEY_TYPES = (str, int, float, bool, type(None))
+
+
+def flatten(state: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
+    """Returns (tree, tensors, tensor key paths)."""
+    tensors: list[torch.Tensor] = []
+    paths: list[str] = []
+
+    def enc(obj: Any, path: str, seen: tuple[int, ...]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            _check_tensor(obj, path)
+            tensors.append(obj)
+            paths.append(path)
+            return {"T": len(tensors) - 1}
+        if obj is None:
+            return {"N": 0}
+        kind = type(obj)
+        if kind is bool:
+            return {"b": obj}
+        if kind is int:
+            return {"i": obj}
+        if kind is float:
+            return {"f": obj.hex()}
+        if kind is str:
+            return {"s": obj}
+        if kind is bytes:
+            return {"y": base64.b64encode(obj).decode()}
+        if kind is torch.Size:
+            return {"S": list(obj)}
+        if kind in (dict, OrderedDict, list, tuple):
+            if id(obj) in seen:
+                raise TypeError(f"{path} contains itself (a reference cycle); cannot checkpoint it")
+            inner = seen + (id(obj),)
+            if kind in (list, tuple):
+                return {"l" if kind is list else "t": [enc(v, f"{path}[{i}]", inner) for i, v in enumerate(obj)]}
+            items = []
+            for k, v in obj.items():
+                if type(k) not in _KEY_TYPES:
+                    raise TypeError(f"{path} has a key of unsupported type {type(k).__name__}: {k!r} "
+                                    "(keys may be str, int, float, bool or None)")
+                items.append([enc(k, path, ()), enc(v, f"{path}[{k!r}]", inner)])
+            return {"d" if kind is dict else "o": items}
+        raise TypeError(f"{path} is a {kind.__module__}.{kind.__qualname__}; ckptstage saves tensors, "
+                        "dict/OrderedDict/list/tuple, and int, float, bool, str, bytes, None — convert it "
+                        "(e.g. to a tensor or a str) or leave it out of the state")
+
+    tree = enc(state, "state", ())
+    return tree, tensors, paths
+
+
+def unflatten(tree: Any, tensor: Callable[[int], Any]) -> Any:
+    """Rebuilds the state; ``tensor(i)`` supplies tensor number i."""
+
+    def dec(node: dict[str, Any]) -> Any:
+        (tag, v), = node.items()
+        if tag == "T":
+            return tensor(v)
+        if tag == "N":
+            return None
+        if tag in ("b", "i", "s"):
+            return v
+        if tag == "f":
+            return float.fromhex(v)
+        if tag == "y":
+            return base64.b64decode(v)
+        if tag == "S":
+            return torch.Size(v)
+        if tag == "l":
+            return [dec(x) for x in v]
+        if tag == "t":
+            return tuple(dec(x) for x in v)
+        if tag == "d":
+            return {dec(k): dec(x) for k, x in v}
+        if tag == "o":
+            return OrderedDict((dec(k), dec(x)) for k, x in v)
+        raise ValueError(f"unknown tree node {tag!r} in manifest")
+
+    return dec(tree)
+
+
+def _check_tensor(t: torch.Tensor, path: str) -> None:
+    if t.layout != torch.strided:
+        raise TypeError(f"{path} is a {t.layout} tensor; only dense (strided) tensors can be checkpointed "
+                        "(call .to_dense() first)")
+    if t.is_quantized or t.is_nested:
+        raise TypeError(f"{path} is a quantized or nested tensor, which ckptstage does not store")
+    if t.device.type == "meta":
+        raise TypeError(f"{path} is on the meta device and has no data to save")
