@@ -220,8 +220,12 @@ class Persister:
         except OSError as e:
             self.fail(save, f"committing {save.writer.final}: {e}")
             return
-        save.local_done.set()
-        self._on_commit(save)
+        # Index (and queue for draining) before waking waiters: whoever
+        # returns from wait("local") may call wait("shared") at once.
+        try:
+            self._on_commit(save)
+        finally:
+            save.local_done.set()
 
     @staticmethod
     def _close_fd(save: Save) -> None:
