@@ -22,6 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/ckptstage demo
 
 test: $(STAMP)
+	$(PY) -m mypy client daemon protos/layout.py protos/paths.py
 	$(PY) -m pytest -q
 
 protos: $(STAMP)
