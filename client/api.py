@@ -132,7 +132,11 @@ class Client:
         self._worker = threading.Thread(target=self._run, name=f"ckptstage-snapshot-{rank}", daemon=True)
         self._worker.start()
         if arena_bytes:
-            self._ensure_arena(arena_bytes)
+            try:
+                self._ensure_arena(arena_bytes)
+            except BaseException:
+                self.close()  # else the session and its snapshot thread outlive the failed constructor
+                raise
 
     # --- saving ---------------------------------------------------------------------
 
@@ -188,26 +192,39 @@ class Client:
 
         A copy that fails verification is reported to the daemon and the
         next copy (the shared tier's) is read instead; if none verifies,
-        :class:`CorruptCheckpoint` is raised. ``into`` fills a state of the
+        :class:`CorruptCheckpoint` is raised. A copy that retention deletes
+        while it is being read is not corrupt: the daemon is asked again. ``into`` fills a state of the
         same structure in place (e.g. CUDA tensors) instead of allocating.
         """
         req = pb.LocateRequest(job=self.job, rank=self.rank, latest=step is None, step=step or 0)
-        resp = self._conn.call("Locate", req)
-        if resp.world_size != self.world_size:
-            raise errors.InvalidRequest(
-                f"step {resp.step} of {self.job!r} was saved by {resp.world_size} ranks, this client is one of "
-                f"{self.world_size}; resharding on load is done by `ckptstage consolidate` (not yet available)")
-        failures = []
-        for loc in resp.locations:
-            try:
-                _, state = read_part(Path(loc.dir), into)
-                return state
-            except (layout.ManifestError, OSError) as e:
-                failures.append(f"{pb.Tier.Name(loc.tier).lower()}: {e}")
-                log.error("checkpoint %s step %d rank %d: %s copy failed verification: %s", self.job, resp.step,
-                          self.rank, pb.Tier.Name(loc.tier).lower(), e)
-                self._conn.call("ReportCorrupt", pb.ReportCorruptRequest(
-                    job=self.job, step=resp.step, rank=self.rank, tier=loc.tier, detail=str(e)))
+        for attempt in (1, 2):
+            resp = self._conn.call("Locate", req)
+            if resp.world_size != self.world_size:
+                raise errors.InvalidRequest(
+                    f"step {resp.step} of {self.job!r} was saved by {resp.world_size} ranks, this client is one of "
+                    f"{self.world_size}; resharding on load is done by `ckptstage consolidate` (not yet available)")
+            failures, moved = [], False
+            for loc in resp.locations:
+                tier = pb.Tier.Name(loc.tier).lower()
+                try:
+                    _, state = read_part(Path(loc.dir), into)
+                    return state
+                except (layout.ManifestError, OSError) as e:
+                    if not Path(loc.dir).exists():
+                        # Retention deleted (or a reader quarantined) this copy after Locate
+                        # answered: not corruption. Locate again if no other copy verifies.
+                        moved = True
+                        log.info("checkpoint %s step %d rank %d: %s copy removed while reading it", self.job,
+                                 resp.step, self.rank, tier)
+                        failures.append(f"{tier}: {loc.dir} was removed while reading it")
+                        continue
+                    failures.append(f"{tier}: {e}")
+                    log.error("checkpoint %s step %d rank %d: %s copy failed verification: %s", self.job,
+                              resp.step, self.rank, tier, e)
+                    self._conn.call("ReportCorrupt", pb.ReportCorruptRequest(
+                        job=self.job, step=resp.step, rank=self.rank, tier=loc.tier, detail=str(e)))
+            if not moved or attempt == 2:
+                break
         raise errors.CorruptCheckpoint(f"no copy of {self.job} step {resp.step} rank {self.rank} verifies: "
                                        + "; ".join(failures))
 
@@ -261,6 +278,18 @@ class Client:
         if first.kind != pb.SessionEvent.READY:
             raise errors.DaemonUnavailable(f"daemon refused the session: {first.message}")
 
+    def _reopen_session(self) -> None:
+        """The session's stream ended: the daemon died or restarted. Start over on its successor.
+
+        The old session and arena are gone with the old daemon; without a new
+        session every later save of a long-running trainer would fail.
+        """
+        log.warning("ckptstage: lost the session with the daemon on %s; opening a new one", self._conn.socket)
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+        self._open_session()
+
     def _ensure_arena(self, want: int) -> ArenaMap:
         if self._arena is not None and self._arena.size >= want:
             return self._arena
@@ -287,6 +316,8 @@ class Client:
                 job.tensors.clear()  # drop references to the trainer's tensors
 
     def _copy(self, job: _Job) -> None:
+        if self._attach.done():
+            self._reopen_session()
         arena = self._ensure_arena(job.plan.data_bytes)
         if any(t.is_cuda for t in job.tensors):
             arena.register_cuda()

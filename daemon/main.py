@@ -88,7 +88,11 @@ class Daemon:
         self._done.set()
 
     def wait(self) -> None:
-        self._done.wait()
+        # Timed waits: a signal the kernel hands to another thread (e.g. the
+        # SIGTERM pending when a stopped or frozen daemon is continued) runs its
+        # Python handler only once the main thread executes bytecode again.
+        while not self._done.wait(0.5):
+            pass
 
     def _start_metrics(self) -> None:
         listen = self.config.metrics.listen

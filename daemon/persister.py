@@ -61,6 +61,11 @@ def parse_manifest(raw: bytes, job: str, step: int, rank: int, world_size: int,
             raise InvalidRequest(f"manifest {key}={manifest.get(key)!r} does not match the session's {value!r}")
     try:
         tensors = [layout.TensorEntry.from_json(t) for t in manifest["tensors"]]
+        for t in tensors:
+            # A negative length would pass the overlap check below and shadow the next tensor.
+            if t.nbytes < 0 or any(d < 0 for d in t.shape):
+                raise layout.ManifestError(f"tensor {t.name!r} has a negative size "
+                                           f"(nbytes {t.nbytes}, shape {list(t.shape)})")
         data_start = int(manifest["data_start"])
         layout.validate_tensor_table(tensors, data_start, data_bytes)
     except layout.ManifestError as e:
@@ -173,7 +178,9 @@ class Persister:
             save.inflight += 1
         try:
             complete = self._hash_and_write(save, i)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - a save must settle, and its fd close, whatever went wrong
+            # Besides I/O errors: the save may have failed under us (its session
+            # closed) and its arena been released, which makes the slice a ValueError.
             complete = False
             self.fail(save, f"writing {save.writer.final} chunk {i}: {e}")
         finally:

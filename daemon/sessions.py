@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ckptstage.daemon.arena import Arena, Budget, arena_name
-from ckptstage.daemon.errors import SessionNotFound
+from ckptstage.daemon.errors import ArenaFull, SessionNotFound
 from ckptstage.daemon.persister import Save
 
 
@@ -57,7 +57,12 @@ class Session:
             current = self.arena
             if current is not None and (current.size >= want or self.saves):
                 return current
-            size = self._budget.grant(max(want, min_bytes), self.chunk_bytes)
+            try:
+                size = self._budget.grant(max(want, min_bytes), self.chunk_bytes)
+            except ArenaFull:
+                if current is not None:
+                    return current  # cannot grow now: the save streams through the arena it has
+                raise
             if current is not None and size <= current.size:
                 self._budget.release(size)
                 return current

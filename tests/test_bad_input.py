@@ -1,0 +1,265 @@
+"""Bad input gets a clear, typed error, and the daemon keeps serving (invariant 6).
+
+Client-side checks (names, value types) must fail before anything reaches the
+daemon; daemon-side checks are exercised with raw gRPC requests, the way a
+buggy or hostile client would send them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ckptstage.client import (
+    AlreadyCommitted,
+    ArenaFull,
+    Client,
+    DaemonUnavailable,
+    InvalidRequest,
+)
+from ckptstage.protos import layout
+from ckptstage.protos.v1 import ckptstage_pb2 as pb
+
+_steps = itertools.count(1000)
+
+
+def assert_serves(daemon: Any, job: str = "healthy") -> None:
+    """A normal save and load still work on this daemon."""
+    step = next(_steps)
+    w = torch.arange(257, dtype=torch.float32) * step
+    with Client(job, socket=daemon.socket) as c:
+        c.save(step, {"w": w, "step": step}).wait("local", timeout=30)
+        loaded = c.load(step)
+    assert loaded["step"] == step and torch.equal(loaded["w"], w)
+
+
+def temporaries(local: Path) -> list[Path]:
+    return [p for p in local.glob(f"{layout.TMP_DIR}/*/*")]
+
+
+# --- job names -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("job", ["a/b", "..", "../escape", "a/../b", "", "x" * 129, "/abs", ".hidden", "a..b",
+                                 "sp ace", "nul\x00"])
+def test_bad_job_name_is_refused_naming_it(daemon, job):
+    with pytest.raises(InvalidRequest) as info:
+        Client(job, socket=daemon.socket)
+    assert isinstance(info.value, ValueError)
+    assert repr(job) in str(info.value)
+
+    # The daemon checks too: a raw OpenSession with the same name is refused.
+    with daemon.connection() as conn:
+        with pytest.raises(InvalidRequest, match="INVALID_ARGUMENT") as raw:
+            conn.call("OpenSession", pb.OpenSessionRequest(job=job, rank=0, world_size=1, pid=os.getpid()))
+        assert repr(job) in str(raw.value)
+        assert list(conn.status().sessions) == []
+    assert {p.name for p in daemon.local.iterdir()} <= {".state", layout.TMP_DIR}
+    assert_serves(daemon)
+
+
+def test_longest_valid_job_name_is_accepted(daemon):
+    assert_serves(daemon, "j" * 128)
+
+
+def test_bad_rank_and_step_are_refused(daemon):
+    with pytest.raises(InvalidRequest, match="rank 2"):
+        Client("ranks", socket=daemon.socket, rank=2, world_size=2)
+    with Client("ranks", socket=daemon.socket) as c:
+        for step in (-1, 10**12, True, 1.5):
+            with pytest.raises(InvalidRequest, match=f"invalid step {step!r}"):
+                c.save(step, {"w": torch.ones(2)})
+    assert_serves(daemon)
+
+
+# --- unsupported values ---------------------------------------------------------------------------
+
+
+class Opaque:
+    pass
+
+
+BAD_VALUES = [
+    ({"s": {1, 2}}, "state['s']", "set"),
+    ({"model": {"layer": [torch.ones(2), Opaque()]}}, "state['model']['layer'][1]", "Opaque"),
+    ({"a": [1, {"f": lambda: 1}]}, "state['a'][1]['f']", "function"),
+    ({"emb": torch.eye(3).to_sparse()}, "state['emb']", "sparse"),
+    ({"k": {(1, 2): torch.ones(1)}}, "state['k']", "tuple"),
+    ({"optim": {"state": {0: {"m": torch.ones(2), "f": frozenset()}}}}, "state['optim']['state'][0]['f']",
+     "frozenset"),
+    ({"arr": bytearray(b"x")}, "state['arr']", "bytearray"),
+]
+
+
+@pytest.mark.parametrize("state,path,what", BAD_VALUES, ids=[v[2] for v in BAD_VALUES])
+def test_unsupported_value_is_a_type_error_naming_its_key_path_and_sends_nothing(daemon, state, path, what):
+    with Client("types", socket=daemon.socket) as c:
+        with pytest.raises(TypeError) as info:
+            c.save(1, state)
+        assert path in str(info.value) and what in str(info.value)
+        with daemon.connection() as conn:
+            [session] = conn.status().sessions
+        assert session.saves_in_flight == 0 and session.arena_bytes == 0  # not even an arena was asked for
+        assert c.list() == []
+        # Step 1 was never begun: saving it now works.
+        c.save(1, {"w": torch.ones(3)}).wait("local", timeout=30)
+        assert torch.equal(c.load(1)["w"], torch.ones(3))
+    assert temporaries(daemon.local) == []
+
+
+def test_reference_cycle_is_a_type_error(daemon):
+    loop: list[Any] = [torch.ones(1)]
+    loop.append(loop)
+    with Client("cycle", socket=daemon.socket) as c, \
+            pytest.raises(TypeError, match=r"state\['x'\]\[1\] contains itself"):
+        c.save(1, {"x": loop})
+    assert_serves(daemon)
+
+
+# --- resources and conflicts ---------------------------------------------------------------
+
+
+def test_arena_budget_exhausted_is_arena_full_naming_sizes(daemon_factory):
+    d = daemon_factory(**{"arena.max_bytes": "4MiB", "arena.min_session_bytes": "1MiB",
+                          "persist.chunk_bytes": "1MiB"}).start()
+    hog = Client("hog", socket=d.socket, arena_bytes=64 << 20)  # takes the whole budget
+    try:
+        with d.connection() as conn:
+            assert conn.status().arena_used_bytes == 4 << 20
+        # Asking for an arena up front fails in the constructor, and leaves no session behind.
+        with pytest.raises(ArenaFull, match=str(4 << 20)):
+            Client("greedy", socket=d.socket, arena_bytes=8 << 20)
+        with d.connection() as conn:
+            assert [s.job for s in conn.status().sessions] == ["hog"]
+        with Client("starved", socket=d.socket) as c:
+            h = c.save(1, {"w": torch.ones(3 << 20)})
+            with pytest.raises(ArenaFull) as info:
+                h.wait("local", timeout=30)
+            msg = str(info.value)
+            assert str(1 << 20) in msg          # one chunk is the least it needs
+            assert str(4 << 20) in msg          # the budget
+            assert "[arena] max_bytes" in msg   # what to change
+            assert c.latest() is None and c.list() == []
+            assert temporaries(d.local) == []
+
+            hog.close()  # frees its arena: the same client can now save
+            c.save(1, {"w": torch.ones(3 << 20)}).wait("local", timeout=30)
+            assert torch.equal(c.load(1)["w"], torch.ones(3 << 20))
+    finally:
+        hog.close()
+    assert_serves(d)
+
+
+def test_no_daemon_on_the_socket_is_daemon_unavailable_naming_it(tmp_path):
+    sock = tmp_path / "nobody-here.sock"
+    with pytest.raises(DaemonUnavailable) as info:
+        Client("orphan", socket=sock)
+    assert str(sock) in str(info.value)
+    assert isinstance(info.value, ConnectionError)
+
+    # A stale socket file nobody listens on reads the same.
+    import socket as socketlib
+
+    stale = tmp_path / "stale.sock"
+    s = socketlib.socket(socketlib.AF_UNIX)
+    s.bind(str(stale))
+    s.close()
+    with pytest.raises(DaemonUnavailable, match=str(stale)):
+        Client("orphan", socket=stale)
+
+
+def test_socket_from_the_environment(daemon, monkeypatch):
+    monkeypatch.setenv("CKPTSTAGE_SOCKET", str(daemon.socket))
+    with Client("envsock") as c:
+        c.save(1, {"w": torch.ones(2)}).wait("local", timeout=30)
+        assert c.latest() == 1
+
+
+def test_resaving_a_committed_or_in_flight_step_is_already_committed(daemon):
+    first = {"w": torch.full((1000,), 1.0)}
+    with Client("dup", socket=daemon.socket) as c:
+        c.save(1, first).wait("local", timeout=30)
+        with pytest.raises(AlreadyCommitted, match="step 1 of job 'dup'"):
+            c.save(1, {"w": torch.full((1000,), 2.0)}).wait("local", timeout=30)
+        assert torch.equal(c.load(1)["w"], first["w"])
+
+        # Twice in a row without waiting: the second is refused, the first commits.
+        h1 = c.save(2, {"w": torch.full((1000,), 3.0)})
+        h2 = c.save(2, {"w": torch.full((1000,), 4.0)})
+        h1.wait("local", timeout=30)
+        with pytest.raises(AlreadyCommitted):
+            h2.wait("local", timeout=30)
+        assert torch.equal(c.load(2)["w"], torch.full((1000,), 3.0))
+        assert [i.step for i in c.list()] == [1, 2]
+    assert_serves(daemon)
+
+
+# --- validation at the daemon boundary (raw gRPC) -------------------------------------------------
+
+
+def _raw_session(conn: Any, job: str) -> str:
+    resp = conn.call("OpenSession", pb.OpenSessionRequest(job=job, rank=0, world_size=1, pid=os.getpid()))
+    conn.call("EnsureArena", pb.EnsureArenaRequest(session_id=resp.session_id, want_bytes=1 << 20))
+    return resp.session_id
+
+
+def _manifest(job: str, step: int, tensors: list[dict[str, Any]], data_start: int = 64) -> bytes:
+    return layout.encode_manifest({
+        "format": layout.FORMAT, "job": job, "step": step, "rank": 0, "world_size": 1, "data_start": data_start,
+        "tensors": tensors, "tree": {"d": [[{"s": t["name"]}, {"T": i}] for i, t in enumerate(tensors)]}})
+
+
+def _tensor(name: str, offset: int, nbytes: int) -> dict[str, Any]:
+    return {"name": name, "dtype": "uint8", "shape": [max(nbytes, 0)], "offset": offset, "nbytes": nbytes}
+
+
+BAD_TABLES = [
+    ("overlap", [_tensor("first", 64, 32), _tensor("second", 80, 32)], 256, "'second'.*overlaps 'first'"),
+    ("past-end", [_tensor("first", 64, 32), _tensor("tail", 96, 200)], 256, "'tail' ends at 296.*256"),
+    ("in-header", [_tensor("early", 8, 16)], 256, "'early'.*overlaps '<header>'"),
+    ("negative-size", [_tensor("neg", 128, -64), _tensor("after", 80, 16)], 256, "tensor 'neg' has a negative size"),
+    ("negative-offset", [_tensor("before", -32, 16)], 256, "'before' at offset -32 overlaps"),
+]
+
+
+@pytest.mark.parametrize("label,tensors,data_bytes,pattern", BAD_TABLES, ids=[b[0] for b in BAD_TABLES])
+def test_begin_save_rejects_a_bad_tensor_table_naming_the_tensor(daemon, label, tensors, data_bytes, pattern):
+    with daemon.connection() as conn:
+        sid = _raw_session(conn, "raw")
+        with pytest.raises(InvalidRequest, match="INVALID_ARGUMENT") as info:
+            conn.call("BeginSave", pb.BeginSaveRequest(session_id=sid, step=1, manifest_json=_manifest(
+                "raw", 1, tensors), data_bytes=data_bytes))
+        assert info.match(pattern)
+        [session] = conn.status().sessions
+        assert session.saves_in_flight == 0
+        conn.call("CloseSession", pb.CloseSessionRequest(session_id=sid))
+        assert conn.status().arena_used_bytes == 0
+    assert temporaries(daemon.local) == []
+    assert_serves(daemon, "raw")
+
+
+def test_begin_save_rejects_a_manifest_for_another_job_or_step(daemon):
+    good = [_tensor("t", 64, 16)]
+    with daemon.connection() as conn:
+        sid = _raw_session(conn, "mine")
+        cases = [(b"not json", 80, "not valid JSON"),
+                 (_manifest("other", 1, good), 80, "job='other'"),
+                 (_manifest("mine", 2, good), 80, "step=2"),
+                 (layout.encode_manifest({"format": "pickle"}), 80, "not a ckptstage/1 manifest")]
+        for raw, data_bytes, pattern in cases:
+            with pytest.raises(InvalidRequest, match=pattern):
+                conn.call("BeginSave", pb.BeginSaveRequest(session_id=sid, step=1, manifest_json=raw,
+                                                           data_bytes=data_bytes))
+        # Progress past the declared size is refused too, and fails nothing else.
+        resp = conn.call("BeginSave", pb.BeginSaveRequest(session_id=sid, step=1, manifest_json=_manifest(
+            "mine", 1, good), data_bytes=80))
+        with pytest.raises(InvalidRequest, match="past the data size 80"):
+            conn.call("Progress", pb.ProgressRequest(save_id=resp.save_id, copied_upto=81))
+        conn.call("AbortSave", pb.AbortSaveRequest(save_id=resp.save_id, reason="test"))
+        conn.call("CloseSession", pb.CloseSessionRequest(session_id=sid))
+    assert temporaries(daemon.local) == []
+    assert_serves(daemon, "mine")

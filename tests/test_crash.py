@@ -1,0 +1,337 @@
+"""Crashes with real signals: nothing committed is lost, nothing torn is visible, nothing leaks.
+
+The daemon is a real ``ckptstaged`` process and the faults are real signals:
+SIGKILL of the daemon (after a commit, and in the middle of a save), SIGKILL of
+a trainer process in the middle of a save, SIGTERM while a save is in flight.
+
+A trainer that must be caught *in the middle* of a save runs as a subprocess
+whose state holds a tensor subclass that stops the snapshot thread when its
+bytes are about to be copied: the save has begun, earlier tensors are in the
+arena and on their way to disk, and the client will never finish it. That
+makes "mid-save" a certainty instead of a race.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+from ckptstage.client import CkptStageError, Client
+from ckptstage.protos import layout
+
+T = TypeVar("T")
+
+# A trainer that begins a save and stalls inside it. argv: socket, job, MiB of
+# float64 streamed before the stall, step. Prints "SAVING" once the save is under way.
+STALLING_TRAINER = r"""
+import os, sys, time
+import torch
+from ckptstage.client import Client
+
+socket, job, mib, step = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+
+
+class Stall(torch.Tensor):
+    # Any torch call passes through, except the copy into the arena: it never returns.
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            print("SAVING", flush=True)
+            while True:
+                time.sleep(60)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+client = Client(job, socket=socket)
+state = {"big": torch.ones(mib << 17, dtype=torch.float64),             # laid out first (8-byte elements)
+         "stall": torch.zeros(4096, dtype=torch.uint8).as_subclass(Stall),  # last
+         "step": 1}
+handle = client.save(step, state)
+handle.wait_snapshot()
+print("UNREACHABLE: the snapshot finished", flush=True)
+"""
+
+
+def wait_until(pred: Callable[[], T], timeout: float, what: str, interval: float = 0.02) -> T:
+    """Polls ``pred`` until it returns something truthy; fails naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true after {timeout}s: {what}")
+        time.sleep(interval)
+
+
+def temporaries(local: Path) -> list[Path]:
+    return list(local.glob(f"{layout.TMP_DIR}/*/*"))
+
+
+def committed_steps(local: Path, job: str) -> list[int]:
+    return sorted(int(p.name.removeprefix("step-")) for p in (local / job).glob("step-*") if any(p.iterdir()))
+
+
+def arenas_of(daemon_pid: int) -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob(f"ckptstage-{daemon_pid}-*")}
+
+
+def mapped_arenas(pid: int) -> list[str]:
+    """The ckptstage arenas process ``pid`` still maps (unlinked ones read '(deleted)')."""
+    return [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/ckptstage-" in line]
+
+
+def session_for(daemon: Any, pid: int) -> Any:
+    with daemon.connection() as conn:
+        return next((s for s in conn.status().sessions if s.pid == pid), None)
+
+
+def training_state(seed: int, n: int = 50_000) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(n, generator=g), "b": torch.randn(n // 7, generator=g).to(torch.bfloat16)},
+            "optim": {"state": {0: {"step": torch.tensor(float(seed)), "exp_avg": torch.randn(n, generator=g)}}},
+            "rng": g.get_state(), "step": seed}
+
+
+def assert_same(a: Any, b: Any) -> None:
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(torch.uint8) if a.dim() else a.reshape(1).view(torch.uint8),
+                           b.view(torch.uint8) if b.dim() else b.reshape(1).view(torch.uint8))
+    elif isinstance(a, dict):
+        assert [(type(k), k) for k in a] == [(type(k), k) for k in b]
+        for k in a:
+            assert_same(a[k], b[k])
+    else:
+        assert a == b
+
+
+class Trainer:
+    """A stalling trainer subprocess (see STALLING_TRAINER); its stderr goes to ``log``."""
+
+    def __init__(self, daemon: Any, job: str, mib: int, step: int, log: Path) -> None:
+        self.log = log
+        with open(log, "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, "-c", STALLING_TRAINER, str(daemon.socket), job, str(mib),
+                                          str(step)], stdout=subprocess.PIPE, stderr=err)
+
+    def wait_saving(self, timeout: float = 60.0) -> None:
+        """Returns once the trainer is inside its save (it prints one line, or dies)."""
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline().decode() if ready else f"<nothing after {timeout}s>"
+        if line.strip() != "SAVING":
+            self.kill()
+            raise AssertionError(f"trainer did not reach its save: {line!r}\n{self.log.read_text()}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def trainers(tmp_path: Path) -> Any:
+    made: list[Trainer] = []
+
+    def make(daemon: Any, job: str, mib: int = 8, step: int = 5) -> Trainer:
+        t = Trainer(daemon, job, mib, step, tmp_path / f"trainer-{len(made)}.log")
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.kill()
+
+
+# --- the daemon dies ------------------------------------------------------------------------------
+
+
+def test_daemon_sigkill_after_commit_then_restart_loads_bit_exact(daemon):
+    state = training_state(7)
+    with Client("survive", socket=daemon.socket) as c:
+        c.save(7, state).wait("local", timeout=30)
+        c.save(8, training_state(8)).wait("local", timeout=30)
+        old_pid = daemon.proc.pid
+        assert daemon.kill(signal.SIGKILL) == -signal.SIGKILL
+
+        daemon.start()
+        assert daemon.proc.pid != old_pid
+        # The trainer's client outlives the daemon: its next save opens a new session on the successor.
+        c.save(10, training_state(10)).wait("local", timeout=30)
+        assert c.latest() == 10
+
+    with Client("survive", socket=daemon.socket) as fresh:
+        assert [i.step for i in fresh.list()] == [7, 8, 10]
+        assert_same(fresh.load(7), state)
+        assert_same(fresh.load(8), training_state(8))
+        assert_same(fresh.load(), training_state(10))
+    assert temporaries(daemon.local) == []
+
+
+def test_daemon_sigkill_mid_save_leaves_no_trace(daemon_factory, trainers):
+    # Deterministic: the trainer has streamed 64 MiB of its state and will never finish.
+    d = daemon_factory(**{"arena.max_bytes": "16MiB", "persist.chunk_bytes": "256KiB",
+                          "arena.min_session_bytes": "1MiB"}).start()
+    with Client("crash", socket=d.socket) as c:
+        c.save(1, training_state(1)).wait("local", timeout=30)
+    trainer = trainers(d, "crash", mib=64)
+    trainer.wait_saving()
+    session = session_for(d, trainer.proc.pid)
+    assert session is not None and session.saves_in_flight == 1
+    wait_until(lambda: temporaries(d.local), 10, "the save's temporary directory exists")
+    dead_pid = d.proc.pid
+    # An arena left behind by a daemon that died before its client mapped it.
+    leftover = Path(f"/dev/shm/ckptstage-{dead_pid}-0123456789abcdef-1")
+    leftover.write_bytes(b"\0" * 4096)
+
+    assert d.kill(signal.SIGKILL) == -signal.SIGKILL
+    d.start()
+
+    assert arenas_of(dead_pid) == set()
+    assert temporaries(d.local) == []
+    assert committed_steps(d.local, "crash") == [1]
+    with Client("crash", socket=d.socket) as c:
+        assert c.latest() == 1
+        assert [i.step for i in c.list()] == [1]
+        assert_same(c.load(), training_state(1))
+        c.save(5, training_state(5)).wait("local", timeout=30)  # the trainer's step 5 was never taken
+        assert c.latest() == 5
+
+
+def test_daemon_sigkill_while_persisting_a_large_state(daemon_factory):
+    # A few hundred MiB through a small arena in small chunks: the daemon is
+    # busy writing when it is killed.
+    d = daemon_factory(**{"arena.max_bytes": "8MiB", "persist.chunk_bytes": "256KiB",
+                          "arena.min_session_bytes": "1MiB", "persist.workers": 1, "shared.dir": ""}).start()
+    big = {"w": torch.full((256 << 18,), 0.5), "step": 2}  # 256 MiB
+    with Client("large", socket=d.socket) as c:
+        c.save(1, training_state(1)).wait("local", timeout=30)
+        h = c.save(2, big)
+        wait_until(lambda: temporaries(d.local) and getattr(session_for(d, os.getpid()), "saves_in_flight", 0),
+                   30, "the large save is in flight")
+        dead_pid = d.proc.pid
+        assert d.kill(signal.SIGKILL) == -signal.SIGKILL
+        with pytest.raises(CkptStageError):
+            h.wait("local", timeout=60)
+        try:
+            h.wait_snapshot(timeout=0)
+            client_finished = True  # FinishSave was acknowledged before the kill
+        except CkptStageError:
+            client_finished = False
+
+    d.start()
+    assert arenas_of(dead_pid) == set()
+    assert temporaries(d.local) == []
+    with Client("large", socket=d.socket) as c:
+        steps = [i.step for i in c.list()]
+        if client_finished:  # killed during the final fsync/commit: either outcome, never torn
+            assert steps in ([1], [1, 2])
+        else:
+            assert steps == [1]
+            assert committed_steps(d.local, "large") == [1]
+        assert c.latest() == steps[-1]
+        assert_same(c.load(1), training_state(1))
+
+
+def test_sigterm_finishes_the_in_flight_persist_and_exits_zero(daemon_factory):
+    # The client copies into a roomy arena at memory speed; one writer thread
+    # is still persisting when its snapshot is done. The daemon is frozen
+    # (SIGSTOP) to check, race-free, that the part is not committed yet when
+    # SIGTERM is sent; SIGCONT then lets it handle SIGTERM.
+    d = daemon_factory(**{"arena.max_bytes": "512MiB", "persist.chunk_bytes": "4MiB",
+                          "persist.workers": 1, "shared.dir": ""}).start()
+    state = {"w": torch.arange(48 << 20, dtype=torch.int32), "step": 3}  # 192 MiB
+    pid = d.proc.pid
+    with Client("term", socket=d.socket, arena_bytes=256 << 20) as c, ThreadPoolExecutor(1) as pool:
+        for step in (3, 4, 5):
+            h = c.save(step, state)
+            h.wait_snapshot(timeout=60)
+            os.kill(pid, signal.SIGSTOP)
+            if step not in committed_steps(d.local, "term"):
+                break  # caught in flight
+            os.kill(pid, signal.SIGCONT)
+        else:
+            pytest.fail("every save committed before the daemon could be frozen: no persist was in flight")
+        waited = pool.submit(h.wait, "local", 60)  # queued on the socket while the daemon is frozen
+        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGCONT)
+        waited.result(timeout=90)  # the daemon finished the persist and told the client
+        assert d.proc.wait(timeout=60) == 0
+    assert not d.socket.exists()
+
+    d.start()
+    with Client("term", socket=d.socket) as c:
+        assert c.latest() == step
+        loaded = c.load(step)
+    assert loaded["step"] == 3 and torch.equal(loaded["w"], state["w"])
+
+
+def test_sigterm_fails_an_unfinished_save_cleanly_and_exits_zero(daemon_factory, trainers):
+    d = daemon_factory(**{"persist.shutdown_timeout_s": 20}).start()
+    trainer = trainers(d, "term2", mib=4)
+    trainer.wait_saving()
+    t0 = time.monotonic()
+    assert d.kill(signal.SIGTERM) == 0
+    assert time.monotonic() - t0 < 15  # it does not wait out the timeout for a save nobody will finish
+    assert temporaries(d.local) == []
+    assert committed_steps(d.local, "term2") == []
+
+    d.start()
+    with Client("term2", socket=d.socket) as c:
+        assert c.latest() is None and c.list() == []
+
+
+# --- the trainer dies ------------------------------------------------------------------------------
+
+
+def test_trainer_sigkill_mid_save_frees_its_session_and_memory(daemon, trainers):
+    other = Client("bystander", socket=daemon.socket)
+    try:
+        other.save(1, training_state(1)).wait("local", timeout=30)
+        trainer = trainers(daemon, "victim", mib=16)
+        trainer.wait_saving()
+        victim = session_for(daemon, trainer.proc.pid)
+        assert victim is not None and victim.saves_in_flight == 1 and victim.arena_bytes > 0
+        arena_prefix = f"/ckptstage-{daemon.proc.pid}-{victim.session_id}-"
+        assert any(arena_prefix in line for line in mapped_arenas(daemon.proc.pid))
+
+        trainer.kill()
+
+        def reaped() -> Any:
+            with daemon.connection() as conn:
+                status = conn.status()
+            bystander_only = [s.job for s in status.sessions] == ["bystander"]
+            return bystander_only and status.arena_used_bytes == status.sessions[0].arena_bytes
+
+        wait_until(reaped, 20, "the dead trainer's session is closed and its arena back in the budget")
+        # Its arena is unmapped in the daemon too, so the memory is really free.
+        wait_until(lambda: not any(arena_prefix in line for line in mapped_arenas(daemon.proc.pid)), 10,
+                   "the daemon unmapped the dead trainer's arena")
+        assert not any(victim.session_id in name for name in arenas_of(daemon.proc.pid))
+        assert temporaries(daemon.local) == []
+        assert not (daemon.local / "victim").exists() or committed_steps(daemon.local, "victim") == []
+
+        # The daemon keeps serving: the bystander saves and loads, a new trainer of the job starts over.
+        other.save(2, training_state(2)).wait("local", timeout=30)
+        assert_same(other.load(2), training_state(2))
+        with Client("victim", socket=daemon.socket) as again:
+            assert again.latest() is None and again.list() == []
+            again.save(5, training_state(3)).wait("local", timeout=30)
+            assert_same(again.load(5), training_state(3))
+    finally:
+        other.close()
+    with daemon.connection() as conn:
+        status = conn.status()
+    assert list(status.sessions) == [] and status.arena_used_bytes == 0
