@@ -124,7 +124,7 @@ def test_defaults_without_xdg(tmp_path: Path, env: dict[str, str]) -> None:
     assert (cfg.shared.keep_last, cfg.shared.keep_every, cfg.shared.keep_best) == (5, None, None)
     assert (cfg.shared.max_bandwidth, cfg.shared.max_concurrent) == (None, 2)
     assert (cfg.shared.retry_initial_s, cfg.shared.retry_max_s) == (1.0, 60.0)
-    assert (cfg.persist.workers, cfg.persist.chunk_bytes, cfg.persist.direct_io) == (2, 64 * MiB, False)
+    assert (cfg.persist.workers, cfg.persist.chunk_bytes, cfg.persist.direct_io) == (2, 64 * MiB, True)
     assert cfg.persist.shutdown_timeout_s == 30.0
     assert cfg.metrics.listen is None and not cfg.metrics.enabled
     assert (cfg.retention.interval_s, cfg.retention.max_job_keep_last) == (60.0, 100)
@@ -451,3 +451,10 @@ def test_config_is_frozen(env: dict[str, str]) -> None:
     with pytest.raises(AttributeError):
         cfg.socket = Path("/x")  # type: ignore[misc]
     assert isinstance(cfg, Config)
+
+
+def test_arena_budget_below_one_chunk_is_rejected(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, {"arena.max_bytes": "1MiB", "arena.min_session_bytes": "1MiB", "persist.chunk_bytes": "2MiB"}, env={"HOME": str(tmp_path)})
+    assert err.value.key == "arena.max_bytes"
+    assert "1 MiB" in str(err.value) and "2 MiB" in str(err.value)
