@@ -17,6 +17,7 @@ from ckptstage.client.errors import (
     DaemonUnavailable,
     InvalidRequest,
     SaveFailed,
+    SessionLost,
 )
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AlreadyCommitted", "ArenaFull", "CheckpointInfo", "CheckpointNotFound", "CkptStageError", "Client",
-    "CorruptCheckpoint", "DaemonUnavailable", "InvalidRequest", "SaveFailed", "SaveHandle",
+    "CorruptCheckpoint", "DaemonUnavailable", "InvalidRequest", "SaveFailed", "SaveHandle", "SessionLost",
 ]
 
 _LAZY = {"Client", "SaveHandle", "CheckpointInfo"}

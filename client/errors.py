@@ -21,6 +21,10 @@ class CheckpointNotFound(CkptStageError, LookupError):
     """No such checkpoint (or no complete one) for this job."""
 
 
+class SessionLost(CkptStageError):
+    """The daemon no longer knows this session or save (it restarted, or the session was closed)."""
+
+
 class AlreadyCommitted(CkptStageError, FileExistsError):
     """That step of this job and rank is already committed or being saved."""
 
@@ -44,6 +48,7 @@ _BY_CODE: dict[grpc.StatusCode, type[CkptStageError]] = {
     grpc.StatusCode.ALREADY_EXISTS: AlreadyCommitted,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ArenaFull,
     grpc.StatusCode.ABORTED: SaveFailed,
+    grpc.StatusCode.FAILED_PRECONDITION: SessionLost,
 }
 
 

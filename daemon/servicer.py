@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (layout.InvalidName, grpc.StatusCode.INVALID_ARGUMENT),
-    (SessionNotFound, grpc.StatusCode.NOT_FOUND),
-    (SaveNotFound, grpc.StatusCode.NOT_FOUND),
+    # Not NOT_FOUND: that code means "no such checkpoint" to clients.
+    (SessionNotFound, grpc.StatusCode.FAILED_PRECONDITION),
+    (SaveNotFound, grpc.StatusCode.FAILED_PRECONDITION),
     (CheckpointNotFound, grpc.StatusCode.NOT_FOUND),
     (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (ArenaFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
