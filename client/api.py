@@ -326,7 +326,7 @@ class Client:
             data_bytes=job.plan.data_bytes, metrics=job.metrics))
         job.handle.save_id = resp.save_id
         try:
-            Streamer(self._conn, arena, resp.save_id, resp.stream_base, self._chunk).run(job.plan, job.tensors)
+            Streamer(self._conn, arena, resp.save_id, resp.stream_base, self._chunk, resp.released).run(job.plan, job.tensors)
         except BaseException as e:
             try:
                 self._conn.call("AbortSave", pb.AbortSaveRequest(save_id=resp.save_id, reason=repr(e)), timeout=5)

@@ -67,7 +67,8 @@ class _Piece:
 class Streamer:
     """Copies one save's file image into the arena, with back-pressure."""
 
-    def __init__(self, conn: Connection, arena: ArenaMap, save_id: str, stream_base: int, chunk_bytes: int) -> None:
+    def __init__(self, conn: Connection, arena: ArenaMap, save_id: str, stream_base: int, chunk_bytes: int,
+                 released: int) -> None:
         self.conn = conn
         self.arena = arena
         self.save_id = save_id
@@ -75,9 +76,16 @@ class Streamer:
         self.chunk = chunk_bytes
         self.copied = 0
         self.reported = 0
-        self.released = 0
+        self.released = released
+        self.stream = True
 
     def run(self, plan: FilePlan, tensors: list[torch.Tensor]) -> None:
+        # Snapshot first: when the whole file fits in the ring, tell the
+        # daemon nothing until the copy is done, so its hashing and writing do
+        # not compete with the trainer's copy for cores and memory bandwidth
+        # (the trainer's blocked time is what matters). A larger state has to
+        # stream: then every chunk is reported as soon as it is copied.
+        self.stream = self.base + plan.data_bytes - self.released > self.arena.size
         self._write_bytes(0, plan.header)
         order = sorted(range(len(tensors)), key=lambda i: plan.entries[i].offset)
         for i in order:
@@ -135,7 +143,7 @@ class Streamer:
 
     def _advance(self, file_end: int) -> None:
         self.copied = file_end
-        if self.copied - self.reported >= self.chunk:
+        if self.stream and self.copied - self.reported >= self.chunk:
             self._progress(wait_released=0)
 
     def _progress(self, wait_released: int) -> None:

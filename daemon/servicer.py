@@ -147,7 +147,8 @@ class Servicer(pb_grpc.CheckpointerServicer):
     def BeginSave(self, request: pb.BeginSaveRequest, context: grpc.ServicerContext) -> pb.BeginSaveResponse:
         save = self.node.begin_save(request.session_id, request.step, request.manifest_json, request.data_bytes,
                                     dict(request.metrics))
-        return pb.BeginSaveResponse(save_id=save.id, stream_base=save.stream_base)
+        released = self.node.sessions.get(request.session_id).released()
+        return pb.BeginSaveResponse(save_id=save.id, stream_base=save.stream_base, released=released)
 
     @_mapped
     def Progress(self, request: pb.ProgressRequest, context: grpc.ServicerContext) -> pb.ProgressResponse:

@@ -138,12 +138,14 @@ class BeginSaveRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., manifest_json: _Optional[bytes] = ..., data_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class BeginSaveResponse(_message.Message):
-    __slots__ = ("save_id", "stream_base")
+    __slots__ = ("save_id", "stream_base", "released")
     SAVE_ID_FIELD_NUMBER: _ClassVar[int]
     STREAM_BASE_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     save_id: str
     stream_base: int
-    def __init__(self, save_id: _Optional[str] = ..., stream_base: _Optional[int] = ...) -> None: ...
+    released: int
+    def __init__(self, save_id: _Optional[str] = ..., stream_base: _Optional[int] = ..., released: _Optional[int] = ...) -> None: ...
 
 class ProgressRequest(_message.Message):
     __slots__ = ("save_id", "copied_upto", "wait_released")
