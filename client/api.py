@@ -27,7 +27,7 @@ from ckptstage.client import errors, tree
 from ckptstage.client.fileplan import FilePlan, build_manifest, plan_file
 from ckptstage.client.restore import read_part
 from ckptstage.client.rpc import Connection
-from ckptstage.client.snapshot import ArenaMap, Streamer
+from ckptstage.client.snapshot import ArenaMap, Streamer, ready_events
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
@@ -102,6 +102,7 @@ class _Job:
     manifest: dict[str, Any]
     tensors: list[torch.Tensor]
     metrics: dict[str, float]
+    ready: dict[torch.device, Any]  # CUDA events the copy waits for (see snapshot.ready_events)
 
 
 class Client:
@@ -159,7 +160,7 @@ class Client:
         handle = SaveHandle(self, step)
         with self._lock:
             self._inflight = [h for h in self._inflight if not h.snapshot_done()] + [handle]
-        self._queue.put(_Job(handle, plan, manifest, tensors, clean_metrics))
+        self._queue.put(_Job(handle, plan, manifest, tensors, clean_metrics, ready_events(tensors)))
         return handle
 
     def wait_snapshots(self) -> None:
@@ -326,7 +327,8 @@ class Client:
             data_bytes=job.plan.data_bytes, metrics=job.metrics))
         job.handle.save_id = resp.save_id
         try:
-            Streamer(self._conn, arena, resp.save_id, resp.stream_base, self._chunk, resp.released).run(job.plan, job.tensors)
+            Streamer(self._conn, arena, resp.save_id, resp.stream_base, self._chunk, resp.released,
+                     job.ready).run(job.plan, job.tensors)
         except BaseException as e:
             try:
                 self._conn.call("AbortSave", pb.AbortSaveRequest(save_id=resp.save_id, reason=repr(e)), timeout=5)

@@ -11,10 +11,12 @@ the client waits for the daemon to release space (back-pressure).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,6 +59,45 @@ class ArenaMap:
             pass  # a tensor view is still alive somewhere; the mapping goes with it
 
 
+def ready_events(tensors: list[torch.Tensor]) -> dict[torch.device, Any]:
+    """Marks, on each device's current stream, the point the snapshot must see.
+
+    Called on the trainer's thread inside ``save()``: the side streams that
+    copy wait for these events, so they read the values as of ``save()`` even
+    though the trainer's stream has kernels still queued.
+    """
+    events: dict[torch.device, Any] = {}
+    for t in tensors:
+        if t.is_cuda and t.device not in events:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(t.device))
+            events[t.device] = ev
+    return events
+
+
+class _SideStreams:
+    """One CUDA side stream per device, so device-to-host copies overlap the trainer's kernels."""
+
+    def __init__(self, ready: dict[torch.device, Any]) -> None:
+        self._ready = ready
+        self._streams: dict[torch.device, Any] = {}
+
+    def context(self, t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+        if not t.is_cuda:
+            return contextlib.nullcontext()
+        stream = self._streams.get(t.device)
+        if stream is None:
+            stream = torch.cuda.Stream(device=t.device)
+            if t.device in self._ready:
+                stream.wait_event(self._ready[t.device])
+            self._streams[t.device] = stream
+        return torch.cuda.stream(stream)
+
+    def synchronize(self) -> None:
+        for stream in self._streams.values():
+            stream.synchronize()
+
+
 @dataclass
 class _Piece:
     file_off: int
@@ -68,7 +109,7 @@ class Streamer:
     """Copies one save's file image into the arena, with back-pressure."""
 
     def __init__(self, conn: Connection, arena: ArenaMap, save_id: str, stream_base: int, chunk_bytes: int,
-                 released: int) -> None:
+                 released: int, ready: dict[torch.device, Any] | None = None) -> None:
         self.conn = conn
         self.arena = arena
         self.save_id = save_id
@@ -78,6 +119,7 @@ class Streamer:
         self.reported = 0
         self.released = released
         self.stream = True
+        self.cuda = _SideStreams(ready or {})
 
     def run(self, plan: FilePlan, tensors: list[torch.Tensor]) -> None:
         # Snapshot first: when the whole file fits in the ring, tell the
@@ -89,9 +131,11 @@ class Streamer:
         self._write_bytes(0, plan.header)
         order = sorted(range(len(tensors)), key=lambda i: plan.entries[i].offset)
         for i in order:
-            entry = plan.entries[i]
-            for piece in self._pieces(entry.offset, entry.nbytes, tensors[i]):
-                self._copy_piece(piece)
+            entry, t = plan.entries[i], tensors[i]
+            with self.cuda.context(t):
+                for piece in self._pieces(entry.offset, entry.nbytes, t):
+                    self._copy_piece(piece)
+        self.cuda.synchronize()
         self.conn.call("FinishSave", pb.FinishSaveRequest(save_id=self.save_id))
 
     def _pieces(self, offset: int, nbytes: int, t: torch.Tensor) -> Iterator[_Piece]:
@@ -124,7 +168,7 @@ class Streamer:
         dst = self.arena.u8[a:a + piece.nbytes].view(piece.src.dtype)
         if piece.src.dim() != 1 or piece.src.numel() != dst.numel():
             dst = dst.view(piece.src.shape)
-        dst.copy_(piece.src)
+        dst.copy_(piece.src, non_blocking=piece.src.is_cuda)
         self._advance(piece.file_off + piece.nbytes)
 
     def _write_bytes(self, file_off: int, data: bytes) -> None:
@@ -147,8 +191,7 @@ class Streamer:
             self._progress(wait_released=0)
 
     def _progress(self, wait_released: int) -> None:
-        if self.copied > 0 and self.copied > self.reported and torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()  # reported bytes must really be in the arena
+        self.cuda.synchronize()  # bytes reported to the daemon must really be in the arena
         resp = self.conn.call("Progress", pb.ProgressRequest(
             save_id=self.save_id, copied_upto=self.copied, wait_released=wait_released), timeout=60)
         self.reported = self.copied
