@@ -1,21 +1,38 @@
 """Local tier -> shared tier, in the background, bounded, rate-limited, retried and verified.
 
-Order: newest first. When saves arrive faster than the shared file system
-absorbs them, the checkpoint a job would restart from after losing this node
-is the newest one, so it goes first; older parts drain when the backlog
-allows. Nothing leaves the local tier before its shared copy is committed
+Order: the newest step of each job first, then the rest oldest first. When
+saves arrive faster than the shared file system absorbs them (or after an
+outage of the shared tier), the checkpoint a job would restart from after
+losing this node is its newest one, so it goes first. The backlog behind it
+goes oldest first because that is the order in which local retention frees
+space (``keep_last``, ``max_bytes``: oldest drained first): draining the
+backlog newest-first would make a full local tier evict the newer checkpoints
+and keep the older ones. Nothing leaves the local tier before its shared copy is committed
 (retention sees undrained parts as protected), so a backlog costs local disk,
 never a checkpoint; ``ckptstage_drain_queue_*`` and ``ckptstage_drain_lag_seconds``
-make it visible.
+make it visible. Older parts are still drained, even when the shared tier's
+rules will delete them at once: the invariant is that a part leaves the local
+tier only once it was committed on the shared tier, and the drainer does not
+second-guess retention.
 
 Each copy reads every source chunk once, checks it against the local
 manifest's checksum, writes it under the shared tier's ``.tmp/<node>/`` and
 publishes with the same commit protocol as the local tier.
+
+Failures: an ``OSError`` on the shared tier (permission denied, no space,
+directory gone) is retried with exponential backoff, forever, at most
+``retry_max_s`` apart; the local copy stays meanwhile. The backoff is the
+tier's, not each part's: such failures are the file system's, so after one,
+no new copy starts until the delay has passed, and the first success resets
+it. The order above then resumes where it was (a part that keeps failing
+while others succeed yields its turn, so it cannot block the queue). A local copy that fails
+its own checksums, or a different part already published under the same name
+on the shared tier, is a permanent failure: retrying cannot fix it, and
+``SaveHandle.wait("shared")`` raises.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import os
 import threading
@@ -36,10 +53,17 @@ Key = tuple[str, int, int]  # job, step, rank
 
 
 class RateLimiter:
-    """A token bucket shared by the drain workers (``[shared] max_bandwidth``)."""
+    """A token bucket shared by the drain workers (``[shared] max_bandwidth``).
 
-    def __init__(self, rate: int | None, burst_s: float = 0.25,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+    ``acquire(n)`` takes ``n`` tokens, going into debt when there are too few
+    and sleeping the debt off, so concurrent workers share the rate. The
+    bucket holds at most ``burst_s`` seconds of tokens: enough to make up for
+    a short stall of the file system, small enough that a drain of a few
+    seconds already holds the cap within a few percent.
+    """
+
+    def __init__(self, rate: int | None, burst_s: float = 0.05,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], object] = time.sleep) -> None:
         self.rate = rate
         self._burst = (rate or 0) * burst_s
         self._tokens = self._burst
@@ -63,6 +87,18 @@ class CorruptSource(Exception):
     """The local copy fails its own manifest: draining it would spread corruption."""
 
 
+class Conflict(Exception):
+    """A different part is already committed under the same name on the target tier."""
+
+
+class _Stopping(Exception):
+    """The drainer is stopping; the copy is abandoned (its temporary removed) and resumes on restart."""
+
+
+# How many drained parts ``wait_part`` remembers after their copies are gone (deleted by retention).
+_REMEMBER_DRAINED = 100_000
+
+
 class Drainer:
     def __init__(self, config: SharedConfig, local_dir: Path, owner: str, catalog: Catalog, metrics: Metrics,
                  on_drained: Callable[[Part], None], on_corrupt: Callable[[Part, str], None] | None = None) -> None:
@@ -76,32 +112,68 @@ class Drainer:
         self.reachable: bool | None = None
         self._on_drained = on_drained
         self._on_corrupt = on_corrupt
-        self._limiter = RateLimiter(config.max_bandwidth)
+        self._stop = threading.Event()
+        self._limiter = RateLimiter(config.max_bandwidth, sleep=self._stop.wait)
         self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, int, Key]] = []  # (not_before, -step, seq, key)
-        self._parts: dict[Key, Part] = {}      # queued or draining
+        self._parts: dict[Key, Part] = {}      # queued or draining, in the order queued
         self._draining: set[Key] = set()
         self._failed: dict[Key, str] = {}      # permanent failures
-        self._attempts: dict[Key, int] = {}
-        self._seq = 0
-        self._stop = threading.Event()
+        self._attempts: dict[Key, int] = {}    # failed attempts, for the log
+        self._strikes: dict[Key, int] = {}     # failed attempts since the last successful drain
+        self._latest: dict[str, int] = {}      # newest step queued per job
+        self._gate = 0.0                       # monotonic time before which no copy starts (backoff)
+        self._tier_failures = 0                # failed attempts since the last success
+        self._done: dict[Key, None] = {}      # drained in this daemon's life, oldest first (bounded)
+        self._shared_indexed = False
         self._threads: list[threading.Thread] = []
 
     # --- life cycle -----------------------------------------------------------------
 
     def recover(self) -> None:
         """Cleans this node's shared temporaries, indexes the shared tier, queues what is missing there."""
-        try:
-            fsutil.makedirs_durable(self.shared_dir)
-            removed = fsutil.clean_temporaries(self.shared_dir, self.owner)
-            n = self.catalog.load_tier(TierName.SHARED, self.shared_dir)
-            self.reachable = True
-            log.info("shared tier %s: %d committed parts, %d temporaries removed", self.shared_dir, n, removed)
-        except OSError as e:
-            self.reachable = False
-            log.error("shared tier %s unreachable at start: %s (draining will retry)", self.shared_dir, e)
+        self._index_shared(clean=True)
+        self.requeue()
+
+    def refresh(self) -> None:
+        """Brings the index of the shared tier up to date (run on the retention timer).
+
+        Indexes the whole tier if that failed at start; otherwise re-reads the
+        directories of the jobs this daemon knows, where other nodes add their
+        ranks and delete steps. Then queues any local part that is neither
+        drained nor queued.
+        """
+        if not self._shared_indexed:
+            # Not cleaning temporaries now: the workers may be writing some.
+            self._index_shared(clean=False)
+        else:
+            for job in self.catalog.jobs():
+                try:
+                    added, dropped = self.catalog.sync_job(TierName.SHARED, self.shared_dir, job)
+                except OSError as e:
+                    self.reachable = False
+                    log.warning("cannot re-read %s on the shared tier %s: %s", job, self.shared_dir, e)
+                    continue
+                if added or dropped:
+                    log.debug("shared tier: %s: %d parts appeared, %d vanished", job, added, dropped)
+        self.requeue()
+
+    def requeue(self) -> None:
+        """Queues every local part not yet drained (a no-op for those already queued)."""
         for part in self.catalog.all_parts(TierName.LOCAL):
             self.enqueue(part)
+
+    def _index_shared(self, clean: bool) -> None:
+        try:
+            fsutil.makedirs_durable(self.shared_dir)
+            removed = fsutil.clean_temporaries(self.shared_dir, self.owner) if clean else 0
+            n = self.catalog.load_tier(TierName.SHARED, self.shared_dir)
+        except OSError as e:
+            self.reachable = False
+            log.error("shared tier %s unreachable: %s (draining will retry)", self.shared_dir, e)
+            return
+        self._shared_indexed = True
+        self.reachable = True
+        log.info("shared tier %s: %d committed parts, %d temporaries removed", self.shared_dir, n, removed)
 
     def start(self) -> None:
         for i in range(self.config.max_concurrent):
@@ -119,17 +191,17 @@ class Drainer:
 
     # --- queue -------------------------------------------------------------------------
 
-    def enqueue(self, part: Part, not_before: float = 0.0) -> None:
+    def enqueue(self, part: Part) -> None:
+        """Queues a local part for draining, unless it is queued or drained already."""
         key = (part.job, part.step, part.rank)
-        if self._on_shared(key):
+        if self._on_shared(key) or self.catalog.was_drained(*key):
             return
         with self._cond:
-            if key in self._parts and not_before == 0.0:
+            if key in self._parts:
                 return
             self._parts[key] = part
             self._failed.pop(key, None)
-            self._seq += 1
-            heapq.heappush(self._heap, (not_before, -part.step, self._seq, key))
+            self._latest[part.job] = max(part.step, self._latest.get(part.job, part.step))
             self._cond.notify()
 
     def pending(self) -> tuple[int, int]:
@@ -144,6 +216,14 @@ class Drainer:
     def busy_with(self, part: Part) -> bool:
         with self._cond:
             return (part.job, part.step, part.rank) in self._draining
+
+    def drained(self, job: str, step: int, rank: int) -> bool:
+        """Whether the part has been committed on the shared tier (even if retention deleted it since)."""
+        key = (job, step, rank)
+        with self._cond:
+            if key in self._done:
+                return True
+        return self._on_shared(key) or self.catalog.was_drained(*key)
 
     def checkpoint_state(self, ckpt: Checkpoint) -> str:
         keys = [(ckpt.job, ckpt.step, r) for r in ckpt.ranks_on(TierName.LOCAL)]
@@ -160,9 +240,9 @@ class Drainer:
         """True once the part is on the shared tier; raises if it never can be."""
         key = (job, step, rank)
         with self._cond:
-            self._cond.wait_for(lambda: self._on_shared(key) or key in self._failed or key not in self._parts,
+            self._cond.wait_for(lambda: key in self._done or key in self._failed or key not in self._parts,
                                 timeout)
-            if self._on_shared(key):
+            if key in self._done or self._on_shared(key) or self.catalog.was_drained(*key):
                 return True
             if key in self._failed:
                 raise SaveFailed(f"draining {job} step {step} rank {rank} failed: {self._failed[key]}")
@@ -185,8 +265,13 @@ class Drainer:
     # --- copies ----------------------------------------------------------------------------
 
     def fetch(self, part: Part) -> Part:
-        """Copies a shared part onto the local tier (prefetch before a restart)."""
+        """Copies a shared part onto the local tier (prefetch before a restart).
+
+        The local copy counts as drained: it came from the shared tier.
+        Raises :class:`CorruptSource` if the shared copy fails its checksums.
+        """
         dest = self._copy(part, self.local_dir, rate_limited=False)
+        self.catalog.mark_drained(part.job, part.step, part.rank)
         return Part(part.job, part.step, part.rank, part.world_size, TierName.LOCAL, dest, part.nbytes,
                     part.created, part.metrics)
 
@@ -195,68 +280,111 @@ class Drainer:
             key = self._next()
             if key is None:
                 continue
-            part = self._parts[key]
-            started = time.monotonic()
-            try:
-                dest = self._copy(part, self.shared_dir, rate_limited=True)
-            except CorruptSource as e:
-                self._give_up(key, f"local copy is corrupt: {e}")
-                if self._on_corrupt is not None:
-                    self._on_corrupt(part, str(e))
-                continue
-            except (OSError, layout.ManifestError) as e:
-                self._retry(key, part, e)
-                continue
-            self.reachable = True
-            self.metrics.drain_seconds.observe(time.monotonic() - started)
-            self.metrics.saves_committed.labels("shared").inc()
-            self.metrics.bytes_persisted.labels("shared").inc(part.nbytes)
-            shared = Part(part.job, part.step, part.rank, part.world_size, TierName.SHARED, dest, part.nbytes,
-                          part.created, part.metrics)
-            self.catalog.add(shared)
             with self._cond:
-                self._draining.discard(key)
-                self._parts.pop(key, None)
-                self._attempts.pop(key, None)
-                self._cond.notify_all()
-            log.info("drained %s step %d rank %d to %s (%d bytes, %.2fs)", part.job, part.step, part.rank,
-                     self.shared_dir, part.nbytes, time.monotonic() - started)
-            self._on_drained(shared)
+                part = self._parts.get(key)
+            if part is None:
+                continue
+            try:
+                self._drain_one(key, part)
+            except Exception as e:  # a worker must survive anything one part does
+                log.exception("unexpected error draining %s step %d rank %d", *key)
+                self._retry(key, part, e)
+
+    def _drain_one(self, key: Key, part: Part) -> None:
+        started = time.monotonic()
+        try:
+            dest = self._copy(part, self.shared_dir, rate_limited=True)
+        except _Stopping:
+            with self._cond:
+                self._draining.discard(key)  # stays queued; resumes after a restart
+            return
+        except CorruptSource as e:
+            self._give_up(key, f"local copy is corrupt: {e}")
+            if self._on_corrupt is not None:
+                self._on_corrupt(part, str(e))
+            return
+        except Conflict as e:
+            self._give_up(key, str(e))
+            return
+        except (OSError, layout.ManifestError) as e:
+            self._retry(key, part, e)
+            return
+        elapsed = time.monotonic() - started
+        self.reachable = True
+        self.metrics.drain_seconds.observe(elapsed)
+        self.metrics.saves_committed.labels("shared").inc()
+        self.metrics.bytes_persisted.labels("shared").inc(part.nbytes)
+        if elapsed > 0:
+            self.metrics.drain_bandwidth.set(part.nbytes / elapsed)
+        shared = Part(part.job, part.step, part.rank, part.world_size, TierName.SHARED, dest, part.nbytes,
+                      part.created, part.metrics)
+        self.catalog.add(shared)
+        self.catalog.mark_drained(*key)
+        try:
+            # Other nodes' ranks of this step, so the index sees the checkpoint complete
+            # (the retention timer re-reads whole jobs).
+            self.catalog.sync_job(TierName.SHARED, self.shared_dir, part.job, part.step)
+        except OSError as e:
+            log.warning("cannot re-read %s on the shared tier: %s", part.job, e)
+        with self._cond:
+            self._draining.discard(key)
+            self._parts.pop(key, None)
+            self._attempts.pop(key, None)
+            self._strikes.clear()  # the tier works: every part gets its turn in order again
+            self._tier_failures = 0
+            self._gate = 0.0
+            self._done[key] = None
+            if len(self._done) > _REMEMBER_DRAINED:
+                del self._done[next(iter(self._done))]
+            self._cond.notify_all()
+        log.info("drained %s step %d rank %d to %s (%d bytes, %.2fs)", part.job, part.step, part.rank,
+                 self.shared_dir, part.nbytes, elapsed)
+        self._on_drained(shared)
 
     def _next(self) -> Key | None:
+        """Blocks until a part may be copied (queued, not being copied, backoff over); claims it."""
         with self._cond:
             while not self._stop.is_set():
-                now = time.monotonic()
-                ready = [e for e in self._heap if e[0] <= now and e[3] in self._parts and e[3] not in self._draining]
+                wait = self._gate - time.monotonic()
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                ready = [k for k in self._parts if k not in self._draining]
                 if ready:
-                    entry = min(ready, key=lambda e: (e[1], e[2]))
-                    self._heap.remove(entry)
-                    heapq.heapify(self._heap)
-                    self._draining.add(entry[3])
-                    return entry[3]
-                waits = [e[0] - now for e in self._heap if e[3] in self._parts]
-                self._cond.wait(min(waits) if waits else None)
+                    key = min(ready, key=self._order)
+                    self._draining.add(key)
+                    return key
+                self._cond.wait()
             return None
 
+    def _order(self, key: Key) -> tuple[int, int, int]:
+        """Sort key of the drain order (see the module docstring): fewest recent failures, then
+        the job's newest step, then the oldest steps."""
+        job, step, _ = key
+        newest = step >= self._latest.get(job, step)
+        return self._strikes.get(key, 0), 0 if newest else 1, -step if newest else step
+
     def _retry(self, key: Key, part: Part, error: Exception) -> None:
-        attempt = self._attempts.get(key, 0) + 1
-        self._attempts[key] = attempt
-        delay = min(self.config.retry_max_s, self.config.retry_initial_s * 2 ** (attempt - 1))
+        with self._cond:
+            attempt = self._attempts[key] = self._attempts.get(key, 0) + 1
+            self._strikes[key] = self._strikes.get(key, 0) + 1
+            self._tier_failures += 1
+            delay = min(self.config.retry_max_s,
+                        self.config.retry_initial_s * 2 ** min(self._tier_failures - 1, 32))
+            self._gate = max(self._gate, time.monotonic() + delay)
+            self._draining.discard(key)
+            self._cond.notify_all()
         self.reachable = False
         self.metrics.drain_retries.inc()
         log.warning("drain of %s step %d rank %d failed (attempt %d): %s; retrying in %.1fs; the local copy "
                     "stays", part.job, part.step, part.rank, attempt, error, delay)
-        with self._cond:
-            self._draining.discard(key)
-            self._seq += 1
-            heapq.heappush(self._heap, (time.monotonic() + delay, -part.step, self._seq, key))
-            self._cond.notify_all()
 
     def _give_up(self, key: Key, reason: str) -> None:
         log.error("not draining %s step %d rank %d: %s", *key, reason)
         with self._cond:
             self._draining.discard(key)
             self._parts.pop(key, None)
+            self._strikes.pop(key, None)
             self._failed[key] = reason
             self._cond.notify_all()
 
@@ -269,15 +397,34 @@ class Drainer:
         manifest = layout.read_manifest(part.path)
         final = layout.part_dir(tier_dir, part.job, part.step, part.rank)
         if final.exists():
-            layout.read_manifest(final)  # committed earlier (a crash after the rename): reuse it
-            return final
+            return self._reuse(final, manifest)
         writer = fsutil.PartWriter(tier_dir, self.owner, part.job, part.step, part.rank)
         try:
             for name, entry in layout.manifest_files(manifest).items():
                 self._copy_file(part.path / name, writer.path(name), entry, rate_limited)
-            return writer.commit(manifest)
+            try:
+                return writer.commit(manifest)
+            except OSError:
+                if final.exists():  # published meanwhile (by ourselves before a crash, or a race)
+                    return self._reuse(final, manifest)
+                raise
         finally:
             writer.abort()
+
+    @staticmethod
+    def _reuse(final: Path, manifest: dict[str, object]) -> Path:
+        """A part already committed at ``final``: ours if its files match, else a :class:`Conflict`.
+
+        It is ours when a crash came after the rename but before the index
+        learnt of it. A different part under the same name (a job name reused
+        with a stale checkpoint left on the shared tier) must never be taken
+        for this one: the local copy would be deleted as drained.
+        """
+        theirs = layout.read_manifest(final)
+        if theirs.get("files") != manifest.get("files"):
+            raise Conflict(f"{final} already holds a different checkpoint under the same job, step and rank; "
+                           "move it away (or use a new job name) to drain this one")
+        return final
 
     def _copy_file(self, src: Path, dst: Path, entry: layout.FileEntry, rate_limited: bool) -> None:
         buf = bytearray(entry.chunk_bytes)
@@ -285,6 +432,8 @@ class Drainer:
         total = 0
         with open(src, "rb", buffering=0) as fin, open(dst, "wb", buffering=0) as fout:
             for i, expected in enumerate(entry.digests):
+                if self._stop.is_set():
+                    raise _Stopping()
                 n = fin.readinto(view)
                 if layout.chunk_digest(view[:n]) != expected:
                     raise CorruptSource(f"{src} chunk {i}: checksum differs from its manifest")

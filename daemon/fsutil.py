@@ -101,7 +101,10 @@ def remove_part(tier_dir: Path, owner: str, part: Path) -> None:
     trash = layout.tmp_root(tier_dir, owner) / f"del.{uuid.uuid4().hex[:12]}"
     makedirs_durable(trash.parent)
     os.rename(part, trash)
-    fsync_dir(part.parent)
+    try:
+        fsync_dir(part.parent)
+    except FileNotFoundError:
+        pass  # another node's daemon removed the emptied step directory: nothing left to make durable
     shutil.rmtree(trash, ignore_errors=True)
     try:
         part.parent.rmdir()  # the step directory, when this was its last part

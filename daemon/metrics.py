@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -45,6 +45,11 @@ class Metrics:
                                        buckets=_DURATION_BUCKETS, registry=r)
         self.drain_retries = Counter("ckptstage_drain_retries", "Drain attempts that failed and will be retried.",
                                      registry=r)
+        self.drain_bandwidth = Gauge("ckptstage_drain_bandwidth_bytes_per_second",
+                                     "Bandwidth of the last part drained (bytes over its copy's duration).",
+                                     registry=r)
+        self.retention_passes = Counter("ckptstage_retention_passes", "Retention passes run, by trigger.",
+                                        ["trigger"], registry=r)
         self.evictions = Counter("ckptstage_evictions", "Parts deleted by retention, by tier and rule.",
                                  ["tier", "rule"], registry=r)
         self.corrupt = Counter("ckptstage_corrupt_parts", "Parts that failed verification, by tier.",
@@ -52,6 +57,8 @@ class Metrics:
         self.sessions_opened = Counter("ckptstage_sessions_opened", "Client sessions opened.", registry=r)
         self.sessions_reaped = Counter("ckptstage_sessions_reaped",
                                        "Sessions closed because the client went away.", registry=r)
+        for trigger in ("commit", "drain", "timer", "gc"):
+            self.retention_passes.labels(trigger)
         for tier in ("local", "shared"):
             self.saves_committed.labels(tier)
             self.bytes_persisted.labels(tier)

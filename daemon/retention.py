@@ -291,17 +291,25 @@ def _shared_reason(step: int, keepers: Sequence[tuple[str, set[int]]]) -> str | 
     return next((why for why, steps in keepers if step in steps), None)
 
 
-def plan_shared(records: Iterable[Record], rules: SharedRules) -> Plan:
+def plan_shared(records: Iterable[Record], rules: SharedRules, *more: SharedRules) -> Plan:
     """Decide which checkpoints stay on the shared tier.
 
     A checkpoint stays if it is protected (pinned, newest complete, incomplete
     newer) or any configured rule keeps it: among the ``keep_last`` newest,
     a multiple of ``keep_every``, or among the ``keep_best``. Everything else
     is deleted as ``"unkept"``. With no rules every checkpoint is kept.
+
+    ``more`` are further rule sets (a job's own overrides) whose keepers are
+    added to those of ``rules``: extra rule sets can only keep more, never
+    delete what ``rules`` alone would keep.
     """
     ordered = _by_step(records)
     newest = _newest_complete(ordered)
-    keepers = _shared_keepers(ordered, rules)
+    per_set = [_shared_keepers(ordered, rs) for rs in (rules, *more)]
+    # A rule set with no rules keeps everything, so the union does too (NO_RULES);
+    # otherwise reasons follow the documented priority, whichever set kept the step.
+    keepers = [] if any(not ks for ks in per_set) else sorted(
+        (k for ks in per_set for k in ks), key=lambda k: KEEP_REASONS.index(k[0]))
     keep: dict[int, str] = {}
     delete: dict[int, str] = {}
     for r in ordered:

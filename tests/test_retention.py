@@ -528,3 +528,57 @@ def test_random_plans_keep_the_invariants(seed: int) -> None:
     check_common_invariants(shared_records, shared, local=False)
     check_shared_invariants(shared_records, shared_rules, shared)
     assert plan_shared(iter(shuffled(rng, shared_records)), shared_rules) == shared
+
+
+# --- a job's extra rule sets (per-job overrides) -----------------------------------
+
+
+EXTRA_CASES = [
+    pytest.param(
+        steps(*range(1, 10)), SharedRules(keep_last=2), [SharedRules(keep_every=4)],
+        {4: "keep_every", 8: "keep_last", 9: "newest"},
+        id="extra-keep-every-adds-keepers",
+    ),
+    pytest.param(
+        steps(*range(1, 6)), SharedRules(keep_last=2), [SharedRules(keep_last=1)],
+        {4: "keep_last", 5: "newest"},
+        id="extra-smaller-keep-last-deletes-nothing-more",
+    ),
+    pytest.param(
+        steps(*range(1, 6)), SharedRules(), [SharedRules(keep_last=1)],
+        {1: "no_rules", 2: "no_rules", 3: "no_rules", 4: "no_rules", 5: "newest"},
+        id="operator-without-rules-keeps-everything-whatever-the-extra-set",
+    ),
+    pytest.param(
+        METRIC_RECORDS, SharedRules(keep_last=1), [SharedRules(keep_best=KeepBest("loss", "min", 1))],
+        {2: "keep_best", 6: "newest"},
+        id="extra-keep-best",
+    ),
+    pytest.param(
+        steps(*range(1, 13)), SharedRules(keep_every=10), [SharedRules(keep_last=3)],
+        {10: "keep_last", 11: "keep_last", 12: "newest"},
+        id="reasons-follow-priority-across-sets",
+    ),
+]
+
+
+@pytest.mark.parametrize("records, rules, extra, keep", EXTRA_CASES)
+def test_plan_shared_with_extra_rule_sets(records, rules, extra, keep) -> None:  # type: ignore[no-untyped-def]
+    plan = plan_shared(records, rules, *extra)
+    assert plan.keep == keep
+    assert set(plan.delete) == {r.step for r in records} - set(keep)
+    # Extra rule sets only ever keep more than the operator's rules alone.
+    assert set(plan.delete) <= set(plan_shared(records, rules).delete)
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_random_extra_rule_sets_only_keep_more(seed: int) -> None:
+    rng = random.Random(seed)
+    records = random_records(rng, shared=True)
+    rules = random_shared_rules(rng)
+    extra = [random_shared_rules(rng) for _ in range(rng.randint(1, 2))]
+    plan = plan_shared(records, rules, *extra)
+    check_common_invariants(records, plan, local=False)
+    assert set(plan.delete) <= set(plan_shared(records, rules).delete)
+    for one in (rules, *extra):
+        assert set(plan.delete) <= set(plan_shared(records, one).delete)

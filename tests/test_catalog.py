@@ -1,0 +1,89 @@
+"""The catalogue's drained records and its re-reading of a tier other daemons write to."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+from ckptstage.daemon.catalog import Catalog, Part, TierName, scan_job
+from ckptstage.daemon.fsutil import PartWriter
+from ckptstage.protos import layout
+
+
+def commit(tier: Path, job: str, step: int, rank: int, world_size: int = 2) -> Path:
+    """A committed part with an empty data file, written the way the daemon writes one."""
+    writer = PartWriter(tier, "test-node", job, step, rank)
+    writer.path(layout.DATA_FILE).write_bytes(b"")
+    manifest = {"format": layout.FORMAT, "job": job, "step": step, "rank": rank, "world_size": world_size,
+                "tensors": [], "tree": {}, "data_start": 0, "created": 1.0, "metrics": {},
+                "files": {layout.DATA_FILE: layout.FileEntry(0, 1 << 20, (layout.chunk_digest(b""),)).to_json()}}
+    return writer.commit(manifest)
+
+
+def local_part(tier: Path, job: str, step: int, rank: int = 0) -> Part:
+    path = commit(tier, job, step, rank, world_size=1)
+    return Part.from_disk(layout.PartRef(job, step, rank, path), TierName.LOCAL)
+
+
+def test_drained_records_survive_a_restart_and_go_with_the_local_part(tmp_path: Path) -> None:
+    state, local = tmp_path / "state", tmp_path / "local"
+    cat = Catalog(state / "pins.json")
+    parts = [local_part(local, "j", s) for s in (1, 2, 3)]
+    for p in parts:
+        cat.add(p)
+    cat.mark_drained("j", 1, 0)
+    cat.mark_drained("j", 2, 0)
+    cat.remove(parts[0])  # deleted from local: its record goes too
+    again = Catalog(state / "pins.json")
+    assert [again.was_drained("j", s, 0) for s in (1, 2, 3)] == [False, True, False]
+    # After a restart, records of parts that are no longer on the local tier are pruned.
+    cat.mark_drained("j", 3, 0)
+    shutil.rmtree(parts[2].path)
+    fresh = Catalog(state / "pins.json")
+    fresh.load_tier(TierName.LOCAL, local)
+    assert fresh.prune_drained() == 1
+    assert [fresh.was_drained("j", s, 0) for s in (2, 3)] == [True, False]
+    assert [Catalog(state / "pins.json").was_drained("j", s, 0) for s in (2, 3)] == [True, False]
+
+
+def test_concurrent_drained_records_all_reach_the_file(tmp_path: Path) -> None:
+    cat = Catalog(tmp_path / "pins.json")
+
+    def mark(rank: int) -> None:
+        for step in range(40):
+            cat.mark_drained("j", step, rank)
+
+    threads = [threading.Thread(target=mark, args=(r,)) for r in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    reloaded = Catalog(tmp_path / "pins.json")
+    missing = [(s, r) for s in range(40) for r in range(6) if not reloaded.was_drained("j", s, r)]
+    assert missing == []
+
+
+def test_sync_job_sees_other_nodes_parts_appear_and_vanish(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    cat = Catalog(tmp_path / "state" / "pins.json")
+    mine = commit(shared, "j", 1, 0)
+    cat.load_tier(TierName.SHARED, shared)
+    ckpt = cat.get("j", 1)
+    assert ckpt is not None and not ckpt.complete
+    theirs = commit(shared, "j", 1, 1)  # the other node's rank
+    commit(shared, "j", 2, 1)
+    commit(shared, "other", 1, 0)  # another job: not this sync's business
+    assert cat.sync_job(TierName.SHARED, shared, "j", step=1) == (1, 0)
+    ckpt = cat.get("j", 1)
+    assert ckpt is not None and ckpt.complete and cat.get("j", 2) is None
+    assert cat.sync_job(TierName.SHARED, shared, "j") == (1, 0)
+    assert cat.sync_job(TierName.SHARED, shared, "j") == (0, 0)  # known parts are not read again
+    shutil.rmtree(theirs)  # the other node's retention deleted its part
+    shutil.rmtree(shared / "j" / layout.step_dirname(2))
+    assert cat.sync_job(TierName.SHARED, shared, "j") == (0, 2)
+    assert [c.step for c in cat.checkpoints("j")] == [1]
+    assert cat.get("other", 1) is None
+    assert {r.path for r in scan_job(shared, "j")} == {mine}
+    assert list(scan_job(shared, "nosuchjob")) == []
+    assert list(scan_job(shared, "j", step=7)) == []
