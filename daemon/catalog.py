@@ -15,8 +15,6 @@ copy it again after every restart.
 from __future__ import annotations
 
 import logging
-import os
-import re
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -102,33 +100,6 @@ class Checkpoint:
 Key = tuple[str, int, int]  # job, step, rank
 
 
-_STEP_RE = re.compile(r"step-(\d{12})")
-_RANK_RE = re.compile(r"rank-(\d{5})")
-
-
-def scan_job(tier_dir: Path, job: str, step: int | None = None) -> Iterator[layout.PartRef]:
-    """Like :func:`layout.scan_tier`, for one job's directory only, or one step's (cheap on a big
-    shared tier); steps deleted while it looks are skipped, not errors."""
-    job_dir = tier_dir / layout.check_job(job)
-    if step is not None:
-        step_dirs = [job_dir / layout.step_dirname(step)]
-    else:
-        try:
-            step_dirs = [Path(e.path) for e in os.scandir(job_dir) if _STEP_RE.fullmatch(e.name)]
-        except FileNotFoundError:
-            return
-    for step_dir in step_dirs:
-        m = _STEP_RE.fullmatch(step_dir.name)
-        try:
-            ranks = list(os.scandir(step_dir))
-        except (FileNotFoundError, NotADirectoryError):
-            continue  # not there, or deleted meanwhile by another node's retention
-        for rank_entry in ranks:
-            r = _RANK_RE.fullmatch(rank_entry.name)
-            if m and r and os.path.isfile(os.path.join(rank_entry.path, layout.MANIFEST_FILE)):
-                yield layout.PartRef(job, int(m.group(1)), int(r.group(1)), Path(rank_entry.path))
-
-
 class Catalog:
     """Thread-safe index: job -> step -> rank -> tier -> :class:`Part`."""
 
@@ -167,7 +138,7 @@ class Catalog:
         with self._lock:
             known = {(s, rank): tiers[tier] for s, ranks in self._parts.get(job, {}).items()
                      if step in (None, s) for rank, tiers in ranks.items() if tier in tiers}
-        found = {(ref.step, ref.rank): ref for ref in scan_job(tier_dir, job, step)}
+        found = {(ref.step, ref.rank): ref for ref in layout.scan_tier(tier_dir, job, step)}
         added = dropped = 0
         for key, ref in found.items():
             if key not in known or known[key].path != ref.path:

@@ -102,8 +102,8 @@ class Servicer(pb_grpc.CheckpointerServicer):
     @_mapped
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.OpenSessionResponse:
         o = request.retention
-        overrides = {k: v for k, v in (("local_keep_last", o.local_keep_last), ("shared_keep_last", o.shared_keep_last),
-                                        ("shared_keep_every", o.shared_keep_every)) if v}
+        # Every field of RetentionOverrides, by name; unset (zero/empty) ones mean "the operator's".
+        overrides = {f.name: getattr(o, f.name) for f in o.DESCRIPTOR.fields if getattr(o, f.name)}
         info = SessionInfo(request.job, request.rank, request.world_size or 1, request.pid, request.hostname,
                            overrides)
         session = self.node.open_session(info)

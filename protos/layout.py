@@ -115,25 +115,36 @@ class PartRef:
     path: Path
 
 
-def scan_tier(tier_dir: Path) -> Iterator[PartRef]:
+def scan_tier(tier_dir: Path, job: str | None = None, step: int | None = None) -> Iterator[PartRef]:
     """Yields every renamed-into-place part directory that has a manifest.
 
-    Only names this module produces are considered; anything else on the
-    tier (an operator's notes, another tool's files) is left alone.
+    ``job`` and ``step`` narrow the walk (cheap on a big shared tier). Only
+    names this module produces are considered; anything else on the tier
+    (an operator's notes, another tool's files) is left alone, and
+    directories deleted while the walk runs are skipped, not errors.
     """
     if not tier_dir.is_dir():
         return
-    for job_entry in os.scandir(tier_dir):
-        if not job_entry.is_dir() or not _JOB_RE.fullmatch(job_entry.name):
-            continue
-        for step_entry in os.scandir(job_entry.path):
-            m = _STEP_RE.fullmatch(step_entry.name)
-            if not m or not step_entry.is_dir():
-                continue
-            for rank_entry in os.scandir(step_entry.path):
+    jobs = [tier_dir / check_job(job)] if job is not None else [
+        Path(e.path) for e in _entries(tier_dir) if _JOB_RE.fullmatch(e.name) and e.is_dir()]
+    for job_dir in jobs:
+        steps = [job_dir / step_dirname(step)] if step is not None else [
+            Path(e.path) for e in _entries(job_dir) if _STEP_RE.fullmatch(e.name)]
+        for step_dir in steps:
+            m = _STEP_RE.fullmatch(step_dir.name)
+            for rank_entry in _entries(step_dir):
                 r = _RANK_RE.fullmatch(rank_entry.name)
-                if r and os.path.isfile(os.path.join(rank_entry.path, MANIFEST_FILE)):
-                    yield PartRef(job_entry.name, int(m.group(1)), int(r.group(1)), Path(rank_entry.path))
+                if m and r and os.path.isfile(os.path.join(rank_entry.path, MANIFEST_FILE)):
+                    yield PartRef(job_dir.name, int(m.group(1)), int(r.group(1)), Path(rank_entry.path))
+
+
+def _entries(path: str | Path) -> list[os.DirEntry[str]]:
+    """A directory's entries; none when it vanished meanwhile (another node's retention on a shared tier)."""
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 # --- checksums --------------------------------------------------------------

@@ -6,7 +6,8 @@ import shutil
 import threading
 from pathlib import Path
 
-from ckptstage.daemon.catalog import Catalog, Part, TierName, scan_job
+from ckptstage.daemon.catalog import Catalog, Part, TierName
+from ckptstage.protos.layout import scan_tier
 from ckptstage.daemon.fsutil import PartWriter
 from ckptstage.protos import layout
 
@@ -84,6 +85,6 @@ def test_sync_job_sees_other_nodes_parts_appear_and_vanish(tmp_path: Path) -> No
     assert cat.sync_job(TierName.SHARED, shared, "j") == (0, 2)
     assert [c.step for c in cat.checkpoints("j")] == [1]
     assert cat.get("other", 1) is None
-    assert {r.path for r in scan_job(shared, "j")} == {mine}
-    assert list(scan_job(shared, "nosuchjob")) == []
-    assert list(scan_job(shared, "j", step=7)) == []
+    assert {r.path for r in scan_tier(shared, "j")} == {mine}
+    assert list(scan_tier(shared, "nosuchjob")) == []
+    assert list(scan_tier(shared, "j", step=7)) == []
