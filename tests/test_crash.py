@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,6 +27,7 @@ import pytest
 import torch
 from ckptstage.client import CkptStageError, Client
 from ckptstage.protos import layout
+from support import wait_until
 
 T = TypeVar("T")
 
@@ -60,18 +60,6 @@ handle = client.save(step, state)
 handle.wait_snapshot()
 print("UNREACHABLE: the snapshot finished", flush=True)
 """
-
-
-def wait_until(pred: Callable[[], T], timeout: float, what: str, interval: float = 0.02) -> T:
-    """Polls ``pred`` until it returns something truthy; fails naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not true after {timeout}s: {what}")
-        time.sleep(interval)
 
 
 def temporaries(local: Path) -> list[Path]:

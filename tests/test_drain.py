@@ -14,13 +14,11 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.request import urlopen
 
 import pytest
 import torch
@@ -29,48 +27,13 @@ from ckptstage.client.errors import SaveFailed
 from ckptstage.daemon.drainer import RateLimiter
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
+from support import free_port, metric, scrape, wait_until
 
 MiB = 1 << 20
 JOB = "drainjob"
 
 
 # --- helpers ------------------------------------------------------------------------
-
-
-def wait_until(pred: Callable[[], Any], timeout: float, what: str, poll: float = 0.05) -> Any:
-    """Polls ``pred`` until it is truthy; fails naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(poll)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def scrape(port: int) -> str:
-    with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        return resp.read().decode()
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """The value of one sample in a Prometheus exposition (0 when absent)."""
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in text.splitlines():
-        m = re.fullmatch(r"([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)", line)
-        if not m or m.group(1) != name:
-            continue
-        got = ",".join(sorted(p for p in (m.group(2) or "").split(",") if p))
-        if got == want:
-            return float(m.group(3))
-    return 0.0
 
 
 def wait_metric(port: int, value: float, name: str, **labels: str) -> None:

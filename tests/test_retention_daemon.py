@@ -10,12 +10,9 @@ from __future__ import annotations
 import filecmp
 import re
 import shutil
-import socket
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.request import urlopen
 
 import pytest
 import torch
@@ -24,39 +21,18 @@ from ckptstage.client.errors import CheckpointNotFound
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
+import support
+from support import free_port, wait_until
+
 JOB = "retjob"
 
 
-# --- helpers (the same small ones as test_drain.py: test modules do not import each other) ---
-
-
-def wait_until(pred: Callable[[], Any], timeout: float, what: str, poll: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(poll)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# --- helpers ---
 
 
 def metric(port: int, name: str, **labels: str) -> float:
     """One sample scraped from the daemon's /metrics (0 when absent)."""
-    with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    want = ",".join(sorted(f'{k}="{v}"' for k, v in labels.items()))
-    for line in text.splitlines():
-        m = re.fullmatch(r"([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)", line)
-        if m and m.group(1) == name and ",".join(sorted(p for p in (m.group(2) or "").split(",") if p)) == want:
-            return float(m.group(3))
-    return 0.0
+    return support.metric(support.scrape(port), name, **labels)
 
 
 def wait_metric(port: int, value: float, name: str, **labels: str) -> None:

@@ -1,0 +1,47 @@
+"""Small helpers shared by the test modules (importable: pytest's pythonpath includes tests/)."""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+from collections.abc import Callable
+from typing import TypeVar
+from urllib.request import urlopen
+
+import pytest
+
+T = TypeVar("T")
+
+
+def wait_until(pred: Callable[[], T], timeout: float, what: str, poll: float = 0.02) -> T:
+    """Polls ``pred`` until it returns something truthy; fails naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(poll)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(port: int) -> str:
+    with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return resp.read().decode()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in a Prometheus exposition (0 when absent)."""
+    want = ",".join(sorted(f'{k}="{v}"' for k, v in labels.items()))
+    for line in text.splitlines():
+        m = re.fullmatch(r"([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)", line)
+        if m and m.group(1) == name and ",".join(sorted(p for p in (m.group(2) or "").split(",") if p)) == want:
+            return float(m.group(3))
+    return 0.0
