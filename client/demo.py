@@ -103,15 +103,13 @@ def _daemon(socket: str | None) -> Iterator[Path]:
         return
     except errors.CkptStageError:
         pass
-    from ckptstage.daemon.config import dump_config, load_config
-
     with tempfile.TemporaryDirectory(prefix="ckptstage-demo-") as tmp:
         root = Path(tmp)
         path = root / "run" / "ckptstage.sock"
-        cfg = load_config(None, {"socket": str(path), "local.dir": str(root / "local"),
-                                 "shared.dir": str(root / "shared"), "arena.max_bytes": "256MiB",
-                                 "shared.keep_last": 3})
-        (root / "ckptstaged.toml").write_text(dump_config(cfg))
+        # The client never imports the daemon: the config is written as TOML text.
+        (root / "ckptstaged.toml").write_text(
+            f'socket = "{path}"\n[arena]\nmax_bytes = "256MiB"\nmin_session_bytes = "64MiB"\n'
+            f'[local]\ndir = "{root / "local"}"\n[shared]\ndir = "{root / "shared"}"\nkeep_last = 3\n')
         log = open(root / "daemon.log", "wb")
         proc = subprocess.Popen([sys.executable, "-m", "ckptstage.daemon.main", "--config",
                                  str(root / "ckptstaged.toml")], stdout=log, stderr=subprocess.STDOUT)

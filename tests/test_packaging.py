@@ -94,6 +94,18 @@ def test_client_imports_torch_only_when_client_is_used(tmp_path):
     assert out.split() == ["False", "True"]
 
 
+def test_client_never_imports_the_daemon(tmp_path):
+    """client -> protos <- daemon: every client module, the CLI and the demo included."""
+    out = run_python("""
+        import importlib, pkgutil, sys
+        import ckptstage.client
+        for m in pkgutil.iter_modules(ckptstage.client.__path__):
+            importlib.import_module(f"ckptstage.client.{m.name}")
+        print(sorted(n for n in sys.modules if n.startswith("ckptstage.daemon")))
+    """, cwd=tmp_path)
+    assert out.strip() == "[]"
+
+
 @pytest.mark.parametrize("name", ["daemon", "client", "protos"])
 def test_repo_folders_are_not_top_level_packages(tmp_path, name):
     out = run_python(f"""
