@@ -323,3 +323,58 @@ def test_trainer_sigkill_mid_save_frees_its_session_and_memory(daemon, trainers)
     with daemon.connection() as conn:
         status = conn.status()
     assert list(status.sessions) == [] and status.arena_used_bytes == 0
+
+
+# A trainer that finishes its snapshot, says so, and then hangs until killed.
+SNAPSHOT_THEN_HANG = r"""
+import sys, time
+import torch
+from ckptstage.client import Client
+
+client = Client(sys.argv[2], socket=sys.argv[1])
+handle = client.save(7, {"big": torch.arange(int(sys.argv[3]) << 17, dtype=torch.float64)})
+handle.wait_snapshot()
+print("SNAPSHOT", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_trainer_sigkill_after_its_snapshot_still_commits(daemon_factory, tmp_path):
+    """Bytes that reached the daemon survive the trainer: the daemon persists from its own mapping."""
+    d = daemon_factory(**{"persist.workers": 1, "arena.max_bytes": "1GiB"}).start()
+    mib = 256
+    proc = subprocess.Popen([sys.executable, "-c", SNAPSHOT_THEN_HANG, str(d.socket), "orphan", str(mib)],
+                            stdout=subprocess.PIPE, stderr=open(tmp_path / "trainer.log", "wb"))
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready and proc.stdout.readline().strip() == b"SNAPSHOT", (tmp_path / "trainer.log").read_text()
+        proc.kill()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    wait_until(lambda: committed_steps(d.local, "orphan") == [7], 120, "the orphaned save to commit")
+    part = layout.part_dir(d.local, "orphan", 7, 0)
+    layout.verify_part(part)
+    assert layout.read_manifest(part)["files"][layout.DATA_FILE]["size"] > mib << 20
+    with Client("orphan", socket=d.socket) as c:
+        loaded = c.load(7)["big"]
+    assert torch.equal(loaded, torch.arange(mib << 17, dtype=torch.float64))
+    wait_until(lambda: session_for(d, proc.pid) is None, 30, "the dead trainer's session to be reaped")
+    with d.connection() as conn:
+        wait_until(lambda: conn.status().arena_used_bytes == 0, 30, "its arena to return to the budget")
+    assert not arenas_of(d.proc.pid)
+
+
+def test_second_daemon_on_the_same_local_tier_refuses_to_start(daemon_factory, tmp_path):
+    first = daemon_factory("a").start()
+    second = daemon_factory("b")
+    second.socket = tmp_path / "b-run" / "other.sock"
+    second.local = first.local
+    second.write_config()
+    second.start(wait=False)
+    assert second.proc is not None
+    assert second.proc.wait(timeout=60) != 0
+    assert f"another daemon already uses the local tier {first.local}" in second.log.read_text()
+    with first.connection() as conn:
+        assert conn.status().pid == first.proc.pid
