@@ -10,18 +10,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from ckptstage.daemon import arena as arena_mod
-from ckptstage.daemon import fsutil, retention
+from ckptstage.daemon import fsutil
 from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.config import Config
 from ckptstage.daemon.drainer import CorruptSource, Drainer
@@ -33,6 +30,8 @@ from ckptstage.daemon.errors import (
     SaveNotFound,
     ShuttingDown,
 )
+from ckptstage.daemon.janitor import GcAction, Janitor
+from ckptstage.daemon.job_rules import JobRetention, JobRules
 from ckptstage.daemon.metrics import Metrics, StateProbe
 from ckptstage.daemon.persister import Persister, Save, parse_manifest
 from ckptstage.daemon.sessions import Session, SessionInfo, SessionTable
@@ -42,18 +41,6 @@ log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
 STATE_DIR = ".state"  # under the local tier: pins; ignored by tier scans (not a job name)
-# A job's retention overrides, published beside its checkpoints on the shared tier
-# (<shared>/<job>/retention.json, ignored by tier scans) for the other nodes' daemons.
-JOB_RULES_FILE = "retention.json"
-
-
-@dataclass(frozen=True)
-class GcAction:
-    job: str
-    step: int
-    tier: TierName
-    reason: str
-    nbytes: int
 
 
 def node_name(local_dir: Path | None = None) -> str:
@@ -71,68 +58,6 @@ def node_name(local_dir: Path | None = None) -> str:
     return f"{name}-{hashlib.sha256(os.fsencode(local_dir)).hexdigest()[:8]}"
 
 
-@dataclass(frozen=True)
-class JobRetention:
-    """A job's own retention wishes, sent when its client opens a session (0 / "" = none).
-
-    Policy: a job's rules are *added* to the operator's, so a job can keep
-    more than the operator's rules would, never less, and never delete
-    anything the operator's rules keep. Concretely:
-
-    * ``local_keep_last`` and ``shared_keep_last`` raise the tier's
-      ``keep_last`` up to ``[retention] max_job_keep_last`` (a value below the
-      operator's has no effect: it would delete more);
-    * ``shared_keep_every`` also keeps every step divisible by it, besides
-      the operator's ``keep_every``;
-    * ``keep_best_*`` also keeps the job's best ``n`` (``n`` capped at
-      ``max_job_keep_last``) by its metric, besides the operator's ``keep_best``.
-
-    Space watermarks (``local.max_bytes``, ``local.min_free_bytes``) stay the
-    operator's alone: they protect the node, and still evict drained
-    checkpoints a job asked to keep. Pins already let any job keep any step;
-    the cap bounds only what rules keep by count.
-
-    The latest session of a job sets its rules (an empty set resets them).
-    They outlive the session and restarts (``.state/job-retention.json``),
-    and are published on the shared tier beside the job's checkpoints, so
-    that every node's daemon, which all apply the shared rules to every job
-    they index there, applies the job's rules too.
-    """
-
-    local_keep_last: int = 0
-    shared_keep_last: int = 0
-    shared_keep_every: int = 0
-    keep_best_metric: str = ""
-    keep_best_mode: str = ""
-    keep_best_n: int = 0
-
-    @classmethod
-    def parse(cls, overrides: Mapping[str, object]) -> JobRetention:
-        """Validates a session's overrides; raises :class:`InvalidRequest` naming the bad one."""
-        known = {f: t for f, t in cls.__annotations__.items()}
-        values: dict[str, Any] = {}
-        for key, value in overrides.items():
-            if key not in known:
-                raise InvalidRequest(f"unknown retention override {key!r} (known: {', '.join(sorted(known))})")
-            if known[key] == "str":
-                if not isinstance(value, str):
-                    raise InvalidRequest(f"retention override {key} must be a string, got {value!r}")
-            elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidRequest(f"retention override {key} must be an integer >= 0, got {value!r}")
-            values[key] = value
-        rules = cls(**values)
-        if rules.keep_best_metric and rules.keep_best_mode not in ("min", "max"):
-            raise InvalidRequest(f"retention override keep_best_mode must be 'min' or 'max' with "
-                                 f"keep_best_metric, got {rules.keep_best_mode!r}")
-        if not rules.keep_best_metric and (rules.keep_best_mode or rules.keep_best_n):
-            raise InvalidRequest("retention overrides keep_best_mode / keep_best_n need keep_best_metric")
-        return rules
-
-    @property
-    def empty(self) -> bool:
-        return self == JobRetention()
-
-
 class Node:
     """Everything one ``ckptstaged`` does, minus the wire."""
 
@@ -146,16 +71,12 @@ class Node:
         self.sessions = SessionTable()
         self.owner = node_name(config.local.dir)
         self.catalog = Catalog(config.local.dir / STATE_DIR / "pins.json")
-        self._job_rules_file = config.local.dir / STATE_DIR / "job-retention.json"
-        self._job_rules: dict[str, JobRetention] = {}
-        self._job_rules_lock = threading.Lock()
-        self._unpublished: set[str] = set()  # jobs whose rules the shared tier does not have yet
+        self.job_rules = JobRules(config.local.dir / STATE_DIR / "job-retention.json", config.shared.dir)
         self._timer: threading.Thread | None = None
         self._saves: dict[str, Save] = {}
         self._owners: dict[str, Session] = {}  # save id -> its session, even after the session closed
         self._saves_lock = threading.Lock()
         self._stopping = threading.Event()
-        self._retention_lock = threading.Lock()
         self.persister = Persister(config.persist.workers, self._on_commit, self._on_failure, self._on_progress)
         self.drainer: Drainer | None = None
         if config.shared.enabled:
@@ -164,6 +85,8 @@ class Node:
                                    on_drained=lambda part: self.apply_retention(part.job, trigger="drain"),
                                    on_corrupt=lambda part, why: self.report_corrupt(
                                        part.job, part.step, part.rank, TierName.LOCAL, why))
+        self.janitor = Janitor(config, self.catalog, self.metrics, self.owner, self.drainer, self.job_rules,
+                               self._in_flight)
         self.metrics.add_state(self._probe())
 
     # --- life cycle -------------------------------------------------------------
@@ -179,7 +102,7 @@ class Node:
         stale = arena_mod.sweep_stale()
         n_local = self.catalog.load_tier(TierName.LOCAL, self.config.local.dir)
         self.catalog.prune_drained()
-        self._load_job_rules()
+        self.job_rules.load()
         log.info("local tier %s: %d committed parts, %d temporaries removed, %d stale arenas removed",
                  self.config.local.dir, n_local, removed, stale)
         if self.drainer is not None:
@@ -217,7 +140,7 @@ class Node:
             raise InvalidRequest(str(e)) from e
         rules = JobRetention.parse(info.overrides)
         session = Session(info, self.budget, self.config.persist.chunk_bytes, os.getpid())
-        self._set_job_rules(info.job, rules)
+        self.job_rules.set(info.job, rules)
         self.sessions.add(session)
         self.metrics.sessions_opened.inc()
         log.info("session %s opened: job %s rank %d/%d pid %d on %s", session.id, info.job, info.rank,
@@ -376,23 +299,11 @@ class Node:
 
     def apply_retention(self, job: str, dry_run: bool = False, trigger: str = "gc",
                         shared: bool = True) -> list[GcAction]:
-        """Runs both tiers' rules for one job; deletes (unless dry_run) and returns what goes.
-
-        ``trigger`` (commit, drain, timer, start, gc) labels the pass in metrics.
-        ``shared=False`` plans the local tier only: a local commit changes
-        nothing the shared rules look at, and the persister thread that runs
-        that pass must never wait on the shared file system.
-        """
-        with self._retention_lock:
-            actions = self._plan_retention(job, shared)
-            if not dry_run:
-                self.metrics.retention_passes.labels(trigger).inc()
-                for action in actions:
-                    self._delete(action)
-            return actions
+        """Runs the retention rules for one job (see :meth:`Janitor.apply`)."""
+        return self.janitor.apply(job, dry_run, trigger, shared)
 
     def gc(self, dry_run: bool) -> list[GcAction]:
-        return [a for job in self.catalog.jobs() for a in self.apply_retention(job, dry_run, trigger="gc")]
+        return self.janitor.gc(dry_run)
 
     def drain(self, job: str | None, wait: bool, timeout: float) -> tuple[int, int]:
         if self.drainer is None:
@@ -402,83 +313,6 @@ class Node:
         return self.drainer.wait_idle(job or None, timeout if wait else 0.0)
 
     # --- internals ---------------------------------------------------------------------
-
-    def _plan_retention(self, job: str, shared: bool = True) -> list[GcAction]:
-        ckpts = self.catalog.checkpoints(job)
-        local_records, shared_records = [], []
-        d = self.drainer
-        for c in ckpts:
-            local_ranks = c.ranks_on(TierName.LOCAL)
-            if local_ranks:
-                # Drained: committed on the shared tier, even if the shared rules deleted it since.
-                drained = d is None or all(d.drained(job, c.step, r) for r in local_ranks)
-                local_records.append(retention.Record(c.step, c.nbytes(TierName.LOCAL), drained=drained,
-                                                      pinned=c.pinned, complete=c.complete, metrics=c.metrics))
-            if c.ranks_on(TierName.SHARED):
-                shared_records.append(retention.Record(c.step, c.nbytes(TierName.SHARED), pinned=c.pinned,
-                                                       complete=c.complete_on(TierName.SHARED),
-                                                       metrics=c.metrics))
-        actions = []
-        free = _free_bytes(self.config.local.dir)
-        job_rules = self._rules_for(job)
-        local_plan = retention.plan_local(local_records, self._local_rules(job_rules), free)
-        actions += [GcAction(job, s, TierName.LOCAL, why, _nbytes(local_records, s))
-                    for s, why in sorted(local_plan.delete.items())]
-        if self.drainer is not None and shared:
-            shared_plan = retention.plan_shared(shared_records, self._shared_rules(),
-                                                *self._job_shared_rules(job_rules))
-            actions += [GcAction(job, s, TierName.SHARED, why, _nbytes(shared_records, s))
-                        for s, why in sorted(shared_plan.delete.items())]
-        return actions
-
-    def _local_rules(self, job: JobRetention) -> retention.LocalRules:
-        c = self.config.local
-        keep_last = c.keep_last
-        if job.local_keep_last:
-            keep_last = max(keep_last, min(job.local_keep_last, self.config.retention.max_job_keep_last))
-        return retention.LocalRules(keep_last=keep_last, max_bytes=c.max_bytes, min_free_bytes=c.min_free_bytes)
-
-    def _job_shared_rules(self, job: JobRetention) -> list[retention.SharedRules]:
-        """The job's own shared rules, kept in addition to the operator's (see :class:`JobRetention`)."""
-        cap = self.config.retention.max_job_keep_last
-        best = (retention.KeepBest(job.keep_best_metric, job.keep_best_mode,  # type: ignore[arg-type]
-                                   min(job.keep_best_n or 1, cap)) if job.keep_best_metric else None)
-        rules = retention.SharedRules(keep_last=min(job.shared_keep_last, cap) or None,
-                                      keep_every=job.shared_keep_every or None, keep_best=best)
-        # A rule set with no rules would keep everything: only pass one that has some.
-        return [rules] if rules != retention.SharedRules() else []
-
-    def _shared_rules(self) -> retention.SharedRules:
-        c = self.config.shared
-        best = (retention.KeepBest(c.keep_best.metric, c.keep_best.mode, c.keep_best.n)
-                if c.keep_best is not None else None)
-        return retention.SharedRules(keep_last=c.keep_last, keep_every=c.keep_every, keep_best=best)
-
-    def _delete(self, action: GcAction) -> None:
-        ckpt = self.catalog.get(action.job, action.step)
-        if ckpt is None:
-            return
-        tier_dir = self.config.local.dir if action.tier == TierName.LOCAL else self.config.shared.dir
-        assert tier_dir is not None
-        for part in ckpt.on_tier(action.tier):
-            if self._in_flight(part.job, part.step, part.rank) and action.tier == TierName.SHARED:
-                continue
-            if self.drainer is not None and action.tier == TierName.LOCAL and self.drainer.busy_with(part):
-                continue  # being read by the drainer right now; the next pass gets it
-            try:
-                fsutil.remove_part(tier_dir, self.owner, part.path)
-            except FileNotFoundError:
-                # Gone already: another node's daemon applied the same rule to this step.
-                self.catalog.remove(part)
-                log.debug("retention: %s was already deleted", part.path)
-                continue
-            except OSError as e:
-                log.error("retention could not delete %s: %s", part.path, e)
-                continue
-            self.catalog.remove(part)
-            self.metrics.evictions.labels(action.tier.value, retention.rule_name(action.reason)).inc()
-            log.info("retention: deleted %s step %d rank %d from %s (%s, %d bytes)", part.job, part.step,
-                     part.rank, action.tier.value, action.reason, part.nbytes)
 
     def _on_commit(self, save: Save) -> None:
         assert save.committed_path is not None
@@ -541,65 +375,11 @@ class Node:
             try:
                 if self.drainer is not None:
                     self.drainer.refresh()
-                    self._publish_job_rules()
+                    self.job_rules.publish()
                 for job in self.catalog.jobs():
                     self.apply_retention(job, trigger="timer")
             except Exception:  # the timer must outlive one bad pass
                 log.exception("timed retention pass failed")
-
-    def _set_job_rules(self, job: str, rules: JobRetention) -> None:
-        """The job's latest session sets its rules; they outlive the session (and restarts)."""
-        with self._job_rules_lock:  # the ranks of a job open their sessions at once
-            if self._job_rules.get(job) == rules:
-                return  # an empty set is recorded too: it resets what an earlier session asked for
-            self._job_rules = {**self._job_rules, job: rules}  # readers use the dict without the lock
-            log.info("job %s retention overrides: %s", job,
-                     {k: v for k, v in asdict(rules).items() if v} or "none (the operator's rules)")
-            snapshot = {j: asdict(r) for j, r in sorted(self._job_rules.items())}
-            try:
-                fsutil.write_json_atomic(self._job_rules_file, snapshot)
-            except OSError as e:
-                log.warning("cannot persist job retention overrides to %s: %s", self._job_rules_file, e)
-            self._unpublished.add(job)
-        if self.config.shared.dir is not None:
-            # Not on the caller's (an RPC's) thread: the shared file system may be slow or hung.
-            threading.Thread(target=self._publish_job_rules, name="publish-rules", daemon=True).start()
-
-    def _publish_job_rules(self) -> None:
-        """Writes the rules of jobs whose sessions opened here to the shared tier (retried by the timer)."""
-        if self.config.shared.dir is None:
-            return
-        with self._job_rules_lock:
-            todo = {job: self._job_rules[job] for job in self._unpublished if job in self._job_rules}
-        for job, rules in todo.items():
-            job_dir = self.config.shared.dir / job
-            try:
-                fsutil.makedirs_durable(job_dir)
-                fsutil.write_json_atomic(job_dir / JOB_RULES_FILE, asdict(rules))
-            except OSError as e:
-                log.warning("cannot publish job %s retention overrides on the shared tier: %s (will retry)", job, e)
-                continue
-            with self._job_rules_lock:
-                if self._job_rules.get(job) == rules:
-                    self._unpublished.discard(job)
-
-    def _rules_for(self, job: str) -> JobRetention:
-        """The job's rules: from its sessions here, else as another node published them, else none."""
-        rules = self._job_rules.get(job)
-        if rules is None and self.config.shared.dir is not None:
-            path = self.config.shared.dir / job / JOB_RULES_FILE
-            try:
-                rules = JobRetention.parse(fsutil.read_json(path, {}))
-            except (OSError, ValueError, AttributeError) as e:
-                log.warning("ignoring %s: %s", path, e)
-        return rules or JobRetention()
-
-    def _load_job_rules(self) -> None:
-        try:
-            saved = fsutil.read_json(self._job_rules_file, {})
-            self._job_rules = {str(job): JobRetention.parse(rules) for job, rules in saved.items()}
-        except (OSError, ValueError, AttributeError) as e:
-            log.error("ignoring job retention overrides in %s: %s", self._job_rules_file, e)
 
     def _check_running(self) -> None:
         if self._stopping.is_set():
@@ -623,14 +403,4 @@ class Node:
             drain_lag_s=(lambda: d.lag_s()) if d else (lambda: 0.0),
             shared_reachable=(lambda: d.reachable) if d else (lambda: None))
 
-
-def _free_bytes(path: Path) -> int | None:
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
-
-
-def _nbytes(records: list[retention.Record], step: int) -> int:
-    return next((r.nbytes for r in records if r.step == step), 0)
 
