@@ -34,10 +34,12 @@ on the shared tier, is a permanent failure: retrying cannot fix it, and
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ckptstage.daemon import fsutil
@@ -57,9 +59,11 @@ class RateLimiter:
 
     ``acquire(n)`` takes ``n`` tokens, going into debt when there are too few
     and sleeping the debt off, so concurrent workers share the rate. The
-    bucket holds at most ``burst_s`` seconds of tokens: enough to make up for
-    a short stall of the file system, small enough that a drain of a few
-    seconds already holds the cap within a few percent.
+    bucket holds ``burst_s`` seconds of tokens, or one request if that is
+    more: the time a worker spent reading and writing its last chunk must
+    count towards the next one (with a 10 MiB bucket and 64 MiB chunks, every
+    chunk paid its I/O time on top of n / rate, and a 200 MiB/s cap drained
+    at 116-146 MiB/s).
     """
 
     def __init__(self, rate: int | None, burst_s: float = 0.05,
@@ -76,7 +80,10 @@ class RateLimiter:
             return
         with self._lock:
             now = self._clock()
-            self._tokens = min(self._burst, self._tokens + (now - self._last) * self.rate) - n
+            # The bucket holds at least one request: tokens earned while the
+            # previous chunk was read and written count towards this one, else
+            # every request would pay its I/O time on top of n / rate.
+            self._tokens = min(max(self._burst, n), self._tokens + (now - self._last) * self.rate) - n
             self._last = now
             debt = -self._tokens
         if debt > 0:
@@ -427,20 +434,37 @@ class Drainer:
         return final
 
     def _copy_file(self, src: Path, dst: Path, entry: layout.FileEntry, rate_limited: bool) -> None:
-        buf = bytearray(entry.chunk_bytes)
-        view = memoryview(buf)
-        total = 0
-        with open(src, "rb", buffering=0) as fin, open(dst, "wb", buffering=0) as fout:
-            for i, expected in enumerate(entry.digests):
-                if self._stop.is_set():
-                    raise _Stopping()
-                n = fin.readinto(view)
-                if layout.chunk_digest(view[:n]) != expected:
-                    raise CorruptSource(f"{src} chunk {i}: checksum differs from its manifest")
-                if rate_limited:
-                    self._limiter.acquire(n)
-                fsutil.pwrite_all(fout.fileno(), view[:n], total)
-                total += n
-            if total != entry.size or fin.read(1):
-                raise CorruptSource(f"{src}: size differs from its manifest ({entry.size} bytes)")
-            os.fsync(fout.fileno())
+        """Reads chunk i+1 while chunk i is written: one check per chunk, one write, one read.
+
+        Two page-aligned buffers; the destination takes aligned chunks with
+        O_DIRECT where the file system allows (see :class:`fsutil.DataFile`).
+        Every chunk is checked against the local manifest before it is written.
+        """
+        bufs = [mmap.mmap(-1, entry.chunk_bytes) for _ in range(2)]
+        out = fsutil.DataFile(dst, entry.size, direct_io=True)
+        try:
+            with open(src, "rb", buffering=0) as fin, ThreadPoolExecutor(1, "drain-write") as writer:
+                os.posix_fadvise(fin.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                pending: Future[None] | None = None
+                total = 0
+                for i, expected in enumerate(entry.digests):
+                    if self._stop.is_set():
+                        raise _Stopping()
+                    piece = memoryview(bufs[i % 2])[:entry.chunk_bytes]
+                    n = fin.readinto(piece)
+                    piece = piece[:n]
+                    if layout.chunk_digest(piece) != expected:
+                        raise CorruptSource(f"{src} chunk {i}: checksum differs from its manifest")
+                    if rate_limited:
+                        self._limiter.acquire(n)
+                    if pending is not None:
+                        pending.result()  # the other buffer is free again
+                    pending = writer.submit(out.write, piece, total)
+                    total += n
+                if pending is not None:
+                    pending.result()
+                if total != entry.size or fin.read(1):
+                    raise CorruptSource(f"{src}: size differs from its manifest ({entry.size} bytes)")
+            out.sync()
+        finally:
+            out.close()

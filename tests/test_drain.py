@@ -456,8 +456,13 @@ def test_rate_limiter_sleeps_off_its_debt() -> None:
     assert slept == []
     limiter.acquire(100)
     assert slept == [pytest.approx(1.0)]
-    now[0] += 10  # idle time refills the bucket only up to the burst
+    now[0] += 10  # idle time refills the bucket up to one request (150 > the 50 of burst), no further
     limiter.acquire(150)
+    assert len(slept) == 1
+    limiter.acquire(150)
+    assert slept[-1] == pytest.approx(1.5)
+    now[0] += 1.0  # the time the caller spent writing the last request counts towards the next one
+    limiter.acquire(200)
     assert slept[-1] == pytest.approx(1.0)
     start = now[0]
     for _ in range(100):
@@ -465,4 +470,4 @@ def test_rate_limiter_sleeps_off_its_debt() -> None:
     assert now[0] - start == pytest.approx(10.0)  # 1000 bytes at 100 bytes/s, the debt already paid
     unlimited = RateLimiter(None, sleep=sleep)
     unlimited.acquire(10**12)
-    assert len(slept) == 102
+    assert len(slept) == 103
