@@ -6,10 +6,12 @@ import re
 import socket
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.request import urlopen
 
 import pytest
+
+from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
 T = TypeVar("T")
 
@@ -45,3 +47,23 @@ def metric(text: str, name: str, **labels: str) -> float:
         if m and m.group(1) == name and ",".join(sorted(p for p in (m.group(2) or "").split(",") if p)) == want:
             return float(m.group(3))
     return 0.0
+
+
+def wait_metric(port: int, value: float, name: str, **labels: str) -> None:
+    """Waits for a counter to reach ``value`` (a deletion is counted just after it is visible on disk)."""
+    wait_until(lambda: metric(scrape(port), name, **labels) == value, 10,
+               f"{name}{labels} == {value} (is {metric(scrape(port), name, **labels)})")
+
+
+def drain(d: Any, timeout: float = 60.0) -> None:
+    """``Drain(wait=True)`` on daemon ``d`` until nothing is pending; fails if anything failed."""
+    deadline = time.monotonic() + timeout
+    with d.connection() as conn:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                pytest.fail(f"drain not finished after {timeout}s")
+            resp = conn.call("Drain", pb.DrainRequest(wait=True, timeout_s=min(left, 25)), timeout=min(left, 25) + 10)
+            assert resp.failed == 0
+            if resp.pending == 0:
+                return

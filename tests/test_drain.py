@@ -26,34 +26,13 @@ from ckptstage.client import Client
 from ckptstage.client.errors import SaveFailed
 from ckptstage.daemon.drainer import RateLimiter
 from ckptstage.protos import layout
-from ckptstage.protos.v1 import ckptstage_pb2 as pb
-from support import free_port, metric, scrape, wait_until
+from support import drain, free_port, metric, scrape, wait_metric, wait_until
 
 MiB = 1 << 20
 JOB = "drainjob"
 
 
 # --- helpers ------------------------------------------------------------------------
-
-
-def wait_metric(port: int, value: float, name: str, **labels: str) -> None:
-    """Waits for a counter to reach ``value`` (a deletion is counted just after it is visible on disk)."""
-    wait_until(lambda: metric(scrape(port), name, **labels) == value, 10,
-               f"{name}{labels} == {value} (is {metric(scrape(port), name, **labels)})")
-
-
-def drain(d: Any, timeout: float = 60.0) -> None:
-    """``Drain(wait=True)`` until nothing is pending; fails if anything failed."""
-    deadline = time.monotonic() + timeout
-    with d.connection() as conn:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                pytest.fail(f"drain not finished after {timeout}s")
-            resp = conn.call("Drain", pb.DrainRequest(wait=True, timeout_s=min(left, 25)), timeout=min(left, 25) + 10)
-            assert resp.failed == 0
-            if resp.pending == 0:
-                return
 
 
 def steps_on_disk(tier: Path, job: str = JOB) -> set[int]:

@@ -22,7 +22,7 @@ from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
 import support
-from support import free_port, wait_until
+from support import drain, free_port, wait_metric, wait_until
 
 JOB = "retjob"
 
@@ -33,25 +33,6 @@ JOB = "retjob"
 def metric(port: int, name: str, **labels: str) -> float:
     """One sample scraped from the daemon's /metrics (0 when absent)."""
     return support.metric(support.scrape(port), name, **labels)
-
-
-def wait_metric(port: int, value: float, name: str, **labels: str) -> None:
-    """Waits for a counter to reach ``value`` (a deletion is counted just after it is visible on disk)."""
-    wait_until(lambda: metric(port, name, **labels) == value, 10,
-               f"{name}{labels} == {value} (is {metric(port, name, **labels)})")
-
-
-def drain(d: Any, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    with d.connection() as conn:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                pytest.fail(f"drain not finished after {timeout}s")
-            resp = conn.call("Drain", pb.DrainRequest(wait=True, timeout_s=min(left, 25)), timeout=min(left, 25) + 10)
-            assert resp.failed == 0
-            if resp.pending == 0:
-                return
 
 
 def on_disk(tier: Path | None, job: str = JOB) -> set[int]:
