@@ -38,11 +38,14 @@ state, 64 MiB chunks, defaults otherwise):
   its arena is freed) with the file evicted from the page cache
   (``POSIX_FADV_DONTNEED``), then again with it cached ("warm"); and
   ``torch.load(weights_only=True)`` of the torch.save file, cold and warm.
-  Restores run after both files are written and the machine idled
-  ``--settle`` s, in alternating order (ckptstage first on odd repeats):
-  on the development VM the first read of a file written moments before at
-  full speed competes with write-back below the guest, and whichever peer
-  went second would win; then ``client.load(step, into=...)`` cold, into
+  Restores run after both files are written, in alternating order
+  (ckptstage first on odd repeats): on the development VM the first read of
+  a file written moments before at full speed competes with write-back below
+  the guest. Each restore starts after ``--settle`` s idle, so every peer
+  allocates its state from memory the host has taken back (a state freed
+  less than ~1 s before is refaulted several times faster, and the peer run
+  right after another would win; see ``_harness.settle``). "warm" = the file
+  is in the page cache, the destination memory is still fresh; then ``client.load(step, into=...)`` cold, into
   pre-faulted tensors of the same structure (a restart into the trainer's
   existing model and optimizer: no allocation, no first-touch faults);
 * **dd conv=fsync** of the same bytes (the disk's limit for persist).
@@ -312,20 +315,26 @@ def measure(name: str, daemon: h.Daemon, work: Path, args: argparse.Namespace,
     gc.collect()
     m.memcpy_s = min(m.memcpy_runs)  # the floor: the best copy seen
 
-    # Restores, after both peers' files are written and the machine idled: on this VM the first read
-    # of a file just written at full speed competes with the write-back below the guest (host page
-    # cache), so each peer is read after the same pause, in alternating order (ABBA over repeats).
+    # Restores, after both peers' files are written: on this VM the first read of a file written
+    # moments before at full speed competes with the write-back below the guest, so the peers are
+    # read in alternating order (ABBA over repeats). Every restore allocates its state afresh, and a
+    # page the guest freed less than ~1 s ago is still host-backed (see _harness.settle): a peer that
+    # runs right after another one freed its state faults its pages in several times faster. So every
+    # restore below starts after the same pause: each meets "cold" memory (skipped for tiny states).
+    def pause() -> None:
+        gc.collect()
+        h.settle(args.settle if nbytes >= 64 * h.MiB else 0)
+
     reader = Client(job, socket=daemon.socket)  # no arena: it only reads
     try:
         for r in range(1, args.repeats + 1):
             part = layout.part_dir(daemon.local, job, r, 0)
             path = pt_paths[r - 1]
-            h.settle(args.settle)
 
             def ckpt_load(kind: str, r: int = r, part: Path = part, saved: Any = state) -> None:
                 if kind == "cold":
                     h.drop_page_cache(part)
-                gc.collect()
+                pause()
                 with h.Timer() as t:
                     restored = reader.load(r)
                 (m.restore_cold_s if kind == "cold" else m.restore_warm_s).append(t.s)
@@ -337,7 +346,7 @@ def measure(name: str, daemon: h.Daemon, work: Path, args: argparse.Namespace,
             def torch_load(kind: str, path: Path = path) -> None:
                 if kind == "cold":
                     h.drop_page_cache(path)
-                gc.collect()
+                pause()
                 with h.Timer() as t:
                     restored = torch.load(path, weights_only=True)
                 (m.torch_load_cold_s if kind == "cold" else m.torch_load_warm_s).append(t.s)
@@ -352,7 +361,7 @@ def measure(name: str, daemon: h.Daemon, work: Path, args: argparse.Namespace,
                 h.drop_page_cache(path)
             # In place, as a trainer restarting into its existing model and optimizer tensors does:
             # no allocation, no first-touch page faults (cold file).
-            gc.collect()
+            pause()
             with h.Timer() as t:
                 reader.load(r, into=into)
             m.restore_into_s.append(t.s)
@@ -533,7 +542,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2,
                    help="timed saves and loads per model, after one untimed save (default 2)")
     p.add_argument("--dir", type=Path, default=None, help="local tier and torch.save directory (default: under /tmp)")
-    p.add_argument("--settle", type=float, default=2.0, help="idle seconds before each disk write (default 2)")
+    p.add_argument("--settle", type=float, default=1.5,
+                   help="idle seconds before each save and each restore of a state >= 64 MiB (default 1.5)")
     p.add_argument("--png", type=Path, default=REPO / "bench" / "out" / "shapes.png")
     p.add_argument("--docs-png", default=str(REPO / "docs" / "shapes.png"),
                    help="a copy of the plot for the docs ('' = none)")
