@@ -1,6 +1,6 @@
 """End-to-end benchmark: a real training loop with and without checkpointing, the overhead in percent.
 
-    .venv/bin/python bench/bench_training.py                 # 20 timed steps per segment, 1 round, ~4 min quiet
+    .venv/bin/python bench/bench_training.py                 # 20 timed steps per segment, 1 round, ~5 min
     .venv/bin/python bench/bench_training.py --steps 20 --rounds 2 --json out.json
     .venv/bin/python bench/bench_training.py --modes none,ckpt-1 --steps 10
 
