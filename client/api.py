@@ -15,16 +15,16 @@ import queue
 import socket as socketlib
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 import torch
 
 from ckptstage.client import errors, tree
-from ckptstage.client.fileplan import FilePlan, build_manifest, plan_file
+from ckptstage.client.fileplan import FilePlan, PlanCache, build_manifest
 from ckptstage.client.restore import read_part
 from ckptstage.client.rpc import Connection
 from ckptstage.client.snapshot import ArenaMap, Streamer, ready_events
@@ -67,7 +67,11 @@ class SaveHandle:
         return self._snapshot.is_set()
 
     def wait_snapshot(self, timeout: float | None = None) -> None:
-        """Returns once the state is in the daemon's memory: the tensors may be mutated again."""
+        """Returns once the daemon holds the whole state: the tensors may be mutated again.
+
+        From then on the checkpoint no longer depends on this process: if the
+        trainer dies, the daemon still commits it.
+        """
         if not self._snapshot.wait(timeout):
             raise TimeoutError(f"snapshot of step {self.step} not done after {timeout}s")
         if self._error is not None:
@@ -99,7 +103,7 @@ class SaveHandle:
 class _Job:
     handle: SaveHandle
     plan: FilePlan
-    manifest: dict[str, Any]
+    tree: Any  # the state's structure, as tree.flatten encoded it
     tensors: list[torch.Tensor]
     metrics: dict[str, float]
     ready: dict[torch.device, Any]  # CUDA events the copy waits for (see snapshot.ready_events)
@@ -129,6 +133,12 @@ class Client:
         self._inflight: list[SaveHandle] = []
         self._lock = threading.Lock()
         self._closed = False
+        # The arena stream as this client last heard of it (see snapshot.Streamer):
+        # where its previous save ended, and the position below which all is free.
+        self._stream_end = 0
+        self._released = 0
+        self._released_hint = (0, 0)  # (arena generation, released) as the daemon last announced it
+        self._plans = PlanCache()
         self._open_session()
         self._worker = threading.Thread(target=self._run, name=f"ckptstage-snapshot-{rank}", daemon=True)
         self._worker.start()
@@ -154,13 +164,12 @@ class Client:
         except layout.InvalidName as e:
             raise errors.InvalidRequest(str(e)) from None
         tree_json, tensors, paths = tree.flatten(state)
-        plan = plan_file(tensors, paths)
-        manifest = build_manifest(plan, tree_json, self.job, step, self.rank, self.world_size)
+        plan = self._plans.plan(tensors, paths)
         clean_metrics = _check_metrics(metrics)
         handle = SaveHandle(self, step)
         with self._lock:
             self._inflight = [h for h in self._inflight if not h.snapshot_done()] + [handle]
-        self._queue.put(_Job(handle, plan, manifest, tensors, clean_metrics, ready_events(tensors)))
+        self._queue.put(_Job(handle, plan, tree_json, tensors, clean_metrics, ready_events(tensors)))
         return handle
 
     def wait_snapshots(self) -> None:
@@ -278,6 +287,22 @@ class Client:
             raise errors.from_rpc_error(e, str(self._conn.socket)) from None
         if first.kind != pb.SessionEvent.READY:
             raise errors.DaemonUnavailable(f"daemon refused the session: {first.message}")
+        with self._lock:
+            self._released_hint = (0, 0)
+        threading.Thread(target=self._watch, args=(self._attach, self._session_id), daemon=True,
+                         name=f"ckptstage-session-{self.rank}").start()
+
+    def _watch(self, attach: Any, session_id: str) -> None:
+        """Follows the session's event stream: the daemon announces arena space as it frees up."""
+        try:
+            for ev in attach:
+                if ev.kind != pb.SessionEvent.RELEASED:
+                    continue
+                with self._lock:
+                    if self._session_id == session_id:
+                        self._released_hint = (ev.arena_generation, ev.released)
+        except grpc.RpcError:
+            pass  # the stream ended (close, daemon exit or restart); _copy sees it through done()
 
     def _reopen_session(self) -> None:
         """The session's stream ended: the daemon died or restarted. Start over on its successor.
@@ -297,6 +322,7 @@ class Client:
         info = self._conn.call("EnsureArena", pb.EnsureArenaRequest(session_id=self._session_id, want_bytes=want))
         if self._arena is None or info.generation != self._arena.generation:
             old, self._arena = self._arena, ArenaMap(info)
+            self._stream_end = self._released = 0  # a new arena starts a new stream
             self._conn.call("ArenaMapped", pb.ArenaMappedRequest(session_id=self._session_id,
                                                                  generation=info.generation))
             if old is not None:
@@ -322,23 +348,79 @@ class Client:
         arena = self._ensure_arena(job.plan.data_bytes)
         if any(t.is_cuda for t in job.tensors):
             arena.register_cuda()
-        resp = self._conn.call("BeginSave", pb.BeginSaveRequest(
-            session_id=self._session_id, step=job.handle.step, manifest_json=layout.encode_manifest(job.manifest),
-            data_bytes=job.plan.data_bytes, metrics=job.metrics))
-        job.handle.save_id = resp.save_id
+        base = -(-self._stream_end // self._chunk) * self._chunk
+        with self._lock:
+            generation, announced = self._released_hint
+        if generation == arena.generation:
+            self._released = max(self._released, announced)
+        # BeginSave goes out now and is answered while the copy runs: the copy
+        # needs the answer only to stream (see snapshot.Streamer).
+        sent = self._conn.start("BeginSave", pb.BeginSaveRequest(
+            session_id=self._session_id, step=job.handle.step, manifest_json=self._manifest_json(job),
+            data_bytes=job.plan.data_bytes, metrics=job.metrics, stream_base=base))
+        begin = _Once(lambda: self._began(job, sent()))
+        streamer = Streamer(self._conn, arena, base, self._chunk, self._released, begin, job.ready)
         try:
-            Streamer(self._conn, arena, resp.save_id, resp.stream_base, self._chunk, resp.released,
-                     job.ready).run(job.plan, job.tensors)
+            streamer.run(job.plan, job.tensors)
         except BaseException as e:
-            try:
-                self._conn.call("AbortSave", pb.AbortSaveRequest(save_id=resp.save_id, reason=repr(e)), timeout=5)
-            except errors.CkptStageError:
-                pass
+            self._abort(begin, e)
             raise
+        resp = begin()
+        # The snapshot is done only once the daemon has the whole save: from
+        # then on the checkpoint no longer depends on this process (a trainer
+        # that crashes right after wait_snapshot() still gets it committed).
+        finished = self._conn.call("FinishSave", pb.FinishSaveRequest(save_id=resp.save_id))
+        self._released = max(streamer.released, finished.released)
+
+    def _began(self, job: _Job, resp: pb.BeginSaveResponse) -> pb.BeginSaveResponse:
+        # Only now does the save hold its stream positions; one that was refused holds none.
+        self._stream_end = resp.stream_base + job.plan.data_bytes
+        self._released = max(self._released, resp.released)
+        job.handle.save_id = resp.save_id
+        return resp
+
+    def _manifest_json(self, job: _Job) -> bytes:
+        """Built on the snapshot thread: off the trainer's thread."""
+        return layout.encode_manifest(build_manifest(job.plan, job.tree, self.job, job.handle.step, self.rank,
+                                                     self.world_size))
+
+    def _abort(self, begin: _Once[pb.BeginSaveResponse], error: BaseException) -> None:
+        try:
+            save_id = begin().save_id
+        except BaseException:  # noqa: BLE001 - the daemon never took the save: nothing to abort
+            return
+        try:
+            self._conn.call("AbortSave", pb.AbortSaveRequest(save_id=save_id, reason=repr(error)), timeout=5)
+        except errors.CkptStageError:
+            pass
 
     def _check_open(self) -> None:
         if self._closed:
             raise errors.CkptStageError("this Client is closed")
+
+
+_T = TypeVar("_T")
+
+
+class _Once(Generic[_T]):
+    """Calls ``fn`` on first use and remembers its result or its exception (for BeginSave)."""
+
+    def __init__(self, fn: Callable[[], _T]) -> None:
+        self._fn = fn
+        self._result: _T | None = None
+        self._error: BaseException | None = None
+        self._called = False
+
+    def __call__(self) -> _T:
+        if not self._called:
+            self._called = True
+            try:
+                self._result = self._fn()
+            except BaseException as e:
+                self._error = e
+        if self._error is not None:
+            raise self._error
+        return self._result  # type: ignore[return-value]
 
 
 def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:

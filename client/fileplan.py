@@ -71,6 +71,25 @@ def plan_file(tensors: list[torch.Tensor], paths: list[str]) -> FilePlan:
     return FilePlan(header, entries, start + cursor)
 
 
+class PlanCache:
+    """The last layout planned, reused while the state keeps its structure.
+
+    A trainer saves the same structure every time (same keys, dtypes and
+    shapes), so after the first save planning costs one comparison instead of
+    a header rebuild (3-4 ms for GPT-2's 592 tensors, on the trainer's thread).
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[tuple[str, ...], tuple[tuple[torch.dtype, tuple[int, ...]], ...]] | None = None
+        self._plan: FilePlan | None = None
+
+    def plan(self, tensors: list[torch.Tensor], paths: list[str]) -> FilePlan:
+        key = (tuple(paths), tuple((t.dtype, tuple(t.shape)) for t in tensors))
+        if self._plan is None or key != self._key:
+            self._plan, self._key = plan_file(tensors, paths), key
+        return self._plan
+
+
 def build_manifest(plan: FilePlan, tree: Any, job: str, step: int, rank: int, world_size: int) -> dict[str, Any]:
     """The part manifest as the client sends it; the daemon adds files, times and metrics."""
     return {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,18 @@ class Connection:
             return getattr(self.stub, method)(request, timeout=timeout)
         except grpc.RpcError as e:
             raise from_rpc_error(e, str(self.socket)) from None
+
+    def start(self, method: str, request: Any, timeout: float | None = DEFAULT_TIMEOUT_S) -> Callable[[], Any]:
+        """Sends a unary call without waiting; the returned function waits for its answer (errors typed)."""
+        future = getattr(self.stub, method).future(request, timeout=timeout)
+
+        def result() -> Any:
+            try:
+                return future.result()
+            except grpc.RpcError as e:
+                raise from_rpc_error(e, str(self.socket)) from None
+
+        return result
 
     def status(self, timeout: float = 5.0) -> pb.StatusResponse:
         return self.call("Status", pb.StatusRequest(), timeout=timeout)

@@ -7,6 +7,13 @@ tensor into an arena view of the tensor's dtype (``Tensor.copy_`` handles
 strides, devices and threads). After every chunk the daemon is told how far
 the copy got, so it persists while the client copies; when the ring is full
 the client waits for the daemon to release space (back-pressure).
+
+The copy does not wait for the daemon: the client knows where its previous
+save ended in the stream, so it copies to the next chunk-aligned position
+and tells the daemon afterwards (``BeginSave`` carries that position and the
+manifest the daemon validates). It needs the daemon's answer earlier only to
+report progress or to wait for space, i.e. when the state is larger than
+what the ring has free.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,28 +113,38 @@ class _Piece:
 
 
 class Streamer:
-    """Copies one save's file image into the arena, with back-pressure."""
+    """Copies one save's file image into the arena, with back-pressure.
 
-    def __init__(self, conn: Connection, arena: ArenaMap, save_id: str, stream_base: int, chunk_bytes: int,
-                 released: int, ready: dict[torch.device, Any] | None = None) -> None:
+    ``begin`` returns the daemon's answer to this save's ``BeginSave``,
+    blocking until it arrives; the streamer calls it only when it must talk
+    to the daemon (streaming, or waiting for ring space).
+    """
+
+    def __init__(self, conn: Connection, arena: ArenaMap, stream_base: int, chunk_bytes: int, released: int,
+                 begin: Callable[[], pb.BeginSaveResponse], ready: dict[torch.device, Any] | None = None) -> None:
         self.conn = conn
         self.arena = arena
-        self.save_id = save_id
         self.base = stream_base
         self.chunk = chunk_bytes
         self.copied = 0
         self.reported = 0
-        self.released = released
+        self.released = released  # what the client last heard: never more than the daemon's own
         self.stream = True
         self.cuda = _SideStreams(ready or {})
+        self._begin = begin
 
     def run(self, plan: FilePlan, tensors: list[torch.Tensor]) -> None:
+        """Copies every byte of the file image into the ring; returns once all of it is in the arena."""
         # Snapshot first: when the whole file fits in the ring, tell the
         # daemon nothing until the copy is done, so its hashing and writing do
         # not compete with the trainer's copy for cores and memory bandwidth
         # (the trainer's blocked time is what matters). A larger state has to
         # stream: then every chunk is reported as soon as it is copied.
-        self.stream = self.base + plan.data_bytes - self.released > self.arena.size
+        if self._must_stream(plan.data_bytes):
+            self._answer()  # what the client knows is stale: ask how much is really free
+            self.stream = self._must_stream(plan.data_bytes)
+        else:
+            self.stream = False
         self._write_bytes(0, plan.header)
         order = sorted(range(len(tensors)), key=lambda i: plan.entries[i].offset)
         for i in order:
@@ -136,7 +153,17 @@ class Streamer:
                 for piece in self._pieces(entry.offset, entry.nbytes, t):
                     self._copy_piece(piece)
         self.cuda.synchronize()
-        self.conn.call("FinishSave", pb.FinishSaveRequest(save_id=self.save_id))
+
+    def _must_stream(self, data_bytes: int) -> bool:
+        return self.base + data_bytes - self.released > self.arena.size
+
+    def _answer(self) -> pb.BeginSaveResponse:
+        resp = self._begin()
+        if resp.stream_base != self.base:  # the daemon refuses a mismatch; this is belt and braces
+            raise RuntimeError(f"the daemon placed the save at stream position {resp.stream_base}, "
+                               f"the client copied it to {self.base}")
+        self.released = max(self.released, resp.released)
+        return resp
 
     def _pieces(self, offset: int, nbytes: int, t: torch.Tensor) -> Iterator[_Piece]:
         """Splits a tensor at chunk boundaries and at the ring's end (element-aligned both)."""
@@ -191,8 +218,11 @@ class Streamer:
             self._progress(wait_released=0)
 
     def _progress(self, wait_released: int) -> None:
+        save_id = self._answer().save_id
+        if wait_released and self.released >= wait_released:
+            return  # BeginSave's answer already frees enough
         self.cuda.synchronize()  # bytes reported to the daemon must really be in the arena
         resp = self.conn.call("Progress", pb.ProgressRequest(
-            save_id=self.save_id, copied_upto=self.copied, wait_released=wait_released), timeout=60)
+            save_id=save_id, copied_upto=self.copied, wait_released=wait_released), timeout=60)
         self.reported = self.copied
-        self.released = resp.released
+        self.released = max(self.released, resp.released)

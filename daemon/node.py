@@ -167,7 +167,7 @@ class Node:
     # --- saves --------------------------------------------------------------------
 
     def begin_save(self, session_id: str, step: int, manifest_json: bytes, data_bytes: int,
-                   metrics: dict[str, float]) -> Save:
+                   metrics: dict[str, float], stream_base: int | None = None) -> Save:
         self._check_running()
         session = self.sessions.get(session_id)
         info = session.info
@@ -177,10 +177,11 @@ class Node:
         if self.catalog.has(info.job, step, info.rank) or self._in_flight(info.job, step, info.rank):
             raise AlreadyExists(f"step {step} of job {info.job!r} rank {info.rank} is already committed "
                                 "or being saved; save a new step (or delete that one first)")
+        base = session.stream_base_for_next_save(stream_base)
         writer = fsutil.PartWriter(self.config.local.dir, self.owner, info.job, step, info.rank)
         try:
             save = Save(uuid.uuid4().hex[:16], session.id, spec, session.arena,
-                        session.stream_base_for_next_save(), session.chunk_bytes, writer,
+                        base, session.chunk_bytes, writer,
                         direct_io=self.config.persist.direct_io)
         except OSError as e:
             writer.abort()
@@ -204,9 +205,11 @@ class Node:
             raise SaveFailed(save.error)
         return session.released()
 
-    def finish_save(self, save_id: str) -> None:
+    def finish_save(self, save_id: str) -> int:
+        """The client copied everything; returns the session's released stream position."""
         save = self._save(save_id)
         self.persister.progress(save, save.spec.data_bytes, finished=True)
+        return self._owner(save).released()
 
     def abort_save(self, save_id: str, reason: str) -> None:
         self.persister.fail(self._save(save_id), f"aborted by the client: {reason}")

@@ -116,15 +116,39 @@ class Servicer(pb_grpc.CheckpointerServicer):
         except SessionNotFound as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         gone = threading.Event()
-        context.add_callback(gone.set)  # fires when the client disconnects, e.g. on its death
-        yield pb.SessionEvent(kind=pb.SessionEvent.READY)
-        while not (gone.is_set() or session.closed.is_set() or self._shutdown.is_set()):
-            gone.wait(0.5)
-        if self._shutdown.is_set() and not gone.is_set():
-            yield pb.SessionEvent(kind=pb.SessionEvent.SHUTTING_DOWN, message="daemon shutting down")
-        if not session.closed.is_set():
-            self.node.metrics.sessions_reaped.inc()
-            self.node.close_session(session.id, "client disconnected")
+        reaped = threading.Lock()
+
+        def reap() -> None:
+            """Frees a session whose client went away without closing it (e.g. killed). Runs once."""
+            if reaped.acquire(blocking=False) and not session.closed.is_set():
+                self.node.metrics.sessions_reaped.inc()
+                self.node.close_session(session.id, "client disconnected")
+
+        def on_gone() -> None:  # fires when the stream ends: the client closed it, died, or we are done
+            gone.set()
+            with session.cond:
+                session.cond.notify_all()
+            reap()  # here too: a generator suspended at a yield nobody takes would never get to it
+
+        def ended() -> bool:
+            return gone.is_set() or session.closed.is_set() or self._shutdown.is_set()
+
+        context.add_callback(on_gone)
+        try:
+            yield pb.SessionEvent(kind=pb.SessionEvent.READY)
+            # Tell the client as arena space frees up, so its next copy need not ask first.
+            sent = session.released_mark()
+            while not ended():
+                with session.cond:  # notified as the persister writes chunks and as saves settle
+                    session.cond.wait_for(lambda last=sent: ended() or session.released_mark() != last, 0.5)
+                    mark = session.released_mark()
+                if mark != sent and not ended():
+                    sent = mark
+                    yield pb.SessionEvent(kind=pb.SessionEvent.RELEASED, arena_generation=mark[0], released=mark[1])
+            if self._shutdown.is_set() and not gone.is_set():
+                yield pb.SessionEvent(kind=pb.SessionEvent.SHUTTING_DOWN, message="daemon shutting down")
+        finally:
+            reap()
 
     @_mapped
     def EnsureArena(self, request: pb.EnsureArenaRequest, context: grpc.ServicerContext) -> pb.ArenaInfo:
@@ -145,8 +169,9 @@ class Servicer(pb_grpc.CheckpointerServicer):
 
     @_mapped
     def BeginSave(self, request: pb.BeginSaveRequest, context: grpc.ServicerContext) -> pb.BeginSaveResponse:
+        proposed = request.stream_base if request.HasField("stream_base") else None
         save = self.node.begin_save(request.session_id, request.step, request.manifest_json, request.data_bytes,
-                                    dict(request.metrics))
+                                    dict(request.metrics), proposed)
         released = self.node.sessions.get(request.session_id).released()
         return pb.BeginSaveResponse(save_id=save.id, stream_base=save.stream_base, released=released)
 
@@ -157,9 +182,8 @@ class Servicer(pb_grpc.CheckpointerServicer):
         return pb.ProgressResponse(released=released)
 
     @_mapped
-    def FinishSave(self, request: pb.FinishSaveRequest, context: grpc.ServicerContext) -> pb.Empty:
-        self.node.finish_save(request.save_id)
-        return pb.Empty()
+    def FinishSave(self, request: pb.FinishSaveRequest, context: grpc.ServicerContext) -> pb.FinishSaveResponse:
+        return pb.FinishSaveResponse(released=self.node.finish_save(request.save_id))
 
     @_mapped
     def AbortSave(self, request: pb.AbortSaveRequest, context: grpc.ServicerContext) -> pb.Empty:

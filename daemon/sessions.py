@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ckptstage.daemon.arena import Arena, Budget, arena_name
-from ckptstage.daemon.errors import ArenaFull, SessionNotFound
+from ckptstage.daemon.errors import ArenaFull, InvalidRequest, SessionNotFound
 from ckptstage.daemon.persister import Save
 
 
@@ -79,11 +79,24 @@ class Session:
             self._stream_end = 0
             return arena
 
-    def stream_base_for_next_save(self) -> int:
-        """Chunk-aligned start of the next save in the arena stream."""
+    def stream_base_for_next_save(self, proposed: int | None = None) -> int:
+        """Chunk-aligned start of the next save in the arena stream.
+
+        ``proposed`` is where the client already started copying (it copies
+        while BeginSave is in flight): accepted when chunk-aligned and not
+        before the end of the previous save, so no two saves share a stream
+        position; anything else is a client bug, refused before a byte of it
+        is read.
+        """
         with self.cond:
             c = self.chunk_bytes
-            return -(-self._stream_end // c) * c
+            first_free = -(-self._stream_end // c) * c
+            if proposed is None:
+                return first_free
+            if proposed % c or proposed < first_free:
+                raise InvalidRequest(f"stream_base {proposed} is not a free, {c}-byte aligned arena stream "
+                                     f"position: the session's next free one is {first_free}")
+            return proposed
 
     def add_save(self, save: Save) -> None:
         with self.cond:
@@ -95,6 +108,11 @@ class Session:
         with self.cond:
             active = [s.released for s in self.saves.values()]
             return min(active) if active else self._stream_end
+
+    def released_mark(self) -> tuple[int, int]:
+        """(arena generation, released position): what the client is told as space frees up."""
+        with self.cond:
+            return (self.arena.generation if self.arena is not None else 0), self.released()
 
     def settle(self, save: Save) -> None:
         """Drops a committed or failed save; frees arenas nobody uses any more."""

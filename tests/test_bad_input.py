@@ -263,3 +263,32 @@ def test_begin_save_rejects_a_manifest_for_another_job_or_step(daemon):
         conn.call("CloseSession", pb.CloseSessionRequest(session_id=sid))
     assert temporaries(daemon.local) == []
     assert_serves(daemon, "mine")
+
+
+def test_begin_save_refuses_a_stream_position_that_is_taken_or_misaligned(daemon):
+    # The client copies before BeginSave is answered, to the position it proposes; the daemon takes
+    # only a chunk-aligned one at or after the end of the session's previous save.
+    good = [_tensor("t", 64, 16)]
+    chunk = 1 << 20  # persist.chunk_bytes in the test daemon
+    with daemon.connection() as conn:
+        sid = _raw_session(conn, "pos")
+        with pytest.raises(InvalidRequest, match=f"stream_base 4096 .*{chunk}-byte aligned.*next free one is 0"):
+            conn.call("BeginSave", pb.BeginSaveRequest(session_id=sid, step=1, manifest_json=_manifest(
+                "pos", 1, good), data_bytes=80, stream_base=4096))
+        first = conn.call("BeginSave", pb.BeginSaveRequest(session_id=sid, step=1, manifest_json=_manifest(
+            "pos", 1, good), data_bytes=80, stream_base=0))
+        assert first.stream_base == 0
+        # Step 2 may not start inside step 1's stream positions (0..80): the next free one is one chunk on.
+        with pytest.raises(InvalidRequest, match=f"stream_base 0 .*next free one is {chunk}"):
+            conn.call("BeginSave", pb.BeginSaveRequest(session_id=sid, step=2, manifest_json=_manifest(
+                "pos", 2, good), data_bytes=80, stream_base=0))
+        second = conn.call("BeginSave", pb.BeginSaveRequest(session_id=sid, step=2, manifest_json=_manifest(
+            "pos", 2, good), data_bytes=80, stream_base=3 * chunk))  # later is fine: a gap is just unused
+        assert second.stream_base == 3 * chunk
+        [session] = conn.status().sessions
+        assert session.saves_in_flight == 2  # the refusals took nothing
+        for r in (first, second):
+            conn.call("AbortSave", pb.AbortSaveRequest(save_id=r.save_id, reason="test"))
+        conn.call("CloseSession", pb.CloseSessionRequest(session_id=sid))
+    assert temporaries(daemon.local) == []
+    assert_serves(daemon, "pos")

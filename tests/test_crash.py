@@ -284,14 +284,22 @@ def test_sigterm_fails_an_unfinished_save_cleanly_and_exits_zero(daemon_factory,
 # --- the trainer dies ------------------------------------------------------------------------------
 
 
-def test_trainer_sigkill_mid_save_frees_its_session_and_memory(daemon, trainers):
+@pytest.mark.parametrize("streaming", [False, True], ids=["mid-copy", "mid-stream"])
+def test_trainer_sigkill_mid_save_frees_its_session_and_memory(daemon_factory, trainers, streaming):
+    # A state that fits in the arena is persisted only once copied (snapshot
+    # first); a larger one streams, and the daemon is writing it when the trainer dies.
+    daemon = daemon_factory(**{"arena.max_bytes": "24MiB" if streaming else "512MiB"}).start()
     other = Client("bystander", socket=daemon.socket)
     try:
         other.save(1, training_state(1)).wait("local", timeout=30)
-        trainer = trainers(daemon, "victim", mib=16)
+        trainer = trainers(daemon, "victim", mib=32 if streaming else 16)
         trainer.wait_saving()
-        victim = session_for(daemon, trainer.proc.pid)
-        assert victim is not None and victim.saves_in_flight == 1 and victim.arena_bytes > 0
+        # BeginSave is answered while the copy runs: the daemon holds the save in flight.
+        victim = wait_until(lambda: next((s for s in [session_for(daemon, trainer.proc.pid)]
+                                          if s is not None and s.saves_in_flight == 1), None),
+                            20, "the daemon holds the victim's save in flight")
+        assert victim.arena_bytes > 0
+        assert temporaries(daemon.local)  # its data file exists, not committed
         arena_prefix = f"/ckptstage-{daemon.proc.pid}-{victim.session_id}-"
         assert any(arena_prefix in line for line in mapped_arenas(daemon.proc.pid))
 

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import torch
 from ckptstage.client import Client
@@ -292,6 +293,79 @@ def test_arena_is_reused_across_saves_and_grows_only_between_them(daemon_factory
     assert sizes[2] == sizes[3] == sizes[4]                        # and it is kept, not shrunk or re-made
     with d.connection() as conn:
         assert conn.status().arena_used_bytes == 0
+
+
+def test_back_to_back_saves_through_a_one_state_arena_stay_exact(daemon_factory):
+    # The arena holds one state: every save but the first must wait for the daemon to free the
+    # previous one's space, which the client learns from announcements, BeginSave's answer or
+    # Progress. The trainer mutates its tensors as soon as each snapshot is done.
+    d = daemon_factory(**{"arena.max_bytes": "64MiB", "persist.chunk_bytes": "1MiB", "persist.workers": 1,
+                          "local.keep_last": 20, "shared.keep_last": 20}).start()
+    w = torch.zeros((3 << 20) // 4 + 999)  # just over 3 MiB: the 4 MiB arena holds one such state
+    expected = {}
+    with Client("ring", socket=d.socket, arena_bytes=4 << 20) as c:
+        handles = []
+        for step in range(1, 9):
+            w.fill_(float(step))
+            h = c.save(step, {"w": w, "step": step})
+            h.wait_snapshot(timeout=60)
+            expected[step] = float(step)
+            handles.append(h)
+        for h in handles:
+            h.wait("local", timeout=60)
+        with d.connection() as conn:
+            [session] = conn.status().sessions
+        assert session.arena_bytes == 4 << 20  # never grown: the saves took turns in it
+        for step, value in expected.items():
+            got = c.load(step)
+            assert got["step"] == step and torch.equal(got["w"], torch.full_like(w, value)), step
+
+
+def test_a_state_whose_structure_changes_between_saves_is_laid_out_anew(daemon):
+    # The client reuses the last layout while keys, dtypes and shapes stay the same; any change
+    # (a shape, a dtype, a key) must produce a new one.
+    g = torch.Generator().manual_seed(5)
+    states = [{"a": torch.randn(10, 4, generator=g), "b": torch.arange(7)},
+              {"a": torch.randn(10, 4, generator=g), "b": torch.arange(7) * 2},       # same structure
+              {"a": torch.randn(4, 10, generator=g), "b": torch.arange(7)},           # a shape
+              {"a": torch.randn(4, 10, generator=g).double(), "b": torch.arange(7)},  # a dtype
+              {"a": torch.randn(4, 10, generator=g), "c": torch.arange(7)},           # a key
+              {"a": torch.randn(10, 4, generator=g), "b": torch.arange(7)}]           # back to the first
+    with Client("shapes", socket=daemon.socket) as c:
+        for step, state in enumerate(states, 1):
+            assert_same(save_and_load(c, step, state), clone_state(state))
+
+
+def test_daemon_announces_freed_arena_space_on_the_session_stream(daemon):
+    # What lets the client start its next copy without asking: as the persister frees arena
+    # space, the daemon sends RELEASED events with the arena generation and stream position.
+    from ckptstage.client.rpc import Connection
+    from ckptstage.protos.v1 import ckptstage_pb2 as pb
+
+    with Client("announce", socket=daemon.socket) as c, Connection(daemon.socket) as conn:
+        events: list[Any] = []
+        stream = conn.stub.Attach(pb.AttachRequest(session_id=c._session_id))
+
+        def read() -> None:
+            try:
+                events.extend(stream)
+            except grpc.RpcError:
+                pass  # cancelled below
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        h = c.save(1, {"w": torch.ones(1 << 20)})  # 4 MiB: four chunks of the test daemon
+        h.wait("local", timeout=30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(e.kind == pb.SessionEvent.RELEASED
+                                                      and e.released >= 4 << 20 for e in events):
+            time.sleep(0.02)
+        released = [e for e in events if e.kind == pb.SessionEvent.RELEASED]
+        assert events[0].kind == pb.SessionEvent.READY
+        assert released and released[-1].released >= 4 << 20, events
+        assert {e.arena_generation for e in released} == {c._arena.generation}
+        assert [e.released for e in released] == sorted(e.released for e in released)  # never goes back
+        stream.cancel()  # (the daemon takes this for the client going away and ends the session)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -69,20 +69,26 @@ class AttachRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("kind", "message")
+    __slots__ = ("kind", "message", "released", "arena_generation")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[SessionEvent.Kind]
         READY: _ClassVar[SessionEvent.Kind]
         SHUTTING_DOWN: _ClassVar[SessionEvent.Kind]
+        RELEASED: _ClassVar[SessionEvent.Kind]
     KIND_UNSPECIFIED: SessionEvent.Kind
     READY: SessionEvent.Kind
     SHUTTING_DOWN: SessionEvent.Kind
+    RELEASED: SessionEvent.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    ARENA_GENERATION_FIELD_NUMBER: _ClassVar[int]
     kind: SessionEvent.Kind
     message: str
-    def __init__(self, kind: _Optional[_Union[SessionEvent.Kind, str]] = ..., message: _Optional[str] = ...) -> None: ...
+    released: int
+    arena_generation: int
+    def __init__(self, kind: _Optional[_Union[SessionEvent.Kind, str]] = ..., message: _Optional[str] = ..., released: _Optional[int] = ..., arena_generation: _Optional[int] = ...) -> None: ...
 
 class EnsureArenaRequest(_message.Message):
     __slots__ = ("session_id", "want_bytes")
@@ -117,7 +123,7 @@ class CloseSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class BeginSaveRequest(_message.Message):
-    __slots__ = ("session_id", "step", "manifest_json", "data_bytes", "metrics")
+    __slots__ = ("session_id", "step", "manifest_json", "data_bytes", "metrics", "stream_base")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -130,12 +136,14 @@ class BeginSaveRequest(_message.Message):
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     DATA_BYTES_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_BASE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: int
     manifest_json: bytes
     data_bytes: int
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., manifest_json: _Optional[bytes] = ..., data_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    stream_base: int
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., manifest_json: _Optional[bytes] = ..., data_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., stream_base: _Optional[int] = ...) -> None: ...
 
 class BeginSaveResponse(_message.Message):
     __slots__ = ("save_id", "stream_base", "released")
@@ -168,6 +176,12 @@ class FinishSaveRequest(_message.Message):
     SAVE_ID_FIELD_NUMBER: _ClassVar[int]
     save_id: str
     def __init__(self, save_id: _Optional[str] = ...) -> None: ...
+
+class FinishSaveResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class AbortSaveRequest(_message.Message):
     __slots__ = ("save_id", "reason")

@@ -72,7 +72,7 @@ class CheckpointerStub:
         self.FinishSave = channel.unary_unary(
                 '/ckptstage.v1.Checkpointer/FinishSave',
                 request_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.FinishSaveRequest.SerializeToString,
-                response_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.Empty.FromString,
+                response_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.FinishSaveResponse.FromString,
                 _registered_method=True)
         self.AbortSave = channel.unary_unary(
                 '/ckptstage.v1.Checkpointer/AbortSave',
@@ -289,7 +289,7 @@ def add_CheckpointerServicer_to_server(servicer, server):
             'FinishSave': grpc.unary_unary_rpc_method_handler(
                     servicer.FinishSave,
                     request_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.FinishSaveRequest.FromString,
-                    response_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.Empty.SerializeToString,
+                    response_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.FinishSaveResponse.SerializeToString,
             ),
             'AbortSave': grpc.unary_unary_rpc_method_handler(
                     servicer.AbortSave,
@@ -557,7 +557,7 @@ class Checkpointer:
             target,
             '/ckptstage.v1.Checkpointer/FinishSave',
             ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.FinishSaveRequest.SerializeToString,
-            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.Empty.FromString,
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.FinishSaveResponse.FromString,
             options,
             channel_credentials,
             insecure,
