@@ -28,6 +28,7 @@ from ckptstage.daemon.errors import (
     InvalidRequest,
     SaveFailed,
     SaveNotFound,
+    SessionNotFound,
     ShuttingDown,
 )
 from ckptstage.daemon.janitor import GcAction, Janitor
@@ -186,7 +187,12 @@ class Node:
         except OSError as e:
             writer.abort()
             raise SaveFailed(f"cannot create the data file for step {step} on {self.config.local.dir}: {e}") from e
-        session.add_save(save)
+        try:
+            session.add_save(save)
+        except SessionNotFound:
+            save.discard()  # closed meanwhile (client gone, or the daemon is shutting down)
+            self._check_running()
+            raise
         with self._saves_lock:
             self._saves[save.id] = save
             self._owners[save.id] = session

@@ -117,6 +117,13 @@ class Save:
     def settled(self) -> bool:
         return self.local_done.is_set() or self.error is not None
 
+    def discard(self) -> None:
+        """Drops a save that was never registered (refused after its file was created)."""
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        self.writer.abort()
+
     def chunk_span(self, i: int) -> tuple[int, int]:
         start = i * self.chunk_bytes
         return start, min(start + self.chunk_bytes, self.spec.data_bytes)

@@ -99,7 +99,14 @@ class Session:
             return proposed
 
     def add_save(self, save: Save) -> None:
+        """Registers a begun save; refused (SessionNotFound) once the session is closed.
+
+        Checked under the lock :meth:`close` takes, so a save is either seen
+        by ``close()`` (and failed, its temporary removed) or never added.
+        """
         with self.cond:
+            if self.closed.is_set():
+                raise SessionNotFound(self.id)
             self.saves[save.id] = save
             self._stream_end = save.end
 
