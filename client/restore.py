@@ -41,6 +41,7 @@ from ckptstage.protos import layout
 
 _READERS = 4             # reads in flight; more than the 2 cores helps a cold disk
 _BLOCK = 256 << 10       # bytes read, then hashed, at a time: stays in L2 (1 MiB and 64 MiB measured slower)
+_DIRECT_BLOCK = 1 << 20  # one O_DIRECT read (hashed in _BLOCK pieces); dd iflag=direct peaked at 1 MiB here
 _PAGE = 4096             # O_DIRECT alignment of file offsets, lengths and memory (safe for 512 and 4K devices)
 _DIRECT_MIN = 1 << 20    # smaller tensors are read through the page cache
 
@@ -172,7 +173,7 @@ def _read_chunk(fd: int, direct_fd: int | None, i: int, spans: list[_Span], entr
                 # Whole pages from the page holding pos; chunk boundaries are page-aligned, so
                 # pages outside [offset, end) are the window's slack, never another span's bytes.
                 lo = pos // _PAGE * _PAGE
-                hi = min(lo + _BLOCK, -(-end // _PAGE) * _PAGE)
+                hi = min(lo + _DIRECT_BLOCK, -(-end // _PAGE) * _PAGE)
                 got = lo + os.preadv(direct_fd, [span.window[lo - span.base:hi - span.base]], lo)
             else:
                 got = pos + os.preadv(fd, [span.view[pos - span.offset:pos - span.offset + _BLOCK]], pos)
@@ -180,7 +181,8 @@ def _read_chunk(fd: int, direct_fd: int | None, i: int, spans: list[_Span], entr
                 raise layout.ChecksumMismatch(path, f"unexpected end of file at byte {pos}")
             got = min(got, end)
             # Hashed while the block is still in the CPU cache: verifying costs no second trip to memory.
-            hasher.update(span.view[pos - span.offset:got - span.offset])
+            for at in range(pos, got, _BLOCK):
+                hasher.update(span.view[at - span.offset:min(got, at + _BLOCK) - span.offset])
             pos = got
     digest = hasher.hexdigest()
     if digest != entry.digests[i]:
