@@ -172,10 +172,12 @@ def _size(minimum: int = 1, multiple_of: int = 1) -> _Kind:
     return _Kind(parse, _dump_size)
 
 
-def _int(minimum: int = 1) -> _Kind:
+def _int(minimum: int = 1, maximum: int | None = None) -> _Kind:
     def parse(value: Any, key: str) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ConfigError(key, f"must be an integer >= {minimum}, got {value!r}")
+        if maximum is not None and value > maximum:
+            raise ConfigError(key, f"must be an integer from {minimum} to {maximum}, got {value!r}")
         return value
 
     return _Kind(parse, str)
@@ -335,6 +337,9 @@ class PersistConfig:
     direct_io: bool = field(default=True, metadata=_kind(_BOOL))
     # On SIGTERM, how long to wait for in-flight writes (the systemd unit's TimeoutStopSec is above it).
     shutdown_timeout_s: float = field(default=30.0, metadata=_kind(_SECONDS))
+    # Niceness added to the writer and drain threads (0-19): under CPU contention the trainer and the
+    # daemon's control plane (e.g. the FinishSave answer a trainer waits for) run first.
+    nice: int = field(default=10, metadata=_kind(_int(0, 19)))
 
 
 @dataclass(frozen=True)

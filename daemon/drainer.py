@@ -108,8 +108,10 @@ _REMEMBER_DRAINED = 100_000
 
 class Drainer:
     def __init__(self, config: SharedConfig, local_dir: Path, owner: str, catalog: Catalog, metrics: Metrics,
-                 on_drained: Callable[[Part], None], on_corrupt: Callable[[Part, str], None] | None = None) -> None:
+                 on_drained: Callable[[Part], None], on_corrupt: Callable[[Part, str], None] | None = None,
+                 nice: int = 0) -> None:
         assert config.dir is not None
+        self._nice = nice  # added to the drain threads' niceness ([persist] nice)
         self.config = config
         self.shared_dir = config.dir
         self.local_dir = local_dir
@@ -283,6 +285,7 @@ class Drainer:
                     part.created, part.metrics)
 
     def _work(self) -> None:
+        fsutil.lower_thread_priority(self._nice)
         while not self._stop.is_set():
             key = self._next()
             if key is None:
@@ -443,7 +446,8 @@ class Drainer:
         bufs = [mmap.mmap(-1, entry.chunk_bytes) for _ in range(2)]
         out = fsutil.DataFile(dst, entry.size, direct_io=True)
         try:
-            with open(src, "rb", buffering=0) as fin, ThreadPoolExecutor(1, "drain-write") as writer:
+            with open(src, "rb", buffering=0) as fin, ThreadPoolExecutor(1, "drain-write", initializer=fsutil.lower_thread_priority,
+                                                                    initargs=(self._nice,)) as writer:
                 os.posix_fadvise(fin.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 pending: Future[None] | None = None
                 total = 0

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
 
 from ckptstage.protos import layout
+
+log = logging.getLogger(__name__)
 
 
 def fsync_dir(path: Path) -> None:
@@ -196,3 +200,14 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_file_durable(tmp, json.dumps(obj, sort_keys=True).encode())
     os.rename(tmp, path)
     fsync_dir(path.parent)
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Adds ``nice`` to the calling thread's niceness (Linux: per thread). Lowering never needs privileges."""
+    if nice <= 0:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as e:  # not Linux, or a sandbox forbids it: run at normal priority
+        log.debug("cannot lower the priority of thread %s: %s", threading.current_thread().name, e)

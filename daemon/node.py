@@ -78,14 +78,16 @@ class Node:
         self._owners: dict[str, Session] = {}  # save id -> its session, even after the session closed
         self._saves_lock = threading.Lock()
         self._stopping = threading.Event()
-        self.persister = Persister(config.persist.workers, self._on_commit, self._on_failure, self._on_progress)
+        self.persister = Persister(config.persist.workers, self._on_commit, self._on_failure, self._on_progress,
+                                   config.persist.nice)
         self.drainer: Drainer | None = None
         if config.shared.enabled:
             assert config.shared.dir is not None
             self.drainer = Drainer(config.shared, config.local.dir, self.owner, self.catalog, self.metrics,
                                    on_drained=lambda part: self.apply_retention(part.job, trigger="drain"),
                                    on_corrupt=lambda part, why: self.report_corrupt(
-                                       part.job, part.step, part.rank, TierName.LOCAL, why))
+                                       part.job, part.step, part.rank, TierName.LOCAL, why),
+                                   nice=config.persist.nice)
         self.janitor = Janitor(config, self.catalog, self.metrics, self.owner, self.drainer, self.job_rules,
                                self._in_flight)
         self.metrics.add_state(self._probe())

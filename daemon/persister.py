@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptstage.daemon.errors import InvalidRequest, SaveFailed
-from ckptstage.daemon.fsutil import DataFile, PartWriter
+from ckptstage.daemon.fsutil import DataFile, PartWriter, lower_thread_priority
 from ckptstage.protos import layout
 
 if TYPE_CHECKING:
@@ -133,8 +133,9 @@ class Persister:
     """The node-wide writer pool that turns reported chunks into committed parts."""
 
     def __init__(self, workers: int, on_commit: Callable[[Save], None],
-                 on_failure: Callable[[Save], None], on_progress: Callable[[Save], None]) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="persist")
+                 on_failure: Callable[[Save], None], on_progress: Callable[[Save], None], nice: int = 0) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="persist",
+                                        initializer=lower_thread_priority, initargs=(nice,))
         self._on_commit = on_commit
         self._on_failure = on_failure
         self._on_progress = on_progress

@@ -284,6 +284,8 @@ BAD = [
     (f'socket = "/{"x" * 120}.sock"', "socket", "longer than 107 bytes"),
     ('[arena]\nmax_bytes = "lots"', "arena.max_bytes", "invalid size 'lots'"),
     ("[arena]\nmax_bytes = 0", "arena.max_bytes", "at least 1 bytes"),
+    ("[persist]\nnice = 20", "persist.nice", "from 0 to 19, got 20"),
+    ("[persist]\nnice = -5", "persist.nice", ">= 0, got -5"),
     (
         '[arena]\nmax_bytes = "1GiB"\nmin_session_bytes = "2GiB"',
         "arena.min_session_bytes",

@@ -368,6 +368,31 @@ def test_daemon_announces_freed_arena_space_on_the_session_stream(daemon):
         stream.cancel()  # (the daemon takes this for the client going away and ends the session)
 
 
+def _thread_nices(pid: int) -> dict[int, int]:
+    """Niceness of every thread of ``pid`` (field 19 of /proc/PID/task/TID/stat)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except FileNotFoundError:
+            continue  # the thread ended
+        out[int(task.name)] = int(stat.rsplit(")", 1)[1].split()[16])
+    return out
+
+
+@pytest.mark.parametrize("nice", [10, 0])
+def test_writer_threads_run_at_lower_priority_than_the_control_plane(daemon_factory, nice):
+    # Under CPU contention the trainer, and the daemon's answers to it, must run before background
+    # hashing and writing: [persist] nice is added to the writer threads only.
+    d = daemon_factory(**{"persist.nice": nice, "persist.workers": 2}).start()
+    with Client("nice", socket=d.socket) as c:
+        c.save(1, {"w": torch.ones(1 << 20)}).wait("local", timeout=30)  # 4 chunks: both writers started
+        nices = _thread_nices(d.proc.pid)
+    assert nices[d.proc.pid] == 0  # the main thread, and with it the gRPC threads, untouched
+    assert sum(1 for n in nices.values() if n == nice) >= 2 if nice else set(nices.values()) == {0}
+    assert sum(1 for n in nices.values() if n == 0) >= 2  # the gRPC server's threads
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors_round_trip(daemon):
     g = torch.Generator().manual_seed(2)
