@@ -36,7 +36,9 @@ state, 64 MiB chunks, defaults otherwise):
 * **torch.save+fsync** of the same state to one file on the same disk;
 * **restore**: ``client.load(step)`` (a fresh client, the saving one closed so
   its arena is freed) with the file evicted from the page cache
-  (``POSIX_FADV_DONTNEED``), then again with it cached ("warm"); and
+  (``POSIX_FADV_DONTNEED``), then again with it cached ("warm": the file is
+  read through the page cache first, since ckptstage reads cold data with
+  ``O_DIRECT``, which caches nothing); and
   ``torch.load(weights_only=True)`` of the torch.save file, cold and warm.
   Restores run after both files are written, in alternating order
   (ckptstage first on odd repeats): on the development VM the first read of
@@ -334,6 +336,8 @@ def measure(name: str, daemon: h.Daemon, work: Path, args: argparse.Namespace,
             def ckpt_load(kind: str, r: int = r, part: Path = part, saved: Any = state) -> None:
                 if kind == "cold":
                     h.drop_page_cache(part)
+                else:
+                    h.cache_files(part)
                 pause()
                 with h.Timer() as t:
                     restored = reader.load(r)
@@ -346,6 +350,8 @@ def measure(name: str, daemon: h.Daemon, work: Path, args: argparse.Namespace,
             def torch_load(kind: str, path: Path = path) -> None:
                 if kind == "cold":
                     h.drop_page_cache(path)
+                else:
+                    h.cache_files(path)
                 pause()
                 with h.Timer() as t:
                     restored = torch.load(path, weights_only=True)
@@ -356,7 +362,7 @@ def measure(name: str, daemon: h.Daemon, work: Path, args: argparse.Namespace,
             order: list[Callable[[str], None]] = [ckpt_load, torch_load] if r % 2 else [torch_load, ckpt_load]
             for fn in order:
                 fn("cold")
-                fn("warm")  # the file is in the page cache now
+                fn("warm")  # the file read into the page cache first
                 h.drop_page_cache(part)
                 h.drop_page_cache(path)
             # In place, as a trainer restarting into its existing model and optimizer tensors does:

@@ -27,7 +27,7 @@ from ckptstage.client import errors, tree
 from ckptstage.client.fileplan import FilePlan, PlanCache, build_manifest
 from ckptstage.client.restore import read_part
 from ckptstage.client.rpc import Connection
-from ckptstage.client.snapshot import ArenaMap, Streamer, ready_events
+from ckptstage.client.snapshot import ArenaMap, CopyThreads, Streamer, ready_events
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
@@ -58,6 +58,7 @@ class SaveHandle:
         self.step = step
         self._client = client
         self._snapshot = threading.Event()
+        self._urgent = threading.Event()  # someone waits for the snapshot: copy with every core
         self._error: BaseException | None = None
         self.save_id: str | None = None
         self.blocked_s: float | None = None  # save() call to snapshot done
@@ -72,6 +73,7 @@ class SaveHandle:
         From then on the checkpoint no longer depends on this process: if the
         trainer dies, the daemon still commits it.
         """
+        self._urgent.set()
         if not self._snapshot.wait(timeout):
             raise TimeoutError(f"snapshot of step {self.step} not done after {timeout}s")
         if self._error is not None:
@@ -140,8 +142,13 @@ class Client:
         self._released_hint = (0, 0)  # (arena generation, released) as the daemon last announced it
         self._plans = PlanCache()
         self._open_session()
+        # The snapshot thread copies with one intra-op thread while the trainer computes (two
+        # copy threads beside the trainer's would stall its parallel regions), and with the
+        # trainer's own count once the trainer waits for it (see snapshot.CopyThreads).
+        self._copy_threads = CopyThreads(torch.get_num_threads())
         self._worker = threading.Thread(target=self._run, name=f"ckptstage-snapshot-{rank}", daemon=True)
         self._worker.start()
+        self._copy_threads.confirm_private()
         if arena_bytes:
             try:
                 self._ensure_arena(arena_bytes)
@@ -176,6 +183,8 @@ class Client:
         """Blocks until every save started so far has been copied out."""
         with self._lock:
             pending = list(self._inflight)
+        for h in pending:
+            h._urgent.set()
         for h in pending:
             h._snapshot.wait()
 
@@ -330,6 +339,7 @@ class Client:
         return self._arena
 
     def _run(self) -> None:
+        self._copy_threads.start_background()
         while True:
             job = self._queue.get()
             if job is None:
@@ -359,7 +369,8 @@ class Client:
             session_id=self._session_id, step=job.handle.step, manifest_json=self._manifest_json(job),
             data_bytes=job.plan.data_bytes, metrics=job.metrics, stream_base=base))
         begin = _Once(lambda: self._began(job, sent()))
-        streamer = Streamer(self._conn, arena, base, self._chunk, self._released, begin, job.ready)
+        streamer = Streamer(self._conn, arena, base, self._chunk, self._released, begin, job.ready,
+                            threads=self._copy_threads, urgent=job.handle._urgent)
         try:
             streamer.run(job.plan, job.tensors)
         except BaseException as e:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -105,6 +106,44 @@ class _SideStreams:
             stream.synchronize()
 
 
+class CopyThreads:
+    """How many intra-op threads the snapshot thread copies with.
+
+    In the background (the trainer computing) one: a copy's parallel region
+    beside the trainer's own stalls the trainer's OpenMP barriers whenever a
+    core is short, and one thread copies at ~75% of two here. Once the
+    trainer waits for the snapshot (``wait_snapshot()``, the ``protect()``
+    hook), its cores are idle: the copy then uses the trainer's thread count
+    for the pieces that remain.
+
+    With torch's OpenMP backend the count is per thread (an OpenMP ICV), so
+    this never changes the trainer's own. :meth:`confirm_private` checks that
+    from the trainer's side and turns switching off where it is not so.
+    """
+
+    def __init__(self, full: int) -> None:
+        self.full = max(1, full)
+        self.enabled = self.full > 1
+        self._set_in_worker = threading.Event()
+
+    def start_background(self) -> None:
+        """On the snapshot thread, once: copy with one thread from now on."""
+        if self.enabled:
+            torch.set_num_threads(1)
+        self._set_in_worker.set()
+
+    def confirm_private(self) -> None:
+        """On the trainer's thread, after the snapshot thread started: was only that thread changed?"""
+        self._set_in_worker.wait()
+        if self.enabled and torch.get_num_threads() != self.full:
+            torch.set_num_threads(self.full)  # a process-wide setting: restore it, never switch again
+            self.enabled = False
+
+    def set(self, n: int) -> None:
+        if self.enabled:
+            torch.set_num_threads(n)
+
+
 @dataclass
 class _Piece:
     file_off: int
@@ -121,7 +160,8 @@ class Streamer:
     """
 
     def __init__(self, conn: Connection, arena: ArenaMap, stream_base: int, chunk_bytes: int, released: int,
-                 begin: Callable[[], pb.BeginSaveResponse], ready: dict[torch.device, Any] | None = None) -> None:
+                 begin: Callable[[], pb.BeginSaveResponse], ready: dict[torch.device, Any] | None = None,
+                 threads: CopyThreads | None = None, urgent: threading.Event | None = None) -> None:
         self.conn = conn
         self.arena = arena
         self.base = stream_base
@@ -132,6 +172,9 @@ class Streamer:
         self.stream = True
         self.cuda = _SideStreams(ready or {})
         self._begin = begin
+        self._threads = threads
+        self._urgent = urgent
+        self._boosted = False
 
     def run(self, plan: FilePlan, tensors: list[torch.Tensor]) -> None:
         """Copies every byte of the file image into the ring; returns once all of it is in the arena."""
@@ -147,12 +190,22 @@ class Streamer:
             self.stream = False
         self._write_bytes(0, plan.header)
         order = sorted(range(len(tensors)), key=lambda i: plan.entries[i].offset)
-        for i in order:
-            entry, t = plan.entries[i], tensors[i]
-            with self.cuda.context(t):
-                for piece in self._pieces(entry.offset, entry.nbytes, t):
-                    self._copy_piece(piece)
-        self.cuda.synchronize()
+        try:
+            for i in order:
+                entry, t = plan.entries[i], tensors[i]
+                with self.cuda.context(t):
+                    for piece in self._pieces(entry.offset, entry.nbytes, t):
+                        self._boost_if_waited_for()
+                        self._copy_piece(piece)
+            self.cuda.synchronize()
+        finally:
+            if self._boosted and self._threads is not None:
+                self._threads.set(1)
+
+    def _boost_if_waited_for(self) -> None:
+        if not self._boosted and self._threads is not None and self._urgent is not None and self._urgent.is_set():
+            self._threads.set(self._threads.full)
+            self._boosted = True
 
     def _must_stream(self, data_bytes: int) -> bool:
         return self.base + data_bytes - self.released > self.arena.size

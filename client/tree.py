@@ -12,6 +12,13 @@ replaced by their index in the tensor list. Encoding, one JSON object per node:
     {"l": [...]} {"t": [...]}      list, tuple
     {"S": [...]}                   torch.Size
 
+A tensor that appears more than once — the same view of the same storage,
+e.g. tied embedding and output weights, each ``state_dict()`` key a separate
+``detach()`` of one parameter — is stored once and referenced by every key,
+and comes back as one storage (views of one tensor), as ``torch.load``
+returns it. Other views
+that share storage (a slice, a transpose) are stored separately.
+
 Keys are encoded like values but only None, bool, int, float and str are
 allowed. Anything else raises ``TypeError`` naming its key path, e.g.
 ``state['optim']['state'][0]['exp_avg']``.
@@ -33,12 +40,18 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
     """Returns (tree, tensors, tensor key paths)."""
     tensors: list[torch.Tensor] = []
     paths: list[str] = []
+    index: dict[tuple[Any, ...], int] = {}  # one entry per distinct view (see the module docstring)
 
     def enc(obj: Any, path: str, seen: tuple[int, ...]) -> Any:
         if isinstance(obj, torch.Tensor):
             _check_tensor(obj, path)
+            view = _view_key(obj)
+            if view is not None and view in index:
+                return {"T": index[view]}
             tensors.append(obj)
             paths.append(path)
+            if view is not None:
+                index[view] = len(tensors) - 1
             return {"T": len(tensors) - 1}
         if obj is None:
             return {"N": 0}
@@ -77,12 +90,21 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
 
 
 def unflatten(tree: Any, tensor: Callable[[int], Any]) -> Any:
-    """Rebuilds the state; ``tensor(i)`` supplies tensor number i."""
+    """Rebuilds the state; ``tensor(i)`` supplies tensor number i.
+
+    A tensor referenced more than once comes back as one storage under
+    several tensor objects (views of the first), as ``torch.load`` returns it.
+    """
+    seen: set[int] = set()
 
     def dec(node: dict[str, Any]) -> Any:
         (tag, v), = node.items()
         if tag == "T":
-            return tensor(v)
+            t = tensor(v)
+            if v in seen and isinstance(t, torch.Tensor):
+                return t.view(t.shape)  # the same bytes, its own tensor object
+            seen.add(v)
+            return t
         if tag == "N":
             return None
         if tag in ("b", "i", "s"):
@@ -104,6 +126,13 @@ def unflatten(tree: Any, tensor: Callable[[int], Any]) -> Any:
         raise ValueError(f"unknown tree node {tag!r} in manifest")
 
     return dec(tree)
+
+
+def _view_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors the same bytes: storage, offset, shape, strides, dtype (None if empty)."""
+    if t.numel() == 0:
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
 def _check_tensor(t: torch.Tensor, path: str) -> None:

@@ -8,6 +8,7 @@ ring, the persister, restore) shows up here.
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 import threading
@@ -159,7 +160,7 @@ def test_every_dtype_and_shape_round_trips(daemon):
         "column": base[:, 3],
         "scalar": torch.tensor(3.25),
         "bf16_view": base.to(torch.bfloat16).t()[2:],
-        "shared_storage": (base[0], base[0]),  # two views of one storage stay two values
+        "shared_storage": (base[0], base[0]),  # one view twice: stored once, two tensor objects back
     }
     expected = clone_state(state)
 
@@ -293,6 +294,76 @@ def test_arena_is_reused_across_saves_and_grows_only_between_them(daemon_factory
     assert sizes[2] == sizes[3] == sizes[4]                        # and it is kept, not shrunk or re-made
     with d.connection() as conn:
         assert conn.status().arena_used_bytes == 0
+
+
+class _ThreadsAtCopy(torch.Tensor):
+    """Records the intra-op thread count of the thread that copies it into the arena."""
+
+    seen: list[int] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.Tensor.copy_:
+            cls.seen.append(torch.get_num_threads())
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs 2 or more intra-op threads")
+def test_snapshot_copies_with_one_thread_until_the_trainer_waits(daemon):
+    # Beside a computing trainer the copy uses one intra-op thread; once the trainer waits for the
+    # snapshot its cores are idle and the copy uses the trainer's count. The trainer's own count
+    # is never changed.
+    full = torch.get_num_threads()
+    big = torch.ones(64 << 20, dtype=torch.float64)  # 512 MiB, copied first (8-byte elements)
+    probe = torch.zeros(4096, dtype=torch.uint8).as_subclass(_ThreadsAtCopy)  # copied last
+    with Client("threads", socket=daemon.socket, arena_bytes=1 << 30) as c:
+        _ThreadsAtCopy.seen.clear()
+        h = c.save(1, {"big": big, "probe": probe})
+        while not h.snapshot_done():  # nobody waits: a background copy
+            time.sleep(0.001)
+        assert _ThreadsAtCopy.seen == [1]
+        assert torch.get_num_threads() == full
+
+        _ThreadsAtCopy.seen.clear()
+        h = c.save(2, {"big": big, "probe": probe})
+        h.wait_snapshot(timeout=60)  # the trainer waits while "big" is still being copied
+        assert _ThreadsAtCopy.seen == [full]
+        assert torch.get_num_threads() == full
+        h.wait("local", timeout=60)
+        assert torch.equal(c.load(2)["big"], big)
+
+
+def test_tied_weights_are_stored_once_and_load_as_one_tensor(daemon):
+    # GPT-2 style: the output layer is the embedding. state_dict() returns a separate detach() of
+    # the one parameter under each key; they are the same bytes, stored once.
+    emb = torch.nn.Embedding(1000, 64)
+    head = torch.nn.Linear(64, 1000, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"wte": emb, "lm_head": head})
+    sd = model.state_dict()
+    assert sd["wte.weight"] is not sd["lm_head.weight"]  # two tensor objects, one storage
+    base = torch.arange(4096, dtype=torch.float32)
+    state = {"model": sd, "view": base[::2], "slice": base[100:200], "base": base, "again": base,
+             "empty": torch.empty(0), "empty2": torch.empty(0)}
+    with Client("tied", socket=daemon.socket) as c:
+        loaded = save_and_load(c, 1, state)
+    [part] = part_dirs(daemon.local, "tied")
+    manifest = json.loads((part / "manifest.json").read_text())
+    names = [t["name"] for t in manifest["tensors"]]
+    assert "['model']['lm_head.weight']" not in names and "['again']" not in names
+    # Stored once: embedding + base + its two other views + the two empties.
+    assert sum(t["nbytes"] for t in manifest["tensors"]) == 1000 * 64 * 4 + 4096 * 4 + 2048 * 4 + 100 * 4
+    # One storage under two tensor objects, as torch.load returns tied weights.
+    wte, head = loaded["model"]["wte.weight"], loaded["model"]["lm_head.weight"]
+    assert wte is not head and wte.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()
+    assert loaded["base"].data_ptr() == loaded["again"].data_ptr()
+    assert loaded["empty"] is not loaded["empty2"]
+    assert_same(loaded, clone_state(state))
+    # The tie survives into the model: loading the state sets both keys from the one tensor.
+    fresh = torch.nn.ModuleDict({"wte": torch.nn.Embedding(1000, 64), "lm_head": torch.nn.Linear(64, 1000, bias=False)})
+    fresh["lm_head"].weight = fresh["wte"].weight
+    fresh.load_state_dict(loaded["model"])
+    assert torch.equal(fresh["lm_head"].weight, emb.weight)
 
 
 def test_back_to_back_saves_through_a_one_state_arena_stay_exact(daemon_factory):
