@@ -368,7 +368,7 @@ class Client:
         sent = self._conn.start("BeginSave", pb.BeginSaveRequest(
             session_id=self._session_id, step=job.handle.step, manifest_json=self._manifest_json(job),
             data_bytes=job.plan.data_bytes, metrics=job.metrics, stream_base=base))
-        begin = _Once(lambda: self._began(job, sent()))
+        begin = _Once(lambda: self._began(job, base, sent()))
         streamer = Streamer(self._conn, arena, base, self._chunk, self._released, begin, job.ready,
                             threads=self._copy_threads, urgent=job.handle._urgent)
         try:
@@ -383,7 +383,10 @@ class Client:
         finished = self._conn.call("FinishSave", pb.FinishSaveRequest(save_id=resp.save_id))
         self._released = max(streamer.released, finished.released)
 
-    def _began(self, job: _Job, resp: pb.BeginSaveResponse) -> pb.BeginSaveResponse:
+    def _began(self, job: _Job, base: int, resp: pb.BeginSaveResponse) -> pb.BeginSaveResponse:
+        if resp.stream_base != base:  # the daemon refuses a mismatch; this is belt and braces
+            raise errors.CkptStageError(f"the daemon placed step {job.handle.step} at stream position "
+                                        f"{resp.stream_base}, the client copied it to {base}")
         # Only now does the save hold its stream positions; one that was refused holds none.
         self._stream_end = resp.stream_base + job.plan.data_bytes
         self._released = max(self._released, resp.released)

@@ -14,12 +14,14 @@ tensor's storage is allocated a little larger than the tensor (at most two
 pages) and placed so that its memory and its bytes in the file share their
 alignment within a page; the slack is never part of the tensor. Data that
 is already cached (a file read moments ago) is read through the cache, which
-is faster then; the page cache is probed per chunk with ``RWF_NOWAIT``. Small
+is faster then; each large tensor's piece of a chunk is probed with a
+one-byte ``RWF_NOWAIT`` read of its first page. Small
 tensors, ``into=`` targets and file systems that refuse ``O_DIRECT`` use
 ordinary reads.
 
 (Measured on the development VM, GPT-2 355M layout, 4.26 GB, cold: buffered
-reads 3.9-6.0 s, ``O_DIRECT`` 2.9-3.5 s, ``torch.load`` 5.7-7.7 s. mmap with
+reads 3.9-6.0 s, ``O_DIRECT`` 2.9-3.5 s in a probe that did not verify,
+``torch.load`` 5.7-7.7 s. mmap with
 page faults had been 2.5x slower than ``torch.load``'s large reads.)
 """
 
