@@ -10,17 +10,13 @@ import signal
 import socket as socketlib
 import sys
 import threading
-from concurrent import futures
 from pathlib import Path
 from typing import IO, Any
-
-import grpc
 
 from ckptstage.daemon import fsutil
 from ckptstage.daemon.config import Config, ConfigError, load_config
 from ckptstage.daemon.node import STATE_DIR, VERSION, Node
-from ckptstage.daemon.servicer import Servicer
-from ckptstage.protos.v1 import ckptstage_pb2_grpc as pb_grpc
+from ckptstage.daemon.server import RpcServer
 
 log = logging.getLogger("ckptstaged")
 
@@ -53,19 +49,14 @@ class Daemon:
         self.metrics_url = ""
         self._stopped = threading.Event()
         self._done = threading.Event()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="rpc"),
-                                  options=[("grpc.max_receive_message_length", 256 << 20)])
-        self.servicer = Servicer(self.node, str(config.socket))
-        pb_grpc.add_CheckpointerServicer_to_server(self.servicer, self.server)
+        self.rpc = RpcServer(self.node, config.socket)
 
     def start(self) -> None:
         self.node.recover()
         self._start_metrics()
-        self.servicer.metrics_url = self.metrics_url
+        self.rpc.set_metrics_url(self.metrics_url)
         _prepare_socket(self.config.socket)
-        self.server.add_insecure_port(f"unix:{self.config.socket}")
-        self.server.start()
-        os.chmod(self.config.socket, 0o600)
+        self.rpc.start()
         log.info("ckptstaged %s serving on %s (local %s, shared %s, arena budget %d bytes)", VERSION,
                  self.config.socket, self.config.local.dir, self.config.shared.dir or "disabled",
                  self.config.arena.max_bytes)
@@ -77,9 +68,9 @@ class Daemon:
         self._stopped.set()
         timeout = self.config.persist.shutdown_timeout_s
         log.info("shutting down: finishing in-flight saves (up to %.0fs)", timeout)
-        self.servicer.begin_shutdown()
+        self.rpc.begin_shutdown()
         self.node.shutdown(timeout)
-        self.server.stop(grace=2).wait()
+        self.rpc.stop(grace=2)
         try:
             self.config.socket.unlink()
         except FileNotFoundError:
