@@ -109,7 +109,7 @@ _REMEMBER_DRAINED = 100_000
 class Drainer:
     def __init__(self, config: SharedConfig, local_dir: Path, owner: str, catalog: Catalog, metrics: Metrics,
                  on_drained: Callable[[Part], None], on_corrupt: Callable[[Part, str], None] | None = None,
-                 nice: int = 0) -> None:
+                 on_indexed: Callable[[], None] | None = None, nice: int = 0) -> None:
         assert config.dir is not None
         self._nice = nice  # added to the drain threads' niceness ([persist] nice)
         self.config = config
@@ -121,6 +121,7 @@ class Drainer:
         self.reachable: bool | None = None
         self._on_drained = on_drained
         self._on_corrupt = on_corrupt
+        self._on_indexed = on_indexed
         self._stop = threading.Event()
         self._limiter = RateLimiter(config.max_bandwidth, sleep=self._stop.wait)
         self._cond = threading.Condition()
@@ -139,22 +140,32 @@ class Drainer:
     # --- life cycle -----------------------------------------------------------------
 
     def recover(self) -> None:
-        """Cleans this node's shared temporaries, indexes the shared tier, queues what is missing there."""
-        self._index_shared(clean=True)
+        """Cleans this node's shared temporaries and indexes the shared tier, retrying until it answers.
+
+        Runs on a thread of its own (see :meth:`start`): the daemon serves
+        meanwhile, and copies start only once the tier is indexed. Then queues
+        what is missing there and tells the node (its shared rules may run).
+        """
+        delay = self.config.retry_initial_s
+        while not self._index_shared(clean=True):
+            if self._stop.wait(delay):
+                return
+            delay = min(self.config.retry_max_s, delay * 2)
         self.requeue()
+        with self._cond:
+            self._cond.notify_all()  # the workers wait for the index
+        if self._on_indexed is not None:
+            self._on_indexed()
 
     def refresh(self) -> None:
-        """Brings the index of the shared tier up to date (run on the retention timer).
+        """Brings the index of the shared tier up to date (run by the node's shared-tier timer).
 
-        Indexes the whole tier if that failed at start; otherwise re-reads the
-        directories of the jobs this daemon knows, where other nodes add their
-        ranks and delete steps. Then queues any local part that is neither
-        drained nor queued.
+        Re-reads the directories of the jobs this daemon knows, where other
+        nodes add their ranks and delete steps, then queues any local part
+        that is neither drained nor queued. Before the tier was first indexed
+        it does nothing: :meth:`recover` is still retrying.
         """
-        if not self._shared_indexed:
-            # Not cleaning temporaries now: the workers may be writing some.
-            self._index_shared(clean=False)
-        else:
+        if self._shared_indexed:
             for job in self.catalog.jobs():
                 try:
                     added, dropped = self.catalog.sync_job(TierName.SHARED, self.shared_dir, job)
@@ -171,7 +182,7 @@ class Drainer:
         for part in self.catalog.all_parts(TierName.LOCAL):
             self.enqueue(part)
 
-    def _index_shared(self, clean: bool) -> None:
+    def _index_shared(self, clean: bool) -> bool:
         try:
             fsutil.makedirs_durable(self.shared_dir)
             removed = fsutil.clean_temporaries(self.shared_dir, self.owner) if clean else 0
@@ -179,12 +190,17 @@ class Drainer:
         except OSError as e:
             self.reachable = False
             log.error("shared tier %s unreachable: %s (draining will retry)", self.shared_dir, e)
-            return
+            return False
         self._shared_indexed = True
         self.reachable = True
         log.info("shared tier %s: %d committed parts, %d temporaries removed", self.shared_dir, n, removed)
+        return True
 
     def start(self) -> None:
+        """Indexes the shared tier on a thread of its own (see :meth:`recover`) and starts the copy workers."""
+        t = threading.Thread(target=self._recover_in_background, name="drain-index", daemon=True)
+        t.start()
+        self._threads.append(t)
         for i in range(self.config.max_concurrent):
             t = threading.Thread(target=self._work, name=f"drain-{i}", daemon=True)
             t.start()
@@ -284,6 +300,12 @@ class Drainer:
         return Part(part.job, part.step, part.rank, part.world_size, TierName.LOCAL, dest, part.nbytes,
                     part.created, part.metrics)
 
+    def _recover_in_background(self) -> None:
+        try:
+            self.recover()
+        except Exception:  # noqa: BLE001 - logged; the timer's refresh cannot index, so say it loudly
+            log.exception("indexing the shared tier %s failed; draining is stopped", self.shared_dir)
+
     def _work(self) -> None:
         fsutil.lower_thread_priority(self._nice)
         while not self._stop.is_set():
@@ -355,6 +377,9 @@ class Drainer:
         """Blocks until a part may be copied (queued, not being copied, backoff over); claims it."""
         with self._cond:
             while not self._stop.is_set():
+                if not self._shared_indexed:
+                    self._cond.wait(1.0)  # recover() notifies once the shared tier is indexed
+                    continue
                 wait = self._gate - time.monotonic()
                 if wait > 0:
                     self._cond.wait(wait)

@@ -29,7 +29,13 @@ class GcAction:
 
 
 class Janitor:
-    """Applies both tiers' rules to one job at a time (serialized: passes come from several threads)."""
+    """Applies the tiers' rules to one job at a time.
+
+    Passes come from several threads (commits, drains, timers, ``gc``) and are
+    serialized per tier, never across tiers: a pass that waits on a slow or
+    hung shared file system must not hold up the local passes that every
+    commit runs.
+    """
 
     def __init__(self, config: Config, catalog: Catalog, metrics: Metrics, owner: str, drainer: Drainer | None,
                  job_rules: JobRules, in_flight: Callable[[str, int, int], bool]) -> None:
@@ -40,54 +46,58 @@ class Janitor:
         self.drainer = drainer
         self.job_rules = job_rules
         self._in_flight = in_flight
-        self._lock = threading.Lock()
+        self._locks = {TierName.LOCAL: threading.Lock(), TierName.SHARED: threading.Lock()}
 
-    def apply(self, job: str, dry_run: bool = False, trigger: str = "gc", shared: bool = True) -> list[GcAction]:
-        """Runs both tiers' rules for one job; deletes (unless dry_run) and returns what goes.
+    def apply(self, job: str, dry_run: bool = False, trigger: str = "gc", local: bool = True,
+              shared: bool = True) -> list[GcAction]:
+        """Runs the tiers' rules for one job; deletes (unless dry_run) and returns what goes.
 
         ``trigger`` (commit, drain, timer, start, gc) labels the pass in metrics.
         ``shared=False`` plans the local tier only: a local commit changes
         nothing the shared rules look at, and the persister thread that runs
-        that pass must never wait on the shared file system.
+        that pass must never wait on the shared file system; ``local=False``
+        is the shared-tier thread's pass.
         """
-        with self._lock:
-            actions = self._plan(job, shared)
-            if not dry_run:
-                self.metrics.retention_passes.labels(trigger).inc()
-                for action in actions:
-                    self._delete(action)
-            return actions
+        actions: list[GcAction] = []
+        tiers = [t for t, on in ((TierName.LOCAL, local), (TierName.SHARED, shared and self.drainer is not None))
+                 if on]
+        for tier in tiers:
+            with self._locks[tier]:
+                planned = self._plan(job, tier)
+                if not dry_run:
+                    for action in planned:
+                        self._delete(action)
+            actions += planned
+        if not dry_run and tiers:
+            self.metrics.retention_passes.labels(trigger).inc()
+        return actions
 
     def gc(self, dry_run: bool) -> list[GcAction]:
         return [a for job in self.catalog.jobs() for a in self.apply(job, dry_run, trigger="gc")]
 
-    def _plan(self, job: str, shared: bool = True) -> list[GcAction]:
-        ckpts = self.catalog.checkpoints(job)
-        local_records, shared_records = [], []
+    def _plan(self, job: str, tier: TierName) -> list[GcAction]:
+        records = []
         d = self.drainer
-        for c in ckpts:
-            local_ranks = c.ranks_on(TierName.LOCAL)
-            if local_ranks:
+        for c in self.catalog.checkpoints(job):
+            ranks = c.ranks_on(tier)
+            if not ranks:
+                continue
+            if tier == TierName.LOCAL:
                 # Drained: committed on the shared tier, even if the shared rules deleted it since.
-                drained = d is None or all(d.drained(job, c.step, r) for r in local_ranks)
-                local_records.append(retention.Record(c.step, c.nbytes(TierName.LOCAL), drained=drained,
-                                                      pinned=c.pinned, complete=c.complete, metrics=c.metrics))
-            if c.ranks_on(TierName.SHARED):
-                shared_records.append(retention.Record(c.step, c.nbytes(TierName.SHARED), pinned=c.pinned,
-                                                       complete=c.complete_on(TierName.SHARED),
-                                                       metrics=c.metrics))
-        actions = []
-        free = _free_bytes(self.config.local.dir)
-        job_rules = self.job_rules.for_job(job)
-        local_plan = retention.plan_local(local_records, self._local_rules(job_rules), free)
-        actions += [GcAction(job, s, TierName.LOCAL, why, _nbytes(local_records, s))
-                    for s, why in sorted(local_plan.delete.items())]
-        if self.drainer is not None and shared:
-            shared_plan = retention.plan_shared(shared_records, self._shared_rules(),
-                                                *self._job_shared_rules(job_rules))
-            actions += [GcAction(job, s, TierName.SHARED, why, _nbytes(shared_records, s))
-                        for s, why in sorted(shared_plan.delete.items())]
-        return actions
+                drained = d is None or all(d.drained(job, c.step, r) for r in ranks)
+                records.append(retention.Record(c.step, c.nbytes(tier), drained=drained, pinned=c.pinned,
+                                                complete=c.complete, metrics=c.metrics))
+            else:
+                records.append(retention.Record(c.step, c.nbytes(tier), pinned=c.pinned,
+                                                complete=c.complete_on(tier), metrics=c.metrics))
+        if tier == TierName.LOCAL:
+            # The job's rules as its sessions here set them: the local pass never reads the shared tier.
+            plan = retention.plan_local(records, self._local_rules(self.job_rules.for_job(job, read_shared=False)),
+                                        _free_bytes(self.config.local.dir))
+        else:
+            plan = retention.plan_shared(records, self._shared_rules(),
+                                         *self._job_shared_rules(self.job_rules.for_job(job)))
+        return [GcAction(job, s, tier, why, _nbytes(records, s)) for s, why in sorted(plan.delete.items())]
 
     def _local_rules(self, job: JobRetention) -> retention.LocalRules:
         c = self.config.local

@@ -99,11 +99,15 @@ class JobRules:
         except (OSError, ValueError, AttributeError) as e:
             log.error("ignoring job retention overrides in %s: %s", self._file, e)
 
-    def set(self, job: str, rules: JobRetention) -> None:
-        """The job's latest session sets its rules; they outlive the session (and restarts)."""
+    def set(self, job: str, rules: JobRetention) -> bool:
+        """The job's latest session sets its rules; they outlive the session (and restarts).
+
+        Returns whether they changed: then the caller has :meth:`publish` run
+        on a thread that may wait on the shared tier (never the caller's).
+        """
         with self._lock:  # the ranks of a job open their sessions at once
             if self._rules.get(job) == rules:
-                return  # an empty set is recorded too: it resets what an earlier session asked for
+                return False  # an empty set is recorded too: it resets what an earlier session asked for
             self._rules = {**self._rules, job: rules}  # readers use the dict without the lock
             log.info("job %s retention overrides: %s", job,
                      {k: v for k, v in asdict(rules).items() if v} or "none (the operator's rules)")
@@ -113,9 +117,7 @@ class JobRules:
             except OSError as e:
                 log.warning("cannot persist job retention overrides to %s: %s", self._file, e)
             self._unpublished.add(job)
-        if self._shared_dir is not None:
-            # Not on the caller's (an RPC's) thread: the shared file system may be slow or hung.
-            threading.Thread(target=self.publish, name="publish-rules", daemon=True).start()
+        return self._shared_dir is not None
 
     def publish(self) -> None:
         """Writes the rules of jobs whose sessions opened here to the shared tier (retried by the timer)."""
@@ -135,10 +137,13 @@ class JobRules:
                 if self._rules.get(job) == rules:
                     self._unpublished.discard(job)
 
-    def for_job(self, job: str) -> JobRetention:
-        """The job's rules: from its sessions here, else as another node published them, else none."""
+    def for_job(self, job: str, read_shared: bool = True) -> JobRetention:
+        """The job's rules: from its sessions here, else as another node published them, else none.
+
+        ``read_shared=False`` never touches the shared tier (the local retention pass).
+        """
         rules = self._rules.get(job)
-        if rules is None and self._shared_dir is not None:
+        if rules is None and read_shared and self._shared_dir is not None:
             path = self._shared_dir / job / JOB_RULES_FILE
             try:
                 rules = JobRetention.parse(fsutil.read_json(path, {}))

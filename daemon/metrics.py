@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -21,8 +19,9 @@ class StateProbe:
     arena_used: Callable[[], int]
     arena_total: Callable[[], int]
     sessions: Callable[[], int]
-    tier_dirs: Callable[[], dict[str, Path]]
+    tiers: Callable[[], list[str]]               # enabled tiers
     tier_used: Callable[[str], int]
+    tier_free: Callable[[str], int | None]       # the tier probe's last reading; never blocks
     drain_queue: Callable[[], tuple[int, int]]   # (parts, bytes)
     drain_lag_s: Callable[[], float]
     shared_reachable: Callable[[], bool | None]
@@ -82,12 +81,11 @@ class _StateCollector(Collector):
         used = GaugeMetricFamily("ckptstage_tier_used_bytes", "Bytes of committed checkpoints.", labels=["tier"])
         free = GaugeMetricFamily("ckptstage_tier_free_bytes", "Free bytes on the tier's file system.",
                                  labels=["tier"])
-        for tier, path in p.tier_dirs().items():
+        for tier in p.tiers():
             used.add_metric([tier], p.tier_used(tier))
-            try:
-                free.add_metric([tier], shutil.disk_usage(path).free)
-            except OSError:
-                pass
+            nfree = p.tier_free(tier)
+            if nfree is not None:
+                free.add_metric([tier], nfree)
         yield used
         yield free
         parts, nbytes = p.drain_queue()

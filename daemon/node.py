@@ -14,7 +14,9 @@ import socket
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckptstage.daemon import arena as arena_mod
@@ -36,12 +38,28 @@ from ckptstage.daemon.job_rules import JobRetention, JobRules
 from ckptstage.daemon.metrics import Metrics, StateProbe
 from ckptstage.daemon.persister import Persister, Save, parse_manifest
 from ckptstage.daemon.sessions import Session, SessionInfo, SessionTable
+from ckptstage.daemon.tierprobe import TierProbe
 from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
 STATE_DIR = ".state"  # under the local tier: pins; ignored by tier scans (not a job name)
+# Settled saves remembered for late WaitSave/FinishSave calls: a few hundred bytes each, this many at most.
+MAX_SETTLED_SAVES = 1024
+# A session whose client has not attached after this long is closed (the client died after OpenSession).
+ATTACH_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class SettledSave:
+    """What the node keeps of a save once it committed or failed (its manifest and buffers are let go)."""
+
+    id: str
+    job: str
+    step: int
+    rank: int
+    error: str | None
 
 
 def node_name(local_dir: Path | None = None) -> str:
@@ -63,8 +81,9 @@ class Node:
     """Everything one ``ckptstaged`` does, minus the wire."""
 
     def __init__(self, config: Config, metrics: Metrics | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, attach_timeout_s: float = ATTACH_TIMEOUT_S) -> None:
         self.config = config
+        self.attach_timeout_s = attach_timeout_s
         self.metrics = metrics or Metrics()
         self.clock = clock
         self.started = time.monotonic()
@@ -73,11 +92,16 @@ class Node:
         self.owner = node_name(config.local.dir)
         self.catalog = Catalog(config.local.dir / STATE_DIR / "pins.json")
         self.job_rules = JobRules(config.local.dir / STATE_DIR / "job-retention.json", config.shared.dir)
-        self._timer: threading.Thread | None = None
-        self._saves: dict[str, Save] = {}
+        self._threads: list[threading.Thread] = []
+        self._saves: dict[str, Save] = {}  # in flight
+        self._settled: OrderedDict[str, SettledSave] = OrderedDict()  # bounded: MAX_SETTLED_SAVES
         self._owners: dict[str, Session] = {}  # save id -> its session, even after the session closed
         self._saves_lock = threading.Lock()
         self._stopping = threading.Event()
+        self._shared_wake = threading.Event()  # job rules changed: publish them now
+        self.tier_probes: dict[TierName, TierProbe] = {TierName.LOCAL: TierProbe("local", config.local.dir)}
+        if config.shared.dir is not None:
+            self.tier_probes[TierName.SHARED] = TierProbe("shared", config.shared.dir)
         self.persister = Persister(config.persist.workers, self._on_commit, self._on_failure, self._on_progress,
                                    config.persist.nice)
         self.drainer: Drainer | None = None
@@ -87,6 +111,7 @@ class Node:
                                    on_drained=lambda part: self.apply_retention(part.job, trigger="drain"),
                                    on_corrupt=lambda part, why: self.report_corrupt(
                                        part.job, part.step, part.rank, TierName.LOCAL, why),
+                                   on_indexed=self._on_shared_indexed,
                                    nice=config.persist.nice)
         self.janitor = Janitor(config, self.catalog, self.metrics, self.owner, self.drainer, self.job_rules,
                                self._in_flight)
@@ -97,8 +122,13 @@ class Node:
     def recover(self) -> None:
         """Invariant 3: clean temporaries, re-read what is committed, resume draining.
 
-        Then runs retention once and starts the retention timer
-        (``[retention] interval_s``), stopped by :meth:`shutdown`.
+        Only the local tier is read here, so the daemon serves as soon as its
+        own disk is indexed: the drainer cleans and indexes the shared tier on
+        its own thread (a shared file system that hangs must not keep the node
+        from taking saves), then resumes draining. Starts the threads stopped by
+        :meth:`shutdown`: local retention every ``[retention] interval_s``, the
+        shared tier's refresh and retention on the same cadence, the tier
+        probes, and the reaper of sessions that never attached.
         """
         fsutil.makedirs_durable(self.config.local.dir)
         removed = fsutil.clean_temporaries(self.config.local.dir, self.owner)
@@ -108,17 +138,20 @@ class Node:
         self.job_rules.load()
         log.info("local tier %s: %d committed parts, %d temporaries removed, %d stale arenas removed",
                  self.config.local.dir, n_local, removed, stale)
-        if self.drainer is not None:
-            self.drainer.recover()
-            self.drainer.start()
+        for probe in self.tier_probes.values():
+            probe.start()
         for job in self.catalog.jobs():
-            self.apply_retention(job, trigger="start")
-        self._timer = threading.Thread(target=self._retention_timer, name="retention", daemon=True)
-        self._timer.start()
+            self.apply_retention(job, trigger="start", shared=False)
+        self._spawn("retention-local", self._local_timer)
+        self._spawn("sessions-reaper", self._reap_unattached)
+        if self.drainer is not None:
+            self.drainer.start()
+            self._spawn("retention-shared", self._shared_timer)
 
     def shutdown(self, timeout: float) -> None:
         """Stops taking saves, lets finished ones commit (bounded), then stops the drainer."""
         self._stopping.set()
+        self._shared_wake.set()  # the shared-tier thread sleeps on it
         deadline = time.monotonic() + timeout
         for session in self.sessions.all():
             for save in session.close():
@@ -129,8 +162,10 @@ class Node:
         self.persister.shutdown(wait=True)
         if self.drainer is not None:
             self.drainer.stop(max(0.0, deadline - time.monotonic()))
-        if self._timer is not None:
-            self._timer.join(max(0.0, deadline - time.monotonic()))
+        for probe in self.tier_probes.values():
+            probe.stop()
+        for thread in self._threads:  # a thread stuck on a hung shared tier is a daemon thread: not waited for
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     # --- sessions -----------------------------------------------------------------
 
@@ -143,7 +178,8 @@ class Node:
             raise InvalidRequest(str(e)) from e
         rules = JobRetention.parse(info.overrides)
         session = Session(info, self.budget, self.config.persist.chunk_bytes, os.getpid())
-        self.job_rules.set(info.job, rules)
+        if self.job_rules.set(info.job, rules):
+            self._shared_wake.set()  # the shared-tier thread publishes them for the other nodes
         self.sessions.add(session)
         self.metrics.sessions_opened.inc()
         log.info("session %s opened: job %s rank %d/%d pid %d on %s", session.id, info.job, info.rank,
@@ -157,6 +193,12 @@ class Node:
         for save in session.close():
             self.persister.fail(save, f"session closed before the save finished ({reason})")
         log.info("session %s closed: %s", session_id, reason)
+
+    def attach(self, session_id: str) -> Session:
+        """The client opened the session's ``Attach`` stream: it is alive, and the session is not reaped."""
+        session = self.sessions.get(session_id)
+        session.attach()
+        return session
 
     def ensure_arena(self, session_id: str, want: int) -> arena_mod.Arena:
         self._check_running()
@@ -186,9 +228,12 @@ class Node:
             save = Save(uuid.uuid4().hex[:16], session.id, spec, session.arena,
                         base, session.chunk_bytes, writer,
                         direct_io=self.config.persist.direct_io)
-        except OSError as e:
+        except (OSError, OverflowError, ValueError) as e:
             writer.abort()
             raise SaveFailed(f"cannot create the data file for step {step} on {self.config.local.dir}: {e}") from e
+        except BaseException:
+            writer.abort()
+            raise
         try:
             session.add_save(save)
         except SessionNotFound:
@@ -202,7 +247,7 @@ class Node:
         return save
 
     def progress(self, save_id: str, copied_upto: int, wait_released: int, timeout: float) -> int:
-        save = self._save(save_id)
+        save = self._live_save(save_id)
         self.persister.progress(save, copied_upto)
         session = self._owner(save)
         if wait_released:
@@ -215,29 +260,32 @@ class Node:
 
     def finish_save(self, save_id: str) -> int:
         """The client copied everything; returns the session's released stream position."""
-        save = self._save(save_id)
+        save = self._live_save(save_id)
         self.persister.progress(save, save.spec.data_bytes, finished=True)
         return self._owner(save).released()
 
     def abort_save(self, save_id: str, reason: str) -> None:
-        self.persister.fail(self._save(save_id), f"aborted by the client: {reason}")
+        save = self._save(save_id)
+        if isinstance(save, Save):
+            self.persister.fail(save, f"aborted by the client: {reason}")
 
     def wait_save(self, save_id: str, tier: TierName, timeout: float) -> bool:
         """True once the save is committed on ``tier``; raises :class:`SaveFailed` if it cannot be."""
         save = self._save(save_id)
         deadline = time.monotonic() + timeout
-        while not save.settled:
-            if not save.local_done.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
-                if time.monotonic() >= deadline:
-                    return False
+        if isinstance(save, Save):
+            while not save.settled:
+                if not save.local_done.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+                    if time.monotonic() >= deadline:
+                        return False
+            save = self._settled_record(save)
         if save.error is not None:
             raise SaveFailed(save.error)
         if tier == TierName.LOCAL:
             return True
         if self.drainer is None:
             raise SaveFailed("this daemon has no shared tier ([shared] dir is not set)")
-        spec = save.spec
-        return self.drainer.wait_part(spec.job, spec.step, spec.rank, max(0.0, deadline - time.monotonic()))
+        return self.drainer.wait_part(save.job, save.step, save.rank, max(0.0, deadline - time.monotonic()))
 
     # --- catalogue ------------------------------------------------------------------
 
@@ -309,9 +357,9 @@ class Node:
     # --- retention and drain -----------------------------------------------------------
 
     def apply_retention(self, job: str, dry_run: bool = False, trigger: str = "gc",
-                        shared: bool = True) -> list[GcAction]:
+                        local: bool = True, shared: bool = True) -> list[GcAction]:
         """Runs the retention rules for one job (see :meth:`Janitor.apply`)."""
-        return self.janitor.apply(job, dry_run, trigger, shared)
+        return self.janitor.apply(job, dry_run, trigger, local=local, shared=shared)
 
     def gc(self, dry_run: bool) -> list[GcAction]:
         return self.janitor.gc(dry_run)
@@ -348,30 +396,46 @@ class Node:
         self._settle(save)
 
     def _on_progress(self, save: Save) -> None:
-        session = self._owner(save)
-        with session.cond:
-            session.cond.notify_all()
+        self._owner(save).notify()
 
     def _settle(self, save: Save) -> None:
-        self._owner(save).settle(save)
+        """A save committed or failed: its session lets go of it, the node keeps a small record."""
+        owner = self._owner(save)
+        with self._saves_lock:
+            if self._saves.pop(save.id, None) is not None:
+                spec = save.spec
+                self._settled[save.id] = SettledSave(save.id, spec.job, spec.step, spec.rank, save.error)
+                while len(self._settled) > MAX_SETTLED_SAVES:
+                    old, _ = self._settled.popitem(last=False)
+                    self._owners.pop(old, None)
+        owner.settle(save)
 
     def _owner(self, save: Save) -> Session:
         with self._saves_lock:
             return self._owners[save.id]
 
-    def _save(self, save_id: str) -> Save:
+    def _save(self, save_id: str) -> Save | SettledSave:
         with self._saves_lock:
-            save = self._saves.get(save_id)
-            self._forget_old_saves()
+            save = self._saves.get(save_id) or self._settled.get(save_id)
         if save is None:
             raise SaveNotFound(save_id)
         return save
 
-    def _forget_old_saves(self, keep_s: float = 3600.0) -> None:
-        now = time.monotonic()
-        for sid in [sid for sid, s in self._saves.items() if s.settled and now - s.started > keep_s]:
-            del self._saves[sid]
-            del self._owners[sid]
+    def _live_save(self, save_id: str) -> Save:
+        """A save still in flight; one that settled answers with its outcome."""
+        save = self._save(save_id)
+        if isinstance(save, SettledSave):
+            if save.error is not None:
+                raise SaveFailed(save.error)
+            raise InvalidRequest(f"save {save_id} ({save.job} step {save.step} rank {save.rank}) is already "
+                                 "committed")
+        return save
+
+    def _settled_record(self, save: Save) -> SettledSave:
+        with self._saves_lock:
+            record = self._settled.get(save.id)
+        spec = save.spec
+        return record or SettledSave(save.id, spec.job, spec.step, spec.rank, save.error)
 
     def _live_saves(self) -> list[Save]:
         with self._saves_lock:
@@ -380,36 +444,74 @@ class Node:
     def _in_flight(self, job: str, step: int, rank: int) -> bool:
         return any(s.spec.job == job and s.spec.step == step and s.spec.rank == rank for s in self._live_saves())
 
-    def _retention_timer(self) -> None:
-        """Every ``[retention] interval_s``: re-read the shared tier, then apply every job's rules."""
+    def _spawn(self, name: str, target: Callable[[], None]) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _local_timer(self) -> None:
+        """Every ``[retention] interval_s``: the local rules of every job (never touches the shared tier)."""
         while not self._stopping.wait(self.config.retention.interval_s):
             try:
-                if self.drainer is not None:
-                    self.drainer.refresh()
-                    self.job_rules.publish()
                 for job in self.catalog.jobs():
-                    self.apply_retention(job, trigger="timer")
+                    self.apply_retention(job, trigger="timer", shared=False)
             except Exception:  # the timer must outlive one bad pass
-                log.exception("timed retention pass failed")
+                log.exception("timed local retention pass failed")
+
+    def _shared_timer(self) -> None:
+        """Every ``[retention] interval_s``, on its own thread: re-read the shared tier, publish job
+        rules, apply the shared rules. A hung shared file system stops only this thread."""
+        interval = self.config.retention.interval_s
+        next_pass = time.monotonic() + interval
+        while True:
+            self._shared_wake.wait(max(0.0, next_pass - time.monotonic()))
+            if self._stopping.is_set():
+                return
+            try:
+                if self._shared_wake.is_set():
+                    self._shared_wake.clear()
+                    self.job_rules.publish()
+                if time.monotonic() < next_pass:
+                    continue
+                next_pass = time.monotonic() + interval
+                assert self.drainer is not None
+                self.drainer.refresh()
+                self.job_rules.publish()
+                for job in self.catalog.jobs():
+                    self.apply_retention(job, trigger="timer", local=False)
+            except Exception:  # the timer must outlive one bad pass
+                log.exception("timed shared retention pass failed")
+
+    def _on_shared_indexed(self) -> None:
+        """The drainer has indexed the shared tier (at start, or once it answered): its rules may run."""
+        for job in self.catalog.jobs():
+            self.apply_retention(job, trigger="start", local=False)
+
+    def _reap_unattached(self) -> None:
+        """Closes sessions whose client never opened its ``Attach`` stream (it died right after
+        ``OpenSession``): else their arena budget and ``/dev/shm`` file would be held forever."""
+        period = min(1.0, self.attach_timeout_s / 4)
+        while not self._stopping.wait(period):
+            for session in self.sessions.unattached(self.attach_timeout_s):
+                self.metrics.sessions_reaped.inc()
+                self.close_session(session.id, f"the client never attached within {self.attach_timeout_s:g}s")
 
     def _check_running(self) -> None:
         if self._stopping.is_set():
             raise ShuttingDown()
 
     def _probe(self) -> StateProbe:
-        def tier_dirs() -> dict[str, Path]:
-            dirs = {"local": self.config.local.dir}
-            if self.config.shared.dir is not None:
-                dirs["shared"] = self.config.shared.dir
-            return dirs
-
         def tier_used(tier: str) -> int:
             return sum(p.nbytes for p in self.catalog.all_parts(TierName(tier)))
+
+        def tier_free(tier: str) -> int | None:
+            return self.tier_probes[TierName(tier)].reading().free_bytes
 
         d = self.drainer
         return StateProbe(
             arena_used=lambda: self.budget.used, arena_total=lambda: self.budget.total,
-            sessions=lambda: len(self.sessions.all()), tier_dirs=tier_dirs, tier_used=tier_used,
+            sessions=lambda: len(self.sessions.all()), tiers=lambda: [t.value for t in self.tier_probes],
+            tier_used=tier_used, tier_free=tier_free,
             drain_queue=(lambda: d.pending()) if d else (lambda: (0, 0)),
             drain_lag_s=(lambda: d.lag_s()) if d else (lambda: 0.0),
             shared_reachable=(lambda: d.reachable) if d else (lambda: None))

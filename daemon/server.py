@@ -1,10 +1,20 @@
-"""The control plane's server: the gRPC service on the daemon's Unix socket."""
+"""The control plane's server: the gRPC service on the daemon's Unix socket, on one asyncio loop.
+
+``grpc.aio`` answers every RPC from one event loop on a thread of its own;
+the servicer hands domain calls to bounded thread pools (see
+:mod:`ckptstage.daemon.servicer`). A synchronous gRPC server would hold one
+thread per open ``Attach`` stream: 64 idle ranks used to take every server
+thread, and ``Status`` and new clients timed out until they closed.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import os
-from concurrent import futures
+import threading
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 
@@ -14,6 +24,8 @@ from ckptstage.protos.v1 import ckptstage_pb2_grpc as pb_grpc
 
 MAX_MESSAGE_BYTES = 256 << 20
 
+T = TypeVar("T")
+
 
 class RpcServer:
     """Serves :class:`Servicer` on ``socket_path`` (0600; its directory is the caller's)."""
@@ -21,22 +33,37 @@ class RpcServer:
     def __init__(self, node: Node, socket_path: Path) -> None:
         self.socket_path = socket_path
         self.servicer = Servicer(node, str(socket_path))
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="rpc"),
-                                   options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-        pb_grpc.add_CheckpointerServicer_to_server(self.servicer, self._server)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rpc-loop", daemon=True)
+        self._server: grpc.aio.Server | None = None
 
     def set_metrics_url(self, url: str) -> None:
         self.servicer.metrics_url = url
 
     def start(self) -> None:
         """Binds the socket and serves; requests are answered once this returns."""
-        self._server.add_insecure_port(f"unix:{self.socket_path}")
-        self._server.start()
+        self._thread.start()
+        self._call(self._start())
         os.chmod(self.socket_path, 0o600)
+
+    async def _start(self) -> None:
+        # Created on the loop that serves it.
+        self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        pb_grpc.add_CheckpointerServicer_to_server(self.servicer, self._server)
+        self._server.add_insecure_port(f"unix:{self.socket_path}")
+        await self._server.start()
 
     def begin_shutdown(self) -> None:
         """Ends every session stream with SHUTTING_DOWN; new saves are refused by the node."""
         self.servicer.begin_shutdown()
 
     def stop(self, grace: float) -> None:
-        self._server.stop(grace=grace).wait()
+        """Stops serving: calls in flight get ``grace`` seconds, then the loop ends."""
+        if self._server is not None:
+            self._call(self._server.stop(grace), timeout=grace + 5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self.servicer.close()
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = 30.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)

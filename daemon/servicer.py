@@ -1,14 +1,25 @@
-"""The gRPC servicer: validate, call one :class:`Node` method, map errors to status codes."""
+"""The gRPC servicer: validate, call one :class:`Node` method, map errors to status codes.
+
+It is served by ``grpc.aio`` (see :mod:`ckptstage.daemon.server`): one event
+loop answers every RPC, so an attached session (a rank holding its ``Attach``
+stream for a whole run) costs no thread. Domain calls may touch disks or wait,
+so they run in one of two bounded thread pools: ``quick`` for calls that answer
+at once, ``waits`` for calls that block until something happens (``WaitSave``,
+``Progress`` under back-pressure, ``Drain --wait``, arena allocation,
+``Prefetch``). Ranks waiting for their commits therefore never hold up a new
+client's ``OpenSession``, and ``Status`` runs on the loop itself, from memory,
+so it answers while every pool is busy.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import os
-import shutil
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -25,7 +36,7 @@ from ckptstage.daemon.errors import (
     ShuttingDown,
 )
 from ckptstage.daemon.node import VERSION, Node
-from ckptstage.daemon.sessions import SessionInfo
+from ckptstage.daemon.sessions import Session, SessionInfo
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 from ckptstage.protos.v1 import ckptstage_pb2_grpc as pb_grpc
@@ -47,30 +58,38 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
 
 _TIERS = {pb.LOCAL: TierName.LOCAL, pb.SHARED: TierName.SHARED}
 _TIER_PB = {v: k for k, v in _TIERS.items()}
-# Longest a blocking RPC holds a server thread; clients loop for longer waits.
+# Longest a blocking RPC holds a thread; clients loop for longer waits.
 MAX_BLOCK_S = 30.0
+# Threads for calls that answer at once, and for calls that wait (see the module docstring).
+QUICK_THREADS = 16
+WAIT_THREADS = 128
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+T = TypeVar("T")
+
+
+def _status(error: Exception, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a domain error reaches the client with."""
+    for cls, code in _CODES:
+        if isinstance(error, cls):
+            return code, str(error)
+    log.exception("%s failed", method)
+    if isinstance(error, OSError):
+        return grpc.StatusCode.INTERNAL, f"daemon I/O error: {error}"
+    return grpc.StatusCode.INTERNAL, f"internal error in {method}: {error!r}"
 
 
 def _mapped(method: F) -> F:
     """Turns domain errors into a gRPC status with the error's message."""
 
     @functools.wraps(method)
-    def wrapper(self: Servicer, request: Any, context: grpc.ServicerContext) -> Any:
+    async def wrapper(self: Servicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return method(self, request, context)
-        except grpc.RpcError:
+            return await method(self, request, context)
+        except (grpc.RpcError, asyncio.CancelledError):
             raise
         except Exception as e:  # noqa: BLE001 - every error reaches the client with a code
-            for cls, code in _CODES:
-                if isinstance(e, cls):
-                    context.abort(code, str(e))
-            if isinstance(e, OSError):
-                log.exception("%s failed", method.__name__)
-                context.abort(grpc.StatusCode.INTERNAL, f"daemon I/O error: {e}")
-            log.exception("%s failed", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}: {e!r}")
+            await context.abort(*_status(e, method.__name__))
 
     return wrapper  # type: ignore[return-value]
 
@@ -81,7 +100,7 @@ def _tier(value: int) -> TierName:
     return _TIERS[value]
 
 
-def _timeout(requested: float, context: grpc.ServicerContext) -> float:
+def _timeout(requested: float, context: grpc.aio.ServicerContext) -> float:
     remaining = context.time_remaining()
     limit = MAX_BLOCK_S if remaining is None else max(0.0, min(MAX_BLOCK_S, remaining - 0.05))
     return limit if requested <= 0 else min(requested, limit)
@@ -92,149 +111,192 @@ class Servicer(pb_grpc.CheckpointerServicer):
         self.node = node
         self.socket_path = socket_path
         self.metrics_url = metrics_url
-        self._shutdown = threading.Event()
+        self._shutdown = False
+        self._quick = ThreadPoolExecutor(QUICK_THREADS, thread_name_prefix="rpc")
+        self._waits = ThreadPoolExecutor(WAIT_THREADS, thread_name_prefix="rpc-wait")
+        self._streams: set[Callable[[], None]] = set()  # wakes every Attach stream (shutdown)
 
     def begin_shutdown(self) -> None:
-        self._shutdown.set()
+        """Ends every ``Attach`` stream with SHUTTING_DOWN (callable from any thread)."""
+        self._shutdown = True
+        for poke in list(self._streams):
+            poke()
+
+    def close(self) -> None:
+        self._quick.shutdown(wait=False, cancel_futures=True)
+        self._waits.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Runs a domain call that answers at once on the quick pool."""
+        return await asyncio.get_running_loop().run_in_executor(self._quick, fn, *args)
+
+    async def _wait(self, fn: Callable[..., T], *args: Any) -> T:
+        """Runs a domain call that may block for a while on the waits pool."""
+        return await asyncio.get_running_loop().run_in_executor(self._waits, fn, *args)
 
     # --- sessions -----------------------------------------------------------------
 
     @_mapped
-    def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.OpenSessionResponse:
+    async def OpenSession(self, request: pb.OpenSessionRequest,
+                          context: grpc.aio.ServicerContext) -> pb.OpenSessionResponse:
         o = request.retention
         # Every field of RetentionOverrides, by name; unset (zero/empty) ones mean "the operator's".
         overrides = {f.name: getattr(o, f.name) for f in o.DESCRIPTOR.fields if getattr(o, f.name)}
         info = SessionInfo(request.job, request.rank, request.world_size or 1, request.pid, request.hostname,
                            overrides)
-        session = self.node.open_session(info)
+        session = await self._run(self.node.open_session, info)
         return pb.OpenSessionResponse(session_id=session.id, chunk_bytes=session.chunk_bytes,
                                       daemon_version=VERSION)
 
-    def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> Iterator[pb.SessionEvent]:
+    async def Attach(self, request: pb.AttachRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionEvent]:
+        """The session's life line: READY, then RELEASED as arena space frees up, until either side ends it.
+
+        Waits on an asyncio event that the session pokes from whichever thread
+        changed it; a client that goes away cancels this task, and the
+        ``finally`` reaps its session.
+        """
         try:
-            session = self.node.sessions.get(request.session_id)
+            session = self.node.attach(request.session_id)
         except SessionNotFound as e:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        gone = threading.Event()
-        reaped = threading.Lock()
+            await context.abort(*_status(e, "Attach"))
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
 
-        def reap() -> None:
-            """Frees a session whose client went away without closing it (e.g. killed). Runs once."""
-            if reaped.acquire(blocking=False) and not session.closed.is_set():
-                self.node.metrics.sessions_reaped.inc()
-                self.node.close_session(session.id, "client disconnected")
+        def poke() -> None:
+            loop.call_soon_threadsafe(changed.set)
 
-        def on_gone() -> None:  # fires when the stream ends: the client closed it, died, or we are done
-            gone.set()
-            with session.cond:
-                session.cond.notify_all()
-            reap()  # here too: a generator suspended at a yield nobody takes would never get to it
-
-        def ended() -> bool:
-            return gone.is_set() or session.closed.is_set() or self._shutdown.is_set()
-
-        context.add_callback(on_gone)
+        session.subscribe(poke)
+        self._streams.add(poke)
         try:
             yield pb.SessionEvent(kind=pb.SessionEvent.READY)
             # Tell the client as arena space frees up, so its next copy need not ask first.
             sent = session.released_mark()
-            while not ended():
-                with session.cond:  # notified as the persister writes chunks and as saves settle
-                    session.cond.wait_for(lambda last=sent: ended() or session.released_mark() != last, 0.5)
-                    mark = session.released_mark()
-                if mark != sent and not ended():
+            while not (session.closed.is_set() or self._shutdown):
+                await changed.wait()
+                changed.clear()
+                mark = session.released_mark()
+                if mark != sent and not (session.closed.is_set() or self._shutdown):
                     sent = mark
-                    yield pb.SessionEvent(kind=pb.SessionEvent.RELEASED, arena_generation=mark[0], released=mark[1])
-            if self._shutdown.is_set() and not gone.is_set():
+                    yield pb.SessionEvent(kind=pb.SessionEvent.RELEASED, arena_generation=mark[0],
+                                          released=mark[1])
+            if self._shutdown:
                 yield pb.SessionEvent(kind=pb.SessionEvent.SHUTTING_DOWN, message="daemon shutting down")
         finally:
-            reap()
+            session.unsubscribe(poke)
+            self._streams.discard(poke)
+            if not session.closed.is_set():
+                # The client closed the stream, died, or we are done: free the session off the loop
+                # (failing its unfinished saves removes their temporaries).
+                self._quick.submit(self._reap, session)
+
+    def _reap(self, session: Session) -> None:
+        """Frees a session whose client went away without closing it (e.g. killed)."""
+        if not session.closed.is_set():
+            self.node.metrics.sessions_reaped.inc()
+            self.node.close_session(session.id, "client disconnected")
 
     @_mapped
-    def EnsureArena(self, request: pb.EnsureArenaRequest, context: grpc.ServicerContext) -> pb.ArenaInfo:
-        arena = self.node.ensure_arena(request.session_id, request.want_bytes)
+    async def EnsureArena(self, request: pb.EnsureArenaRequest, context: grpc.aio.ServicerContext) -> pb.ArenaInfo:
+        # Allocating and pre-faulting gigabytes takes a while: the waits pool.
+        arena = await self._wait(self.node.ensure_arena, request.session_id, request.want_bytes)
         return pb.ArenaInfo(path=str(arena.path), size_bytes=arena.size, generation=arena.generation)
 
     @_mapped
-    def ArenaMapped(self, request: pb.ArenaMappedRequest, context: grpc.ServicerContext) -> pb.Empty:
-        self.node.arena_mapped(request.session_id, request.generation)
+    async def ArenaMapped(self, request: pb.ArenaMappedRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+        await self._run(self.node.arena_mapped, request.session_id, request.generation)
         return pb.Empty()
 
     @_mapped
-    def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext) -> pb.Empty:
-        self.node.close_session(request.session_id, "closed by the client")
+    async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+        await self._run(self.node.close_session, request.session_id, "closed by the client")
         return pb.Empty()
 
     # --- saves ----------------------------------------------------------------------
 
     @_mapped
-    def BeginSave(self, request: pb.BeginSaveRequest, context: grpc.ServicerContext) -> pb.BeginSaveResponse:
+    async def BeginSave(self, request: pb.BeginSaveRequest,
+                        context: grpc.aio.ServicerContext) -> pb.BeginSaveResponse:
         proposed = request.stream_base if request.HasField("stream_base") else None
-        save = self.node.begin_save(request.session_id, request.step, request.manifest_json, request.data_bytes,
-                                    dict(request.metrics), proposed)
-        released = self.node.sessions.get(request.session_id).released()
-        return pb.BeginSaveResponse(save_id=save.id, stream_base=save.stream_base, released=released)
+
+        def begin() -> pb.BeginSaveResponse:
+            save = self.node.begin_save(request.session_id, request.step, request.manifest_json,
+                                        request.data_bytes, dict(request.metrics), proposed)
+            released = self.node.sessions.get(request.session_id).released()
+            return pb.BeginSaveResponse(save_id=save.id, stream_base=save.stream_base, released=released)
+
+        return await self._run(begin)
 
     @_mapped
-    def Progress(self, request: pb.ProgressRequest, context: grpc.ServicerContext) -> pb.ProgressResponse:
-        released = self.node.progress(request.save_id, request.copied_upto, request.wait_released,
-                                      _timeout(0, context))
+    async def Progress(self, request: pb.ProgressRequest, context: grpc.aio.ServicerContext) -> pb.ProgressResponse:
+        run = self._wait if request.wait_released else self._run
+        released = await run(self.node.progress, request.save_id, request.copied_upto, request.wait_released,
+                             _timeout(0, context))
         return pb.ProgressResponse(released=released)
 
     @_mapped
-    def FinishSave(self, request: pb.FinishSaveRequest, context: grpc.ServicerContext) -> pb.FinishSaveResponse:
-        return pb.FinishSaveResponse(released=self.node.finish_save(request.save_id))
+    async def FinishSave(self, request: pb.FinishSaveRequest,
+                         context: grpc.aio.ServicerContext) -> pb.FinishSaveResponse:
+        return pb.FinishSaveResponse(released=await self._run(self.node.finish_save, request.save_id))
 
     @_mapped
-    def AbortSave(self, request: pb.AbortSaveRequest, context: grpc.ServicerContext) -> pb.Empty:
-        self.node.abort_save(request.save_id, request.reason or "no reason given")
+    async def AbortSave(self, request: pb.AbortSaveRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+        await self._run(self.node.abort_save, request.save_id, request.reason or "no reason given")
         return pb.Empty()
 
     @_mapped
-    def WaitSave(self, request: pb.WaitSaveRequest, context: grpc.ServicerContext) -> pb.WaitSaveResponse:
-        done = self.node.wait_save(request.save_id, _tier(request.tier), _timeout(request.timeout_s, context))
+    async def WaitSave(self, request: pb.WaitSaveRequest, context: grpc.aio.ServicerContext) -> pb.WaitSaveResponse:
+        tier = _tier(request.tier)
+        done = await self._wait(lambda: self.node.wait_save(request.save_id, tier,
+                                                            _timeout(request.timeout_s, context)))
         return pb.WaitSaveResponse(done=done)
 
     # --- catalogue ----------------------------------------------------------------------
 
     @_mapped
-    def ListCheckpoints(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
-        return pb.ListResponse(checkpoints=[self._info(c) for c in self.node.checkpoints(request.job)])
+    async def ListCheckpoints(self, request: pb.ListRequest, context: grpc.aio.ServicerContext) -> pb.ListResponse:
+        ckpts = await self._run(self.node.checkpoints, request.job)
+        return pb.ListResponse(checkpoints=[self._info(c) for c in ckpts])
 
     @_mapped
-    def Locate(self, request: pb.LocateRequest, context: grpc.ServicerContext) -> pb.LocateResponse:
-        ckpt, parts = self.node.locate(request.job, None if request.latest else request.step, request.rank)
+    async def Locate(self, request: pb.LocateRequest, context: grpc.aio.ServicerContext) -> pb.LocateResponse:
+        ckpt, parts = await self._run(self.node.locate, request.job, None if request.latest else request.step,
+                                      request.rank)
         return pb.LocateResponse(step=ckpt.step, world_size=ckpt.world_size, locations=[
             pb.PartLocation(tier=_TIER_PB[p.tier], dir=str(p.path)) for p in parts])
 
     @_mapped
-    def ReportCorrupt(self, request: pb.ReportCorruptRequest, context: grpc.ServicerContext) -> pb.Empty:
-        self.node.report_corrupt(request.job, request.step, request.rank, _tier(request.tier), request.detail)
+    async def ReportCorrupt(self, request: pb.ReportCorruptRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+        tier = _tier(request.tier)
+        await self._run(self.node.report_corrupt, request.job, request.step, request.rank, tier, request.detail)
         return pb.Empty()
 
     @_mapped
-    def SetPin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.Empty:
-        self.node.set_pin(request.job, request.step, request.pinned)
+    async def SetPin(self, request: pb.PinRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+        await self._run(self.node.set_pin, request.job, request.step, request.pinned)
         return pb.Empty()
 
     @_mapped
-    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainResponse:
-        pending, failed = self.node.drain(request.job or None, request.wait, _timeout(request.timeout_s, context))
+    async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
+        timeout = _timeout(request.timeout_s, context)
+        pending, failed = await self._wait(self.node.drain, request.job or None, request.wait, timeout)
         return pb.DrainResponse(pending=pending, failed=failed)
 
     @_mapped
-    def CollectGarbage(self, request: pb.GcRequest, context: grpc.ServicerContext) -> pb.GcResponse:
-        actions = self.node.gc(request.dry_run)
+    async def CollectGarbage(self, request: pb.GcRequest, context: grpc.aio.ServicerContext) -> pb.GcResponse:
+        actions = await self._wait(self.node.gc, request.dry_run)
         return pb.GcResponse(deleted=[pb.GcAction(job=a.job, step=a.step, tier=_TIER_PB[a.tier], reason=a.reason,
                                                   bytes=a.nbytes) for a in actions])
 
     @_mapped
-    def Prefetch(self, request: pb.PrefetchRequest, context: grpc.ServicerContext) -> pb.PrefetchResponse:
-        step, parts = self.node.prefetch(request.job, None if request.latest else request.step)
+    async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext) -> pb.PrefetchResponse:
+        step, parts = await self._wait(self.node.prefetch, request.job, None if request.latest else request.step)
         return pb.PrefetchResponse(step=step, parts=parts)
 
     @_mapped
-    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        # On the loop, from memory and the tier probes' last readings: answers even when
+        # every pool is busy or the shared file system hangs.
         node = self.node
         sessions = [pb.SessionStatus(session_id=s.id, job=s.info.job, rank=s.info.rank, pid=s.info.pid,
                                      arena_bytes=s.arena.size if s.arena else 0, saves_in_flight=len(s.saves))
@@ -259,10 +321,9 @@ class Servicer(pb_grpc.CheckpointerServicer):
         parts = list(self.node.catalog.all_parts(tier))
         status = pb.TierStatus(tier=_TIER_PB[tier], dir=str(path or ""), enabled=path is not None,
                                used_bytes=sum(p.nbytes for p in parts), checkpoints=len(parts))
-        if path is not None:
-            try:
-                status.free_bytes = shutil.disk_usage(path).free
-                status.reachable = True
-            except OSError:
-                status.reachable = False
+        probe = self.node.tier_probes.get(tier)
+        if probe is not None:
+            reading = probe.reading()
+            status.free_bytes = reading.free_bytes or 0
+            status.reachable = bool(reading.reachable)
         return status

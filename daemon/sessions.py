@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptstage.daemon.arena import Arena, Budget, arena_name
@@ -29,21 +30,56 @@ class Session:
     lives at arena offset ``p % arena.size``. A save's bytes are released as
     the persister writes them; the client may overwrite a position only when
     everything below it has been released (back-pressure).
+
+    Whoever waits for the session to change (the ``Attach`` stream, which
+    announces freed arena space) either waits on ``cond`` or subscribes a
+    callback; :meth:`notify` wakes both.
     """
 
     def __init__(self, info: SessionInfo, budget: Budget, chunk_bytes: int, daemon_pid: int) -> None:
         self.id = uuid.uuid4().hex[:16]
         self.info = info
         self.opened = time.time()
+        self.opened_monotonic = time.monotonic()
         self.chunk_bytes = chunk_bytes
         self.cond = threading.Condition()
         self.closed = threading.Event()
+        self.attached = False  # its Attach stream is open: the client is alive
+        self._listeners: set[Callable[[], None]] = set()
         self.saves: dict[str, Save] = {}  # not yet settled
         self.arena: Arena | None = None
         self._stream_end = 0
         self._generation = 0
         self._budget = budget
         self._daemon_pid = daemon_pid
+
+    # --- liveness and change notification -----------------------------------------
+
+    def attach(self) -> None:
+        """Marks the session's ``Attach`` stream open: its client is alive (see :meth:`SessionTable.unattached`)."""
+        with self.cond:
+            if self.closed.is_set():
+                raise SessionNotFound(self.id)
+            self.attached = True
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        """Calls ``listener`` (cheap, thread-safe, e.g. ``loop.call_soon_threadsafe``) on every change."""
+        with self.cond:
+            self._listeners.add(listener)
+
+    def unsubscribe(self, listener: Callable[[], None]) -> None:
+        with self.cond:
+            self._listeners.discard(listener)
+
+    def notify(self) -> None:
+        """Something changed (a chunk written, a save settled, the session closed): wake every waiter."""
+        with self.cond:
+            self._notify_locked()
+
+    def _notify_locked(self) -> None:
+        self.cond.notify_all()
+        for listener in self._listeners:
+            listener()
 
     # --- arena ----------------------------------------------------------------
 
@@ -125,7 +161,7 @@ class Session:
         """Drops a committed or failed save; frees arenas nobody uses any more."""
         with self.cond:
             self.saves.pop(save.id, None)
-            self.cond.notify_all()
+            self._notify_locked()
             if self.closed.is_set() and not self.saves and self.arena is not None:
                 self._free(self.arena)
                 self.arena = None
@@ -142,7 +178,7 @@ class Session:
             if not self.saves and self.arena is not None:
                 self._free(self.arena)
                 self.arena = None
-            self.cond.notify_all()
+            self._notify_locked()
             return unfinished
 
     def _free(self, arena: Arena) -> None:
@@ -173,3 +209,10 @@ class SessionTable:
     def all(self) -> list[Session]:
         with self._lock:
             return list(self._sessions.values())
+
+    def unattached(self, older_than_s: float, now: float | None = None) -> list[Session]:
+        """Sessions opened more than ``older_than_s`` ago whose client never attached (it died, or is broken)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            return [s for s in self._sessions.values()
+                    if not s.attached and now - s.opened_monotonic > older_than_s]

@@ -1,0 +1,83 @@
+"""How much room each tier has, and whether its file system answers, read without ever waiting on it.
+
+``statvfs`` on a network file system that hangs blocks its caller for as long
+as the file system does. ``Status``, the metrics scrape and ``ckptstage status``
+must answer anyway, so each tier is probed by a thread of its own, and callers
+read the last result: a probe that has not come back after ``hung_after_s``
+makes the tier read as unreachable until it does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Reading:
+    free_bytes: int | None  # None until a probe has succeeded
+    reachable: bool | None  # None before the first probe came back
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+class TierProbe:
+    """Probes one tier directory every ``interval_s`` on its own thread; :meth:`reading` never blocks."""
+
+    def __init__(self, name: str, path: Path, interval_s: float = 5.0, hung_after_s: float = 2.0,
+                 free_bytes: Callable[[Path], int] = _free_bytes,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self.path = path
+        self._interval = interval_s
+        self._hung_after = hung_after_s
+        self._measure = free_bytes
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._free: int | None = None
+        self._ok: bool | None = None
+        self._since: float | None = None  # when the probe now running started
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"probe-{name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()  # a probe stuck in the kernel stays stuck; the thread is a daemon thread
+
+    def reading(self) -> Reading:
+        with self._lock:
+            hung = self._since is not None and self._clock() - self._since > self._hung_after
+            return Reading(self._free, False if hung else self._ok)
+
+    def probe(self) -> None:
+        """One measurement, on the calling thread (the probe thread, or a test)."""
+        with self._lock:
+            self._since = self._clock()
+        try:
+            free = self._measure(self.path)
+        except OSError as e:
+            with self._lock:
+                was, self._ok, self._since = self._ok, False, None
+            if was is not False:
+                log.warning("%s tier %s cannot be probed: %s", self.name, self.path, e)
+            return
+        with self._lock:
+            self._free, self._ok, self._since = free, True, None
+
+    def _loop(self) -> None:
+        while True:
+            self.probe()
+            if self._stop.wait(self._interval):
+                return
