@@ -247,7 +247,18 @@ def _dump_keep_best(best: KeepBest) -> str:
     return f"{{ metric = {_dump_str(best.metric)}, mode = {_dump_str(best.mode)}, n = {best.n} }}"
 
 
-_SECONDS = _Kind(_parse_seconds, repr)
+
+
+def _seconds(minimum: float, maximum: float) -> _Kind:
+    """Seconds within documented bounds: a value outside them is a mistake (a 1 µs timer burns a core)."""
+    def parse(value: Any, key: str) -> float:
+        seconds = _parse_seconds(value, key)
+        if not minimum <= seconds <= maximum:
+            raise ConfigError(key, f"must be a positive number of seconds from {minimum:g} to {maximum:g}, "
+                                   f"got {value!r}")
+        return seconds
+
+    return _Kind(parse, repr)
 _BOOL = _Kind(_parse_bool, lambda b: "true" if b else "false")
 _PATH = _Kind(_parse_path, lambda p: _dump_str(str(p)))
 _OPTIONAL_PATH = _Kind(_parse_optional_path, lambda p: _dump_str(str(p)))
@@ -271,6 +282,8 @@ class ArenaConfig:
     max_bytes: int = field(default=4 << 30, metadata=_kind(_size()))
     # The smallest arena granted; a state larger than its arena streams through it.
     min_session_bytes: int = field(default=64 << 20, metadata=_kind(_size()))
+    # A session whose client has not opened its Attach stream after this long is closed (the client died).
+    attach_timeout_s: float = field(default=30.0, metadata=_kind(_seconds(0.5, 3600)))
 
     def __post_init__(self) -> None:
         if self.min_session_bytes > self.max_bytes:
@@ -307,10 +320,10 @@ class SharedConfig:
     # Drain rate cap in bytes/second; None: uncapped.
     max_bandwidth: int | None = field(default=None, metadata=_kind(_RATE))
     # Parts (one rank's share of one step) drained at once.
-    max_concurrent: int = field(default=2, metadata=_kind(_int(1)))
+    max_concurrent: int = field(default=2, metadata=_kind(_int(1, 64)))
     # A failed drain is retried after retry_initial_s, the delay doubling up to retry_max_s.
-    retry_initial_s: float = field(default=1.0, metadata=_kind(_SECONDS))
-    retry_max_s: float = field(default=60.0, metadata=_kind(_SECONDS))
+    retry_initial_s: float = field(default=1.0, metadata=_kind(_seconds(0.01, 3600)))
+    retry_max_s: float = field(default=60.0, metadata=_kind(_seconds(0.1, 86400)))
 
     def __post_init__(self) -> None:
         if self.retry_max_s < self.retry_initial_s:
@@ -330,13 +343,13 @@ class PersistConfig:
     """Writing arenas to the local tier."""
 
     # Writer threads per node.
-    workers: int = field(default=2, metadata=_kind(_int(1)))
+    workers: int = field(default=2, metadata=_kind(_int(1, 64)))
     # Unit of writes and of per-chunk checksums; a multiple of the page size for O_DIRECT.
     chunk_bytes: int = field(default=64 << 20, metadata=_kind(_size(4096, multiple_of=4096)))
     # Aligned chunks bypass the page cache with O_DIRECT (2-3x faster here; falls back where refused).
     direct_io: bool = field(default=True, metadata=_kind(_BOOL))
     # On SIGTERM, how long to wait for in-flight writes (the systemd unit's TimeoutStopSec is above it).
-    shutdown_timeout_s: float = field(default=30.0, metadata=_kind(_SECONDS))
+    shutdown_timeout_s: float = field(default=30.0, metadata=_kind(_seconds(1, 3600)))
     # Niceness added to the writer and drain threads (0-19): under CPU contention the trainer and the
     # daemon's control plane (e.g. the FinishSave answer a trainer waits for) run first.
     nice: int = field(default=10, metadata=_kind(_int(0, 19)))
@@ -376,7 +389,7 @@ class RetentionConfig:
     """When retention runs and what a client may ask for."""
 
     # Seconds between timed retention passes.
-    interval_s: float = field(default=60.0, metadata=_kind(_SECONDS))
+    interval_s: float = field(default=60.0, metadata=_kind(_seconds(0.1, 86400)))
     # The largest keep_last a client may request for its own job.
     max_job_keep_last: int = field(default=100, metadata=_kind(_int(1)))
 

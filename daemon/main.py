@@ -45,7 +45,7 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self._lock_file = self._lock_local_tier()
-        self.node = Node(config)
+        self.node = Node(config, attach_timeout_s=config.arena.attach_timeout_s)
         self.metrics_url = ""
         self._stopped = threading.Event()
         self._done = threading.Event()
