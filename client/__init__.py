@@ -14,6 +14,7 @@ from ckptstage.client.errors import (
     CheckpointNotFound,
     CkptStageError,
     CorruptCheckpoint,
+    DaemonTimeout,
     DaemonUnavailable,
     InvalidRequest,
     SaveFailed,
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AlreadyCommitted", "ArenaFull", "CheckpointInfo", "CheckpointNotFound", "CkptStageError", "Client",
-    "CorruptCheckpoint", "DaemonUnavailable", "InvalidRequest", "SaveFailed", "SaveHandle", "SessionLost",
+    "CorruptCheckpoint", "DaemonTimeout", "DaemonUnavailable", "InvalidRequest", "SaveFailed", "SaveHandle", "SessionLost",
 ]
 
 _LAZY = {"Client", "SaveHandle", "CheckpointInfo"}

@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 import torch
 
-from ckptstage.client import errors, tree
+from ckptstage.client import errors, rpc, tree
 from ckptstage.client.fileplan import FilePlan, PlanCache, build_manifest
 from ckptstage.client.restore import read_part
 from ckptstage.client.rpc import Connection
@@ -34,6 +34,8 @@ from ckptstage.protos.v1 import ckptstage_pb2 as pb
 log = logging.getLogger(__name__)
 
 _TIERS = {"local": pb.LOCAL, "shared": pb.SHARED}
+# After losing its session, how long a save waits for a restarting daemon before it fails.
+_REOPEN_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,12 @@ class SaveHandle:
             raise self._error
 
     def wait(self, tier: str = "local", timeout: float | None = None) -> None:
-        """Returns once the checkpoint is committed on ``tier``; raises :class:`SaveFailed` if it cannot be."""
+        """Returns once the checkpoint is committed on ``tier``; raises :class:`SaveFailed` if it cannot be.
+
+        With a ``timeout`` it returns or raises :class:`TimeoutError` within
+        about that long, also when the daemon does not answer at all (hung or
+        stopped): the daemon is asked to answer before the call's own deadline.
+        """
         if tier not in _TIERS:
             raise ValueError(f"tier must be 'local' or 'shared', not {tier!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -90,8 +97,10 @@ class SaveHandle:
             left = 25.0 if deadline is None else min(25.0, deadline - time.monotonic())
             if left <= 0:
                 raise TimeoutError(f"step {self.step} not committed on {tier} after {timeout}s")
+            # The daemon answers "not yet" at timeout_s; the call's deadline, a little later, covers a
+            # daemon that cannot answer at all.
             resp = self._client._conn.call("WaitSave", pb.WaitSaveRequest(
-                save_id=self.save_id, tier=_TIERS[tier], timeout_s=left), timeout=left + 10)
+                save_id=self.save_id, tier=_TIERS[tier], timeout_s=left), timeout=left + 0.5)
             if resp.done:
                 return
 
@@ -280,11 +289,13 @@ class Client:
 
     # --- internals ----------------------------------------------------------------------
 
-    def _open_session(self) -> None:
+    def _open_session(self, wait_for_ready: bool = False) -> None:
+        """Opens the session; ``wait_for_ready`` (after losing one) lets a daemon that is restarting come up."""
         o = self._retention
         resp = self._conn.call("OpenSession", pb.OpenSessionRequest(
             job=self.job, rank=self.rank, world_size=self.world_size, pid=os.getpid(),
-            hostname=socketlib.gethostname(), retention=pb.RetentionOverrides(**o)))
+            hostname=socketlib.gethostname(), retention=pb.RetentionOverrides(**o)),
+            timeout=_REOPEN_WAIT_S if wait_for_ready else rpc.DEFAULT_TIMEOUT_S, wait_for_ready=wait_for_ready)
         self._session_id = resp.session_id
         self._chunk = resp.chunk_bytes
         # Held open for the life of the session: if this process dies, the
@@ -323,7 +334,7 @@ class Client:
         if self._arena is not None:
             self._arena.close()
             self._arena = None
-        self._open_session()
+        self._open_session(wait_for_ready=True)
 
     def _ensure_arena(self, want: int) -> ArenaMap:
         if self._arena is not None and self._arena.size >= want:

@@ -41,6 +41,10 @@ class CorruptCheckpoint(CkptStageError):
     """Every copy of a checkpoint failed verification (sizes or checksums)."""
 
 
+class DaemonTimeout(CkptStageError, TimeoutError):
+    """The daemon did not answer within the call's timeout (it is hung, stopped or overloaded)."""
+
+
 _BY_CODE: dict[grpc.StatusCode, type[CkptStageError]] = {
     grpc.StatusCode.UNAVAILABLE: DaemonUnavailable,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
@@ -60,5 +64,5 @@ def from_rpc_error(error: grpc.RpcError, socket: str) -> CkptStageError:
         return DaemonUnavailable(f"no ckptstaged answering on {socket}: {detail} "
                                  "(start it with `ckptstaged`, or set CKPTSTAGE_SOCKET)")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return CkptStageError(f"the daemon on {socket} did not answer in time: {detail}")
+        return DaemonTimeout(f"the daemon on {socket} did not answer in time: {detail}")
     return _BY_CODE.get(code, CkptStageError)(f"{detail} [{code.name}]")

@@ -16,6 +16,14 @@ from ckptstage.protos.v1 import ckptstage_pb2_grpc as pb_grpc
 
 # Unary calls that should answer at once; blocking calls pass their own timeout.
 DEFAULT_TIMEOUT_S = 30.0
+# Reconnecting to a restarted daemon: gRPC backs off up to 120 s between attempts by default, so a
+# client that lived through a long outage could not reach the daemon for seconds after it was back.
+# On a Unix socket an attempt costs microseconds: retry every 100-250 ms.
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
+    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 250),
+]
 
 
 def resolve_socket(socket: str | os.PathLike[str] | None) -> Path:
@@ -30,13 +38,14 @@ class Connection:
 
     def __init__(self, socket: str | os.PathLike[str] | None = None) -> None:
         self.socket = resolve_socket(socket)
-        self.channel = grpc.insecure_channel(f"unix:{self.socket}", options=[
-            ("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)])
+        self.channel = grpc.insecure_channel(f"unix:{self.socket}", options=_CHANNEL_OPTIONS)
         self.stub = pb_grpc.CheckpointerStub(self.channel)
 
-    def call(self, method: str, request: Any, timeout: float | None = DEFAULT_TIMEOUT_S) -> Any:
+    def call(self, method: str, request: Any, timeout: float | None = DEFAULT_TIMEOUT_S,
+             wait_for_ready: bool = False) -> Any:
+        """One unary call; ``wait_for_ready`` waits (within ``timeout``) for a daemon that is not up yet."""
         try:
-            return getattr(self.stub, method)(request, timeout=timeout)
+            return getattr(self.stub, method)(request, timeout=timeout, wait_for_ready=wait_for_ready)
         except grpc.RpcError as e:
             raise from_rpc_error(e, str(self.socket)) from None
 

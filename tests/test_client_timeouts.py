@@ -1,0 +1,75 @@
+"""Client timeouts mean what they say, and a client outlives its daemon's restarts.
+
+Against a daemon frozen with SIGSTOP (it accepts connections but never
+answers), every call given a timeout returns or raises TimeoutError within
+that timeout plus a second. After a daemon outage of any length, a client
+that lived through it saves again within a second of the daemon serving.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from ckptstage.client import Client, DaemonTimeout
+from ckptstage.protos.v1 import ckptstage_pb2 as pb
+
+TIMEOUT = 2.0
+
+
+def state_of(step: int) -> dict[str, Any]:
+    return {"w": torch.full((256, 256), float(step)), "step": step}
+
+
+def assert_times_out(call: Callable[[], Any], timeout: float = TIMEOUT) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        call()
+    elapsed = time.monotonic() - t0
+    assert elapsed <= timeout + 1.0, f"raised after {elapsed:.2f}s, the timeout was {timeout}s"
+
+
+def test_every_timeout_holds_against_a_stopped_daemon(daemon: Any) -> None:
+    with Client("frozen", socket=daemon.socket) as c:
+        committed = c.save(1, state_of(1))
+        committed.wait("local", timeout=30)
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert_times_out(lambda: committed.wait("shared", timeout=TIMEOUT))
+            pending = c.save(2, state_of(2))
+            assert_times_out(lambda: pending.wait_snapshot(timeout=TIMEOUT))
+            assert_times_out(lambda: pending.wait("local", timeout=TIMEOUT))
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        # Thawed, the daemon answers what was asked meanwhile: nothing was lost.
+        pending.wait("local", timeout=30)
+        assert torch.equal(c.load(2)["w"], state_of(2)["w"])
+
+
+def test_a_stopped_daemon_raises_a_typed_timeout(daemon: Any) -> None:
+    with Client("typed", socket=daemon.socket) as c:
+        c.save(1, state_of(1)).wait("local", timeout=30)
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(DaemonTimeout):  # a CkptStageError and a TimeoutError
+                c._conn.call("Status", pb.StatusRequest(), timeout=0.5)
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("outage_s", [0.5, 8.0])
+def test_a_client_saves_within_a_second_of_its_daemon_coming_back(daemon: Any, outage_s: float) -> None:
+    with Client("outlive", socket=daemon.socket) as c:
+        c.save(1, state_of(1)).wait("local", timeout=30)
+        daemon.kill()
+        time.sleep(outage_s)  # long enough for gRPC's reconnect backoff to grow, unless it is capped
+        daemon.start()  # returns once the daemon answers Status
+        t0 = time.monotonic()
+        c.save(2, state_of(2)).wait("local", timeout=10)
+        elapsed = time.monotonic() - t0
+        assert elapsed < 1.0, f"the first save after the restart took {elapsed:.2f}s"
+        assert c.latest() == 2 and torch.equal(c.load(1)["w"], state_of(1)["w"])
