@@ -218,11 +218,16 @@ class Client:
     def load(self, step: int | None = None, into: Any = None) -> Any:
         """The state saved at ``step`` (newest restorable when None), verified.
 
-        A copy that fails verification is reported to the daemon and the
-        next copy (the shared tier's) is read instead; if none verifies,
-        :class:`CorruptCheckpoint` is raised. A copy that retention deletes
-        while it is being read is not corrupt: the daemon is asked again. ``into`` fills a state of the
-        same structure in place (e.g. CUDA tensors) instead of allocating.
+        A copy that fails verification is reported to the daemon (which
+        re-reads it and quarantines it only if its own read fails too) and
+        the next copy (the shared tier's) is read instead; if none verifies,
+        :class:`CorruptCheckpoint` is raised. An error of this process's own
+        (out of file descriptors or memory, an interrupted read) proves
+        nothing about a copy: it is never reported, the next copy is tried,
+        and if none can be read the error itself is raised. A copy that
+        retention deletes while it is being read is not corrupt: the daemon is
+        asked again. ``into`` fills a state of the same structure in place
+        (e.g. CUDA tensors) instead of allocating.
         """
         req = pb.LocateRequest(job=self.job, rank=self.rank, latest=step is None, step=step or 0)
         for attempt in (1, 2):
@@ -232,14 +237,15 @@ class Client:
                     f"step {resp.step} of {self.job!r} was saved by {resp.world_size} ranks, this client is one of "
                     f"{self.world_size}; resharding on load is done by `ckptstage consolidate` (not yet available)")
             failures, moved = [], False
+            own_errors: list[BaseException] = []
             for loc in resp.locations:
                 tier = pb.Tier.Name(loc.tier).lower()
                 try:
                     _, state = read_part(Path(loc.dir), into)
                     return state
-                except (layout.ManifestError, OSError) as e:
+                except (layout.ManifestError, OSError, MemoryError) as e:
                     if not Path(loc.dir).exists():
-                        # Retention deleted (or a reader quarantined) this copy after Locate
+                        # Retention deleted (or the daemon quarantined) this copy after Locate
                         # answered: not corruption. Locate again if no other copy verifies.
                         moved = True
                         log.info("checkpoint %s step %d rank %d: %s copy removed while reading it", self.job,
@@ -247,12 +253,19 @@ class Client:
                         failures.append(f"{tier}: {loc.dir} was removed while reading it")
                         continue
                     failures.append(f"{tier}: {e}")
+                    if not layout.is_verification_failure(e):
+                        own_errors.append(e)
+                        log.warning("checkpoint %s step %d rank %d: cannot read the %s copy here: %s", self.job,
+                                    resp.step, self.rank, tier, e)
+                        continue
                     log.error("checkpoint %s step %d rank %d: %s copy failed verification: %s", self.job,
                               resp.step, self.rank, tier, e)
                     self._conn.call("ReportCorrupt", pb.ReportCorruptRequest(
                         job=self.job, step=resp.step, rank=self.rank, tier=loc.tier, detail=str(e)))
             if not moved or attempt == 2:
                 break
+        if own_errors and len(own_errors) == len(failures):
+            raise own_errors[0]  # nothing is known to be wrong with the checkpoint, only with this process
         raise errors.CorruptCheckpoint(f"no copy of {self.job} step {resp.step} rank {self.rank} verifies: "
                                        + "; ".join(failures))
 

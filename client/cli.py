@@ -84,6 +84,11 @@ def cmd_ls(conn: Connection, args: argparse.Namespace) -> int:
     resp = conn.call("ListCheckpoints", pb.ListRequest(job=args.job))
 
     def text() -> str:
+        quarantined = [f"quarantined: step {q.step} rank {q.rank} {pb.Tier.Name(q.tier).lower()} copy, "
+                       f"now {q.path}: {q.detail}" for q in resp.quarantined]
+        return "\n".join([checkpoints(), *quarantined])
+
+    def checkpoints() -> str:
         if not resp.checkpoints:
             return f"no checkpoints for job {args.job!r}"
         rows = []

@@ -53,6 +53,10 @@ class Metrics:
                                  ["tier", "rule"], registry=r)
         self.corrupt = Counter("ckptstage_corrupt_parts", "Parts that failed verification, by tier.",
                                ["tier"], registry=r)
+        self.corrupt_reports = Counter("ckptstage_corrupt_reports",
+                                       "Reports of a corrupt copy, by tier and the daemon's own verdict on "
+                                       "re-reading it (corrupt: quarantined; intact; unreadable: hidden nothing).",
+                                       ["tier", "verdict"], registry=r)
         self.sessions_opened = Counter("ckptstage_sessions_opened", "Client sessions opened.", registry=r)
         self.sessions_reaped = Counter("ckptstage_sessions_reaped",
                                        "Sessions closed because the client went away.", registry=r)

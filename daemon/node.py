@@ -37,6 +37,7 @@ from ckptstage.daemon.janitor import GcAction, Janitor
 from ckptstage.daemon.job_rules import JobRetention, JobRules
 from ckptstage.daemon.metrics import Metrics, StateProbe
 from ckptstage.daemon.persister import Persister, Save, parse_manifest
+from ckptstage.daemon.quarantine import Quarantine
 from ckptstage.daemon.sessions import Session, SessionInfo, SessionTable
 from ckptstage.daemon.tierprobe import TierProbe
 from ckptstage.protos import layout
@@ -113,6 +114,7 @@ class Node:
                                        part.job, part.step, part.rank, TierName.LOCAL, why),
                                    on_indexed=self._on_shared_indexed,
                                    nice=config.persist.nice)
+        self.quarantine = Quarantine(self.catalog, self.metrics)
         self.janitor = Janitor(config, self.catalog, self.metrics, self.owner, self.drainer, self.job_rules,
                                self._in_flight)
         self.metrics.add_state(self._probe())
@@ -134,6 +136,7 @@ class Node:
         removed = fsutil.clean_temporaries(self.config.local.dir, self.owner)
         stale = arena_mod.sweep_stale()
         n_local = self.catalog.load_tier(TierName.LOCAL, self.config.local.dir)
+        self.quarantine.load_tier(TierName.LOCAL.value, self.config.local.dir)
         self.catalog.prune_drained()
         self.job_rules.load()
         log.info("local tier %s: %d committed parts, %d temporaries removed, %d stale arenas removed",
@@ -164,6 +167,7 @@ class Node:
             self.drainer.stop(max(0.0, deadline - time.monotonic()))
         for probe in self.tier_probes.values():
             probe.stop()
+        self.quarantine.shutdown()
         for thread in self._threads:  # a thread stuck on a hung shared tier is a daemon thread: not waited for
             thread.join(max(0.0, deadline - time.monotonic()))
 
@@ -310,19 +314,13 @@ class Node:
         return ckpt, ordered
 
     def report_corrupt(self, job: str, step: int, rank: int, tier: TierName, detail: str) -> None:
-        """A reader found a copy that fails verification: drop it from the index, keep it for forensics."""
-        self.metrics.corrupt.labels(tier.value).inc()
-        log.error("corrupt %s copy of %s step %d rank %d: %s", tier.value, job, step, rank, detail)
+        """A reader found a copy that fails verification: the daemon re-reads it and hides it only if its
+        own read fails too (see :mod:`ckptstage.daemon.quarantine`). Returns at once."""
+        layout.check_job(job)
         ckpt = self.catalog.get(job, step)
         part = ckpt.parts.get(rank, {}).get(tier) if ckpt else None
-        if part is None:
-            return
-        self.catalog.remove(part)
-        quarantine = part.path.parent / f".corrupt-{part.path.name}-{uuid.uuid4().hex[:6]}"
-        try:
-            os.rename(part.path, quarantine)
-        except OSError as e:
-            log.error("cannot quarantine %s: %s", part.path, e)
+        if part is not None:
+            self.quarantine.report(part, detail[:1000])
 
     def set_pin(self, job: str, step: int, pinned: bool) -> None:
         layout.check_job(job)

@@ -256,7 +256,9 @@ class Servicer(pb_grpc.CheckpointerServicer):
     @_mapped
     async def ListCheckpoints(self, request: pb.ListRequest, context: grpc.aio.ServicerContext) -> pb.ListResponse:
         ckpts = await self._run(self.node.checkpoints, request.job)
-        return pb.ListResponse(checkpoints=[self._info(c) for c in ckpts])
+        return pb.ListResponse(checkpoints=[self._info(c) for c in ckpts], quarantined=[
+            pb.QuarantinedCopy(step=q.step, rank=q.rank, tier=_TIER_PB[TierName(q.tier)], path=str(q.path),
+                               detail=q.detail) for q in self.node.quarantine.moved(request.job)])
 
     @_mapped
     async def Locate(self, request: pb.LocateRequest, context: grpc.aio.ServicerContext) -> pb.LocateResponse:

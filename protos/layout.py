@@ -60,6 +60,20 @@ class ChecksumMismatch(ManifestError):
         self.detail = detail
 
 
+def is_verification_failure(error: BaseException) -> bool:
+    """Whether ``error`` proves a copy corrupt: a read that completed and did not match its manifest.
+
+    A :class:`ManifestError` caused by the reader's own trouble (out of file
+    descriptors or memory, an interrupted or failed read, a permission) says
+    nothing about the bytes on disk and never counts; a file that is missing
+    from a committed part does.
+    """
+    if not isinstance(error, ManifestError):
+        return False
+    cause = error.__cause__
+    return not isinstance(cause, OSError) or isinstance(cause, FileNotFoundError)
+
+
 def check_job(job: str) -> str:
     """Returns ``job`` if it is a safe directory name, else raises :class:`InvalidName`."""
     if not isinstance(job, str) or not _JOB_RE.fullmatch(job) or ".." in job:
@@ -92,6 +106,16 @@ def rank_dirname(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
+def parse_step_dirname(name: str) -> int | None:
+    m = _STEP_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def parse_rank_dirname(name: str) -> int | None:
+    m = _RANK_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
 def part_dir(tier_dir: Path, job: str, step: int, rank: int) -> Path:
     return tier_dir / check_job(job) / step_dirname(step) / rank_dirname(rank)
 
@@ -121,20 +145,27 @@ def scan_tier(tier_dir: Path, job: str | None = None, step: int | None = None) -
     ``job`` and ``step`` narrow the walk (cheap on a big shared tier). Only
     names this module produces are considered; anything else on the tier
     (an operator's notes, another tool's files) is left alone, and
-    directories deleted while the walk runs are skipped, not errors.
+    directories deleted while the walk runs are skipped, not errors. Symbolic
+    links are never followed: a link planted in a tier (to a job directory
+    elsewhere, say) would make retention delete files outside the tier.
     """
     if not tier_dir.is_dir():
         return
     jobs = [tier_dir / check_job(job)] if job is not None else [
-        Path(e.path) for e in _entries(tier_dir) if _JOB_RE.fullmatch(e.name) and e.is_dir()]
+        Path(e.path) for e in _entries(tier_dir) if _JOB_RE.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
     for job_dir in jobs:
+        if job_dir.is_symlink():
+            continue
         steps = [job_dir / step_dirname(step)] if step is not None else [
             Path(e.path) for e in _entries(job_dir) if _STEP_RE.fullmatch(e.name)]
         for step_dir in steps:
             m = _STEP_RE.fullmatch(step_dir.name)
+            if step_dir.is_symlink():
+                continue
             for rank_entry in _entries(step_dir):
                 r = _RANK_RE.fullmatch(rank_entry.name)
-                if m and r and os.path.isfile(os.path.join(rank_entry.path, MANIFEST_FILE)):
+                if m and r and rank_entry.is_dir(follow_symlinks=False) and \
+                        os.path.isfile(os.path.join(rank_entry.path, MANIFEST_FILE)):
                     yield PartRef(job_dir.name, int(m.group(1)), int(r.group(1)), Path(rank_entry.path))
 
 

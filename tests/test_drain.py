@@ -373,11 +373,11 @@ def test_flipped_byte_on_local_loads_the_shared_copy_and_reports_it(daemon_facto
             f.write(bytes([byte[0] ^ 0x10]))
         loaded = c.load(3)
         assert torch.equal(loaded["w"], state["w"])  # the shared copy's bytes, not the flipped ones
-        text = scrape(port)
-        assert metric(text, "ckptstage_corrupt_parts_total", tier="local") == 1
-        assert metric(text, "ckptstage_corrupt_parts_total", tier="shared") == 0
+        # The report makes the daemon re-read the copy; its own read confirms the corruption.
+        wait_metric(port, 1, "ckptstage_corrupt_parts_total", tier="local")
+        assert metric(scrape(port), "ckptstage_corrupt_parts_total", tier="shared") == 0
         log = d.log.read_text()
-        assert re.search(rf"corrupt local copy of {JOB} step 3 rank 0: .*chunk", log), log[-2000:]
+        assert re.search(rf"quarantined the local copy of {JOB} step 3 rank 0 as .*chunk", log), log[-2000:]
         # The bad copy is out of the index (kept aside for forensics); reads go to the shared copy.
         assert not local.exists()
         assert list(local.parent.glob(".corrupt-*"))

@@ -247,10 +247,26 @@ class ListRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class ListResponse(_message.Message):
-    __slots__ = ("checkpoints",)
+    __slots__ = ("checkpoints", "quarantined")
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointInfo]
-    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ...) -> None: ...
+    quarantined: _containers.RepeatedCompositeFieldContainer[QuarantinedCopy]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ..., quarantined: _Optional[_Iterable[_Union[QuarantinedCopy, _Mapping]]] = ...) -> None: ...
+
+class QuarantinedCopy(_message.Message):
+    __slots__ = ("step", "rank", "tier", "path", "detail")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    rank: int
+    tier: Tier
+    path: str
+    detail: str
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., path: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class LocateRequest(_message.Message):
     __slots__ = ("job", "step", "latest", "rank")

@@ -1,0 +1,146 @@
+"""Quarantine: a copy is hidden only when the daemon's own read proves it corrupt.
+
+A reader (a trainer's ``load()``, the drainer, a prefetch) that finds a copy
+failing verification reports it; the report is a reason to look, never a
+verdict. A worker thread re-reads the copy with the daemon's own descriptors
+and checks every size and checksum against the verified manifest. Only a
+mismatch moves the copy aside (``.corrupt-<rank dir>-<random>`` beside it, kept
+for forensics) and drops it from the index; a copy that verifies stays, and a
+read that itself fails (EIO, EMFILE, a permission) hides nothing. Either way
+the verdict is logged and counted (``ckptstage_corrupt_reports_total{tier,verdict}``).
+Reports are handled one at a time and deduplicated per copy, so a burst of
+reports costs one read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptstage.daemon.catalog import Catalog, Part
+from ckptstage.daemon.metrics import Metrics
+from ckptstage.protos import layout
+
+log = logging.getLogger(__name__)
+
+CORRUPT_PREFIX = ".corrupt-"
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """A copy moved aside: which, where it lies now, and why."""
+
+    job: str
+    step: int
+    rank: int
+    tier: str
+    path: Path
+    detail: str
+
+
+class Quarantine:
+    def __init__(self, catalog: Catalog, metrics: Metrics,
+                 verify: Callable[[Path], None] = layout.verify_part) -> None:
+        self._catalog = catalog
+        self._metrics = metrics
+        self._verify = verify
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="quarantine")
+        self._lock = threading.Lock()
+        self._pending: set[Path] = set()
+        self._moved: list[Quarantined] = []
+
+    def report(self, part: Part, detail: str) -> None:
+        """Schedules a re-verification of ``part`` (returns at once)."""
+        with self._lock:
+            if part.path in self._pending:
+                return
+            self._pending.add(part.path)
+        log.warning("%s copy of %s step %d rank %d reported corrupt (%s); re-verifying it", part.tier.value,
+                    part.job, part.step, part.rank, detail)
+        self._pool.submit(self._check, part, detail)
+
+    def moved(self, job: str) -> list[Quarantined]:
+        """The copies of ``job`` quarantined in this daemon's life, or found quarantined on the local tier."""
+        with self._lock:
+            return [q for q in self._moved if q.job == job]
+
+    def load_tier(self, tier: str, tier_dir: Path) -> int:
+        """Finds copies quarantined before a restart (``<tier>/<job>/step-*/.corrupt-*``); returns how many."""
+        found = 0
+        for job_dir in _subdirs(tier_dir):
+            for step_dir in _subdirs(job_dir):
+                for entry in _subdirs(step_dir, prefix=CORRUPT_PREFIX):
+                    step = layout.parse_step_dirname(step_dir.name)
+                    rank = layout.parse_rank_dirname(entry.name[len(CORRUPT_PREFIX):].rsplit("-", 1)[0])
+                    if step is None or rank is None:
+                        continue
+                    with self._lock:
+                        self._moved.append(Quarantined(job_dir.name, step, rank, tier, entry, "found at start"))
+                    found += 1
+        return found
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _check(self, part: Part, detail: str) -> None:
+        tier = part.tier.value
+        try:
+            verdict = self._own_verdict(part.path)
+        except OSError as e:
+            self._metrics.corrupt_reports.labels(tier, "unreadable").inc()
+            log.error("cannot re-verify %s (%s): nothing is hidden", part.path, e)
+            return
+        finally:
+            with self._lock:
+                self._pending.discard(part.path)
+        if verdict is None:
+            self._metrics.corrupt_reports.labels(tier, "intact").inc()
+            log.warning("%s verifies: the report (%s) was wrong, the copy stays", part.path, detail)
+            return
+        self._metrics.corrupt_reports.labels(tier, "corrupt").inc()
+        self._metrics.corrupt.labels(tier).inc()
+        self._move_aside(part, verdict)
+
+    def _own_verdict(self, path: Path) -> str | None:
+        """None if the copy verifies; why, if the daemon's own read proves it corrupt.
+
+        Raises OSError when the read itself failed: then nothing is known.
+        """
+        if not path.is_dir():
+            raise FileNotFoundError(f"{path} is gone (deleted by retention meanwhile?)")
+        try:
+            self._verify(path)
+        except layout.ManifestError as e:
+            if not layout.is_verification_failure(e):
+                assert isinstance(e.__cause__, OSError)
+                raise e.__cause__ from e
+            return str(e)
+        return None
+
+    def _move_aside(self, part: Part, why: str) -> None:
+        self._catalog.remove(part)
+        target = part.path.parent / f"{CORRUPT_PREFIX}{part.path.name}-{uuid.uuid4().hex[:6]}"
+        try:
+            os.rename(part.path, target)
+        except OSError as e:
+            log.error("cannot quarantine %s: %s (it is no longer indexed)", part.path, e)
+            return
+        with self._lock:
+            self._moved.append(Quarantined(part.job, part.step, part.rank, part.tier.value, target, why))
+        log.error("quarantined the %s copy of %s step %d rank %d as %s: %s", part.tier.value, part.job,
+                  part.step, part.rank, target, why)
+
+
+def _subdirs(path: Path, prefix: str = "") -> list[Path]:
+    try:
+        with os.scandir(path) as it:
+            return [Path(e.path) for e in it if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False)
+                    and (prefix or not e.name.startswith("."))]
+    except OSError:
+        return []

@@ -1,0 +1,103 @@
+"""A copy is hidden only on the daemon's own evidence.
+
+A report from a reader makes the daemon re-read the copy; only a mismatch of
+its own quarantines it. A reader's own trouble (here: a real EMFILE) never
+hides a good copy, and a report with no evidence behind it hides nothing.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import torch
+from ckptstage.client import Client
+from ckptstage.client.cli import main as cli
+from ckptstage.protos import layout
+from ckptstage.protos.v1 import ckptstage_pb2 as pb
+from support import drain, free_port, metric, scrape, wait_until
+
+JOB = "quar"
+
+
+def state_of(step: int) -> dict[str, Any]:
+    return {"w": torch.arange(50_000, dtype=torch.float32) + step, "step": step}
+
+
+def saved(d: Any, steps: range) -> None:
+    with Client(JOB, socket=d.socket) as c:
+        for step in steps:
+            c.save(step, state_of(step)).wait("local", timeout=30)
+    drain(d)
+
+
+def verdicts(port: int, verdict: str) -> float:
+    text = scrape(port)
+    return sum(metric(text, "ckptstage_corrupt_reports_total", tier=t, verdict=verdict) for t in ("local", "shared"))
+
+
+def copies(d: Any, step: int) -> list[bool]:
+    return [(layout.part_dir(tier, JOB, step, 0) / layout.MANIFEST_FILE).is_file() for tier in (d.local, d.shared)]
+
+
+def test_a_report_without_evidence_hides_nothing(daemon_factory: Any) -> None:
+    port = free_port()
+    d = daemon_factory(**{"metrics.listen": f"127.0.0.1:{port}"}).start()
+    saved(d, range(1, 3))
+    with d.connection() as conn:
+        for tier in (pb.LOCAL, pb.SHARED):
+            conn.call("ReportCorrupt", pb.ReportCorruptRequest(job=JOB, step=2, rank=0, tier=tier,
+                                                               detail="trust me, it is corrupt"))
+    wait_until(lambda: verdicts(port, "intact") == 2, 20, "the daemon to re-verify both copies")
+    assert copies(d, 2) == [True, True] and verdicts(port, "corrupt") == 0
+    with Client(JOB, socket=d.socket) as c:
+        assert c.latest() == 2 and torch.equal(c.load(2)["w"], state_of(2)["w"])
+
+
+# A trainer whose process cannot open another file: its load fails with EMFILE on every copy.
+OUT_OF_FDS = r"""
+import os, resource, sys
+from ckptstage.client import Client
+c = Client(sys.argv[2], socket=sys.argv[1])
+c.latest()
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")), resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+try:
+    c.load(2)
+except OSError as e:
+    print("ERRNO", e.errno, type(e).__name__)
+"""
+
+
+def test_a_trainer_out_of_file_descriptors_never_quarantines_good_copies(daemon_factory: Any) -> None:
+    port = free_port()
+    d = daemon_factory(**{"metrics.listen": f"127.0.0.1:{port}"}).start()
+    saved(d, range(1, 3))
+    out = subprocess.run([sys.executable, "-c", OUT_OF_FDS, str(d.socket), JOB], capture_output=True, text=True,
+                         timeout=120)
+    assert "ERRNO 24" in out.stdout, out.stdout + out.stderr  # EMFILE, raised as itself, not CorruptCheckpoint
+    assert verdicts(port, "intact") + verdicts(port, "corrupt") == 0  # never even reported
+    assert copies(d, 2) == [True, True]
+    with Client(JOB, socket=d.socket) as c:
+        assert c.latest() == 2 and torch.equal(c.load(2)["w"], state_of(2)["w"])
+
+
+def test_a_real_flipped_byte_is_quarantined_counted_and_listed(daemon_factory: Any, capsys: Any) -> None:
+    port = free_port()
+    d = daemon_factory(**{"metrics.listen": f"127.0.0.1:{port}"}).start()
+    saved(d, range(1, 3))
+    data = layout.part_dir(d.local, JOB, 2, 0) / layout.DATA_FILE
+    with open(data, "r+b") as f:
+        f.seek(4096 + 777)
+        byte = f.read(1)
+        f.seek(4096 + 777)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with Client(JOB, socket=d.socket) as c:
+        assert torch.equal(c.load(2)["w"], state_of(2)["w"])  # the shared copy, verified
+        wait_until(lambda: verdicts(port, "corrupt") == 1, 20, "the daemon to confirm the corruption")
+        assert copies(d, 2) == [False, True]
+        assert metric(scrape(port), "ckptstage_corrupt_parts_total", tier="local") == 1
+        assert c.latest() == 2  # still restorable from the shared tier
+    assert cli(["--socket", str(d.socket), "ls", JOB]) == 0
+    listing = capsys.readouterr().out
+    assert "quarantined: step 2 rank 0 local copy" in listing and ".corrupt-rank-00000-" in listing
