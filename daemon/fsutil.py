@@ -137,7 +137,7 @@ class PartWriter:
     def commit(self, manifest: dict[str, Any]) -> Path:
         if self.final.exists():
             raise FileExistsError(f"{self.final} is already committed")
-        write_file_durable(self.tmp / layout.MANIFEST_FILE, layout.encode_manifest(manifest))
+        write_file_durable(self.tmp / layout.MANIFEST_FILE, layout.manifest_file_bytes(manifest))
         fsync_dir(self.tmp)
         makedirs_durable(self.final.parent)
         os.rename(self.tmp, self.final)

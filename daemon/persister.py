@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Largest data file of one part (one rank's share of one step): 1 PiB. Larger is a client bug.
+MAX_PART_BYTES = 1 << 50
+
 
 @dataclass(frozen=True)
 class SaveSpec:
@@ -46,13 +49,18 @@ class SaveSpec:
 
 def parse_manifest(raw: bytes, job: str, step: int, rank: int, world_size: int,
                    data_bytes: int, metrics: dict[str, float]) -> SaveSpec:
-    """Validates a client's partial manifest against its session and the data size."""
-    import json
+    """Validates a client's partial manifest against its session and the data size.
 
+    Everything is bounded here, before any file is created: the manifest's
+    size and nesting (:func:`layout.decode_manifest`) and the data size.
+    """
+    if not 0 <= data_bytes <= MAX_PART_BYTES:
+        raise InvalidRequest(f"data_bytes {data_bytes} is out of range: one part holds at most "
+                             f"{MAX_PART_BYTES} bytes")
     try:
-        manifest = json.loads(raw)
-    except ValueError as e:
-        raise InvalidRequest(f"manifest_json is not valid JSON: {e}") from e
+        manifest = layout.decode_manifest(raw, "manifest_json")
+    except layout.ManifestError as e:
+        raise InvalidRequest(str(e)) from e
     if not isinstance(manifest, dict) or manifest.get("format") != layout.FORMAT:
         raise InvalidRequest(f"manifest_json is not a {layout.FORMAT} manifest")
     expected = {"job": job, "step": step, "rank": rank, "world_size": world_size}

@@ -35,6 +35,8 @@ TMP_DIR = ".tmp"
 # parallel and a reader can verify while it copies, without a second pass.
 DEFAULT_CHUNK_BYTES = 64 << 20
 CHECKSUM = "xxh3_64"
+# Largest manifest accepted, on the wire and on disk: the layout of ~100k tensors and their plain values.
+MAX_MANIFEST_BYTES = 64 << 20
 
 _JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _STEP_RE = re.compile(r"step-(\d{12})")
@@ -257,16 +259,52 @@ def validate_tensor_table(tensors: Sequence[TensorEntry], data_start: int, data_
 
 
 def encode_manifest(manifest: dict[str, Any]) -> bytes:
+    """The manifest as compact JSON (one line): what travels in ``BeginSave``."""
     return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
 
 
+def manifest_file_bytes(manifest: dict[str, Any]) -> bytes:
+    """A part's ``manifest.json`` on disk: the JSON line, then a line with its own digest.
+
+    The manifest vouches for every byte of the data file, and the trailer
+    vouches for the manifest: a reader checks it before trusting any field
+    (step, tensor names, dtypes, offsets, plain values).
+    """
+    body = encode_manifest(manifest)
+    return body + b"\n" + _manifest_trailer(body) + b"\n"
+
+
+def _manifest_trailer(body: bytes) -> bytes:
+    return f"{CHECKSUM}:{chunk_digest(body)}".encode()
+
+
+def decode_manifest(raw: bytes, where: str) -> Any:
+    """Parses manifest JSON of at most :data:`MAX_MANIFEST_BYTES`; nesting too deep is a ManifestError."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{where}: manifest of {len(raw)} bytes exceeds the limit of {MAX_MANIFEST_BYTES}")
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ManifestError(f"{where}: manifest nested too deeply to parse") from None
+    except ValueError as e:
+        raise ManifestError(f"{where}: manifest is not valid JSON: {e}") from None
+
+
 def read_manifest(part: Path) -> dict[str, Any]:
-    """Reads and sanity-checks a part's manifest; raises :class:`ManifestError`."""
+    """Reads, verifies and sanity-checks a part's manifest; raises :class:`ManifestError`.
+
+    The digest trailer is checked before anything is parsed, so a changed
+    byte anywhere in the file is an error, never a different checkpoint.
+    """
     path = part / MANIFEST_FILE
     try:
-        manifest = json.loads(path.read_bytes())
-    except (OSError, ValueError) as e:
+        raw = path.read_bytes()
+    except OSError as e:
         raise ManifestError(f"{path}: unreadable manifest: {e}") from e
+    body, _, trailer = raw[:-1].rpartition(b"\n")
+    if not raw.endswith(b"\n") or trailer != _manifest_trailer(body):
+        raise ChecksumMismatch(path, f"the manifest does not match its {CHECKSUM} trailer")
+    manifest = decode_manifest(body, str(path))
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ManifestError(f"{path}: not a {FORMAT} manifest (format={manifest.get('format')!r})"
                             if isinstance(manifest, dict) else f"{path}: not a JSON object")

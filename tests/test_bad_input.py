@@ -249,7 +249,11 @@ def test_begin_save_rejects_a_manifest_for_another_job_or_step(daemon):
         cases = [(b"not json", 80, "not valid JSON"),
                  (_manifest("other", 1, good), 80, "job='other'"),
                  (_manifest("mine", 2, good), 80, "step=2"),
-                 (layout.encode_manifest({"format": "pickle"}), 80, "not a ckptstage/1 manifest")]
+                 (layout.encode_manifest({"format": "pickle"}), 80, "not a ckptstage/1 manifest"),
+                 (b"[" * 200_000 + b"]" * 200_000, 80, "nested too deeply"),
+                 (b" " * (layout.MAX_MANIFEST_BYTES + 1), 80, f"exceeds the limit of {layout.MAX_MANIFEST_BYTES}"),
+                 (_manifest("mine", 1, good), 2**64 - 1, "data_bytes 18446744073709551615 is out of range"),
+                 (_manifest("mine", 1, [_tensor("t", 64, 2**60)]), 2**60 + 64, "out of range")]
         for raw, data_bytes, pattern in cases:
             with pytest.raises(InvalidRequest, match=pattern):
                 conn.call("BeginSave", pb.BeginSaveRequest(session_id=sid, step=1, manifest_json=raw,
