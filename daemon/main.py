@@ -128,6 +128,9 @@ def _prepare_socket(path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Private by default: manifests hold every plain value of a training state. Every file and
+    # directory the daemon creates is 0600/0700, whatever umask it was started with.
+    os.umask(0o077)
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

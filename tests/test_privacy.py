@@ -1,0 +1,84 @@
+"""Private by default: another local user can neither list nor read anything the daemon creates.
+
+Manifests hold every plain value of a training state (configs, paths,
+tokens someone put in a dict). The daemon runs with umask 077, so every
+file it creates is 0600 and every directory 0700, on both tiers, in its state
+and socket directories and in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ckptstage.client import Client
+from conftest import DaemonProc
+from support import drain
+
+OTHER_USER = "nobody"
+
+
+@pytest.fixture
+def world_readable_root() -> Iterator[Path]:
+    """A daemon root whose parents anyone may traverse (pytest's tmp_path is private already)."""
+    root = Path(tempfile.mkdtemp(prefix="ckptstage-privacy-"))
+    root.chmod(0o755)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def created_by_daemon(d: DaemonProc) -> list[Path]:
+    paths = []
+    for top in (d.local, d.shared, d.socket.parent):
+        assert top is not None
+        paths.append(top)
+        paths += list(top.rglob("*"))
+    return paths
+
+
+def as_other_user(*cmd: str) -> subprocess.CompletedProcess[str]:
+    user = pwd.getpwnam(OTHER_USER)
+    return subprocess.run(["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups", *cmd],
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_everything_the_daemon_creates_is_private(world_readable_root: Path) -> None:
+    d = DaemonProc(world_readable_root / "node")
+    d.root.chmod(0o755)
+    old = os.umask(0o022)  # a permissive umask where the daemon starts: its own must win
+    d.start()
+    try:
+        with Client("secret", socket=d.socket) as c:
+            c.save(1, {"w": torch.ones(100), "token": "hunter2"}).wait("local", timeout=30)
+            drain(d)
+            paths = created_by_daemon(d)
+            assert any(p.name == "manifest.json" for p in paths)
+            for p in paths:
+                mode = stat.S_IMODE(p.lstat().st_mode)
+                expected = 0o700 if p.is_dir() and not p.is_symlink() else 0o600
+                assert mode == expected, f"{p} is {oct(mode)}"
+            arenas = [p for p in Path("/dev/shm").glob(f"ckptstage-{d.proc.pid}-*")]
+            assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in arenas)
+            if os.geteuid() != 0 or shutil.which("setpriv") is None:
+                pytest.skip("reading as another user needs root and setpriv")
+            # The other user gets as far as the daemon's own directories (else the denials below prove nothing).
+            assert as_other_user("ls", str(d.root)).returncode == 0
+            for p in paths:
+                cmd = ("ls", str(p)) if p.is_dir() else ("cat", str(p))
+                if p.is_socket():
+                    continue  # connect() needs write permission on it: covered by its 0600 mode above
+                result = as_other_user(*cmd)
+                assert result.returncode != 0 and "Permission denied" in result.stderr, (p, result)
+            assert "hunter2" not in as_other_user("grep", "-r", "hunter2", str(d.root)).stdout
+    finally:
+        d.stop()
+        os.umask(old)
