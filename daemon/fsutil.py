@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import threading
 import uuid
 from pathlib import Path
@@ -43,6 +44,47 @@ def makedirs_durable(path: Path) -> None:
         except FileExistsError:
             continue
         fsync_dir(d.parent)
+
+
+def check_contained(tier_dir: Path, path: Path) -> None:
+    """Raises if any component of ``path`` below ``tier_dir`` is a symbolic link.
+
+    Every create, rename and delete on a tier goes through a path built from
+    the tier's root; a link planted inside the tier (``<tier>/<job>`` or
+    ``<tier>/.tmp/<node>`` pointing elsewhere) would carry it outside. The
+    tier root itself may be a link: an operator's choice, not a plant.
+    """
+    rel = path.relative_to(tier_dir)
+    current = tier_dir
+    for name in rel.parts:
+        current = current / name
+        try:
+            if stat.S_ISLNK(os.lstat(current).st_mode):
+                raise OSError(errno.ELOOP, f"{current} is a symbolic link inside the tier {tier_dir}; "
+                                           "ckptstage never follows one out of a tier (remove it)")
+        except FileNotFoundError:
+            return  # nothing below a missing component can be a link yet
+
+
+def check_tiers_disjoint(local: Path, shared: Path, timeout_s: float = 2.0) -> None:
+    """Raises ValueError when the tiers overlap once symbolic links are resolved (equal, or one inside
+    the other): local retention would then delete the "shared" copies.
+
+    The shared tier may be a network file system that hangs: resolving it is
+    given ``timeout_s``, after which the check is skipped with a warning.
+    """
+    box: list[Path] = []
+    t = threading.Thread(target=lambda: box.append(Path(os.path.realpath(shared))), daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if not box:
+        log.warning("cannot resolve the shared tier %s within %gs (hung?): not checked for overlap with the "
+                    "local tier", shared, timeout_s)
+        return
+    real_local, real_shared = Path(os.path.realpath(local)), box[0]
+    if real_local == real_shared or real_local in real_shared.parents or real_shared in real_local.parents:
+        raise ValueError(f"shared.dir {shared} (really {real_shared}) overlaps local.dir {local} "
+                         f"(really {real_local}): the tiers must be separate directories")
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -124,8 +166,10 @@ class PartWriter:
     """
 
     def __init__(self, tier_dir: Path, owner: str, job: str, step: int, rank: int) -> None:
+        self.tier_dir = tier_dir
         self.final = layout.part_dir(tier_dir, job, step, rank)
         tmp_root = layout.tmp_root(tier_dir, owner)
+        check_contained(tier_dir, tmp_root)
         makedirs_durable(tmp_root)
         self.tmp = tmp_root / f"{job}.{step}.{rank}.{uuid.uuid4().hex[:12]}"
         self.tmp.mkdir()
@@ -135,6 +179,7 @@ class PartWriter:
         return self.tmp / name
 
     def commit(self, manifest: dict[str, Any]) -> Path:
+        check_contained(self.tier_dir, self.final)
         if self.final.exists():
             raise FileExistsError(f"{self.final} is already committed")
         write_file_durable(self.tmp / layout.MANIFEST_FILE, layout.manifest_file_bytes(manifest))
@@ -158,6 +203,8 @@ def remove_part(tier_dir: Path, owner: str, part: Path) -> None:
     see), then removed; an emptied step directory is removed too.
     """
     trash = layout.tmp_root(tier_dir, owner) / f"del.{uuid.uuid4().hex[:12]}"
+    check_contained(tier_dir, part)
+    check_contained(tier_dir, trash.parent)
     makedirs_durable(trash.parent)
     os.rename(part, trash)
     try:
@@ -174,6 +221,11 @@ def remove_part(tier_dir: Path, owner: str, part: Path) -> None:
 def clean_temporaries(tier_dir: Path, owner: str) -> int:
     """Removes what a crash of this node's daemon left on a tier; returns how many entries."""
     root = layout.tmp_root(tier_dir, owner)
+    check_contained(tier_dir, root.parent)
+    if root.is_symlink():
+        log.warning("removing the symbolic link %s planted where this daemon keeps its temporaries", root)
+        root.unlink()
+        return 1
     if not root.is_dir():
         return 0
     count = 0

@@ -128,6 +128,7 @@ class JobRules:
         for job, rules in todo.items():
             job_dir = self._shared_dir / job
             try:
+                fsutil.check_contained(self._shared_dir, job_dir / JOB_RULES_FILE)
                 fsutil.makedirs_durable(job_dir)
                 fsutil.write_json_atomic(job_dir / JOB_RULES_FILE, asdict(rules))
             except OSError as e:

@@ -139,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"ckptstaged: {e}", file=sys.stderr)
         return 2
+    if config.shared.dir is not None:
+        try:
+            fsutil.check_tiers_disjoint(config.local.dir, config.shared.dir)
+        except ValueError as e:
+            print(f"ckptstaged: {e}", file=sys.stderr)
+            return 2
     daemon = Daemon(config)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: threading.Thread(target=daemon.stop, name="shutdown").start())
