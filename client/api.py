@@ -419,8 +419,13 @@ class Client:
 
     def _manifest_json(self, job: _Job) -> bytes:
         """Built on the snapshot thread: off the trainer's thread."""
-        return layout.encode_manifest(build_manifest(job.plan, job.tree, self.job, job.handle.step, self.rank,
-                                                     self.world_size))
+        raw = layout.encode_manifest(build_manifest(job.plan, job.tree, self.job, job.handle.step, self.rank,
+                                                    self.world_size))
+        if len(raw) > layout.MAX_MANIFEST_BYTES:
+            raise errors.InvalidRequest(f"step {job.handle.step}: the manifest (tensor layout and plain values) "
+                                        f"is {len(raw)} bytes, over the limit of {layout.MAX_MANIFEST_BYTES}; "
+                                        "move large plain values into tensors")
+        return raw
 
     def _abort(self, begin: _Once[pb.BeginSaveResponse], error: BaseException) -> None:
         try:

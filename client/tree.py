@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from ckptstage.protos import layout
+
 _KEY_TYPES = (str, int, float, bool, type(None))
 
 
@@ -63,14 +65,19 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
         if kind is float:
             return {"f": obj.hex()}
         if kind is str:
+            _check_plain_size(len(obj.encode()), path)
             return {"s": obj}
         if kind is bytes:
+            _check_plain_size(len(obj), path)
             return {"y": base64.b64encode(obj).decode()}
         if kind is torch.Size:
             return {"S": list(obj)}
         if kind in (dict, OrderedDict, list, tuple):
             if id(obj) in seen:
                 raise TypeError(f"{path} contains itself (a reference cycle); cannot checkpoint it")
+            if len(seen) >= layout.MAX_TREE_DEPTH:
+                raise ValueError(f"{path[:200]}... is nested more than {layout.MAX_TREE_DEPTH} containers deep, "
+                                 "the limit for a saved state; flatten it (e.g. join the keys)")
             inner = seen + (id(obj),)
             if kind in (list, tuple):
                 return {"l" if kind is list else "t": [enc(v, f"{path}[{i}]", inner) for i, v in enumerate(obj)]}
@@ -133,6 +140,13 @@ def _view_key(t: torch.Tensor) -> tuple[Any, ...] | None:
     if t.numel() == 0:
         return None
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _check_plain_size(nbytes: int, path: str) -> None:
+    if nbytes > layout.MAX_PLAIN_VALUE_BYTES:
+        raise ValueError(f"{path} is a str/bytes value of {nbytes} bytes; plain values travel in the manifest, "
+                         f"at most {layout.MAX_PLAIN_VALUE_BYTES} bytes each: store it as a tensor instead "
+                         "(torch.frombuffer(bytearray(value), dtype=torch.uint8))")
 
 
 def _check_tensor(t: torch.Tensor, path: str) -> None:

@@ -37,6 +37,10 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 CHECKSUM = "xxh3_64"
 # Largest manifest accepted, on the wire and on disk: the layout of ~100k tensors and their plain values.
 MAX_MANIFEST_BYTES = 64 << 20
+# Deepest nesting of containers in a saved state (real ones are under 10 deep), and the largest str or
+# bytes value kept in the manifest: bigger blobs belong in a tensor (torch.frombuffer).
+MAX_TREE_DEPTH = 100
+MAX_PLAIN_VALUE_BYTES = 16 << 20
 
 _JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _STEP_RE = re.compile(r"step-(\d{12})")

@@ -120,6 +120,37 @@ def test_reference_cycle_is_a_type_error(daemon):
     assert_serves(daemon)
 
 
+def nested(depth: int) -> Any:
+    state: Any = {"w": torch.ones(2)}
+    for _ in range(depth):
+        state = {"x": state}
+    return state
+
+
+TOO_BIG = [
+    ("deep", nested(500), "nested more than 100 containers deep"),
+    ("big-str", {"cfg": {"blob": "x" * (layout.MAX_PLAIN_VALUE_BYTES + 1)}},
+     rf"state\['cfg'\]\['blob'\] is a str/bytes value of {layout.MAX_PLAIN_VALUE_BYTES + 1} bytes.*at most "
+     f"{layout.MAX_PLAIN_VALUE_BYTES}"),
+    ("big-bytes", {"b": b"\0" * (layout.MAX_PLAIN_VALUE_BYTES + 1)}, "store it as a tensor"),
+]
+
+
+@pytest.mark.parametrize("state,pattern", [t[1:] for t in TOO_BIG], ids=[t[0] for t in TOO_BIG])
+def test_a_state_beyond_the_limits_is_refused_naming_the_key_and_the_limit(daemon, state, pattern):
+    # 500 levels of nesting used to be a RecursionError, a 300 MiB string a gRPC message-size error.
+    with Client("limits", socket=daemon.socket) as c:
+        with pytest.raises(ValueError, match=pattern):
+            c.save(1, state)
+        assert c.list() == []
+        c.save(1, nested(90)).wait("local", timeout=30)  # just inside the limit: saved and loaded
+        loaded = c.load(1)
+        for _ in range(90):
+            loaded = loaded["x"]
+        assert torch.equal(loaded["w"], torch.ones(2))
+    assert temporaries(daemon.local) == []
+
+
 # --- resources and conflicts ---------------------------------------------------------------
 
 
