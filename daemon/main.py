@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import logging
 import os
@@ -19,6 +20,22 @@ from ckptstage.daemon.node import STATE_DIR, VERSION, Node
 from ckptstage.daemon.server import RpcServer
 
 log = logging.getLogger("ckptstaged")
+
+# Exit status of a configuration the daemon cannot run with (a bad key, or a directory, socket or
+# port it cannot use): one line on stderr names the key, the value and the reason. Documented in
+# deploy/systemd/README.md; the unit does not restart on it (RestartPreventExitStatus=2).
+EXIT_CONFIG = 2
+
+
+class StartupError(Exception):
+    """A configured value the daemon cannot use on this machine, found while starting."""
+
+    def __init__(self, key: str, value: object, reason: str) -> None:
+        super().__init__(f"{key} = {str(value)!r}: {reason}")
+
+
+def _cannot(key: str, value: object, what: str, e: OSError) -> StartupError:
+    return StartupError(key, value, f"cannot {what}: {e.strerror or e}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,11 +69,19 @@ class Daemon:
         self.rpc = RpcServer(self.node, config.socket)
 
     def start(self) -> None:
-        self.node.recover()
+        """Claims the socket and the metrics port, recovers the local tier, then serves.
+
+        What can fail for a reason of configuration fails first, before any
+        thread starts, as a :class:`StartupError`.
+        """
+        _prepare_socket(self.config.socket)
         self._start_metrics()
         self.rpc.set_metrics_url(self.metrics_url)
-        _prepare_socket(self.config.socket)
-        self.rpc.start()
+        self.node.recover()
+        try:
+            self.rpc.start()
+        except RuntimeError as e:  # grpc: "Failed to bind to address ..."
+            raise StartupError("socket", self.config.socket, f"cannot listen on it: {e}") from e
         log.info("ckptstaged %s serving on %s (local %s, shared %s, arena budget %d bytes)", VERSION,
                  self.config.socket, self.config.local.dir, self.config.shared.dir or "disabled",
                  self.config.arena.max_bytes)
@@ -94,15 +119,24 @@ class Daemon:
         disable_created_metrics()  # the _created series only double the scrape here
 
         host, _, port = listen.rpartition(":")
-        start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=self.node.metrics.registry)
+        try:
+            start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=self.node.metrics.registry)
+        except OSError as e:  # in use, or an address not on this host
+            raise _cannot("metrics.listen", listen, "listen there", e) from e
         self.metrics_url = f"http://{listen}/metrics"
         log.info("metrics on %s", self.metrics_url)
 
     def _lock_local_tier(self) -> IO[bytes]:
         """Two daemons must never share a local tier: hold an exclusive lock on it."""
         state = self.config.local.dir / STATE_DIR
-        fsutil.makedirs_durable(state)
-        f = open(state / "daemon.lock", "ab")
+        try:
+            fsutil.makedirs_durable(state)
+            probe = state / f".write-probe-{os.getpid()}"
+            probe.write_bytes(b"")  # the tier must be writable, not just its lock file
+            probe.unlink()
+            f = open(state / "daemon.lock", "ab")
+        except OSError as e:
+            raise _cannot("local.dir", self.config.local.dir, "create or write it", e) from e
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -113,8 +147,13 @@ class Daemon:
 
 def _prepare_socket(path: Path) -> None:
     """Creates the socket's directory (0700: only this user may connect) and clears a stale socket."""
-    if not path.parent.exists():
-        path.parent.mkdir(parents=True, mode=0o700)
+    try:
+        if not path.parent.exists():
+            path.parent.mkdir(parents=True, mode=0o700)
+        if not os.access(path.parent, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable")
+    except OSError as e:
+        raise _cannot("socket", path, f"create a socket in {path.parent}", e) from e
     if path.exists() or path.is_symlink():
         probe = socketlib.socket(socketlib.AF_UNIX)
         try:
@@ -136,19 +175,18 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config, overrides_from(args))
-    except ConfigError as e:
+        if config.shared.dir is not None:
+            try:
+                fsutil.check_tiers_disjoint(config.local.dir, config.shared.dir)
+            except ValueError as e:
+                raise StartupError("shared.dir", config.shared.dir, str(e)) from e
+        daemon = Daemon(config)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: threading.Thread(target=daemon.stop, name="shutdown").start())
+        daemon.start()
+    except (ConfigError, StartupError) as e:
         print(f"ckptstaged: {e}", file=sys.stderr)
-        return 2
-    if config.shared.dir is not None:
-        try:
-            fsutil.check_tiers_disjoint(config.local.dir, config.shared.dir)
-        except ValueError as e:
-            print(f"ckptstaged: {e}", file=sys.stderr)
-            return 2
-    daemon = Daemon(config)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: threading.Thread(target=daemon.stop, name="shutdown").start())
-    daemon.start()
+        return EXIT_CONFIG
     daemon.wait()
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ckptstage.daemon.config import (
@@ -464,3 +465,64 @@ def test_arena_budget_below_one_chunk_is_rejected(tmp_path):
         load_config(None, {"arena.max_bytes": "1MiB", "arena.min_session_bytes": "1MiB", "persist.chunk_bytes": "2MiB"}, env={"HOME": str(tmp_path)})
     assert err.value.key == "arena.max_bytes"
     assert "1 MiB" in str(err.value) and "2 MiB" in str(err.value)
+
+
+# --- start-up failures: one line naming the key, the value and the reason; exit 2; no traceback ---------
+
+
+def _start_failure(tmp_path: Path, **overrides: Any) -> tuple[int, str]:
+    import subprocess
+    import sys
+
+    from conftest import DaemonProc
+
+    d = DaemonProc(tmp_path / "node", **overrides)
+    out = subprocess.run([sys.executable, "-m", "ckptstage.daemon.main", "--config", str(d.config_path)],
+                         capture_output=True, text=True, timeout=60)
+    return out.returncode, out.stderr
+
+
+def _assert_one_line(code: int, stderr: str, *needles: str) -> None:
+    assert code == 2, stderr
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_metrics_port_in_use_is_one_line(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        listen = f"127.0.0.1:{busy.getsockname()[1]}"
+        code, err = _start_failure(tmp_path, **{"metrics.listen": listen})
+    _assert_one_line(code, err, "metrics.listen", listen, "cannot listen there")
+
+
+def test_metrics_address_not_on_this_host_is_one_line(tmp_path: Path) -> None:
+    code, err = _start_failure(tmp_path, **{"metrics.listen": "192.0.2.1:9464"})  # TEST-NET-1: never local
+    _assert_one_line(code, err, "metrics.listen", "192.0.2.1:9464", "cannot listen there")
+
+
+def test_unwritable_local_dir_is_one_line(tmp_path: Path) -> None:
+    import os
+
+    if os.geteuid() == 0:
+        blocker = tmp_path / "a-file"  # even root cannot make a directory inside a regular file
+        blocker.write_text("")
+        local = blocker / "local"
+    else:
+        local = Path("/proc/ckptstage-local")
+    code, err = _start_failure(tmp_path, **{"local.dir": str(local)})
+    _assert_one_line(code, err, "local.dir", str(local), "cannot create or write it")
+
+
+def test_impossible_socket_dir_is_one_line(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    sock = blocker / "run" / "s.sock"
+    code, err = _start_failure(tmp_path, socket=str(sock))
+    _assert_one_line(code, err, "socket", str(sock), "cannot create a socket")
