@@ -191,12 +191,15 @@ class Node:
         return session
 
     def close_session(self, session_id: str, reason: str) -> None:
-        session = self.sessions.pop(session_id)
+        """Closes a session: fails the saves its client never finished (removing their temporaries),
+        then drops it from the table, so whoever sees it gone (``Status``) sees it cleaned up."""
+        session = self.sessions.find(session_id)
         if session is None:
             return
         for save in session.close():
             self.persister.fail(save, f"session closed before the save finished ({reason})")
-        log.info("session %s closed: %s", session_id, reason)
+        if self.sessions.pop(session_id) is not None:
+            log.info("session %s closed: %s", session_id, reason)
 
     def attach(self, session_id: str) -> Session:
         """The client opened the session's ``Attach`` stream: it is alive, and the session is not reaped."""

@@ -202,6 +202,11 @@ class SessionTable:
             raise SessionNotFound(session_id)
         return session
 
+    def find(self, session_id: str) -> Session | None:
+        """The session, closed or not (None once it has left the table)."""
+        with self._lock:
+            return self._sessions.get(session_id)
+
     def pop(self, session_id: str) -> Session | None:
         with self._lock:
             return self._sessions.pop(session_id, None)
