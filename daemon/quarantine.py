@@ -103,9 +103,10 @@ class Quarantine:
             self._metrics.corrupt_reports.labels(tier, "intact").inc()
             log.warning("%s verifies: the report (%s) was wrong, the copy stays", part.path, detail)
             return
+        self._move_aside(part, verdict)
+        # Counted once the copy is out of sight: whoever sees the count sees the quarantine done.
         self._metrics.corrupt_reports.labels(tier, "corrupt").inc()
         self._metrics.corrupt.labels(tier).inc()
-        self._move_aside(part, verdict)
 
     def _own_verdict(self, path: Path) -> str | None:
         """None if the copy verifies; why, if the daemon's own read proves it corrupt.
