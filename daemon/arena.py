@@ -124,7 +124,9 @@ def sweep_stale(shm_dir: Path = SHM_DIR) -> int:
         if not m:
             continue
         try:
-            if entry.stat().st_uid != os.getuid() or psutil.pid_exists(int(m.group(1))) and int(m.group(1)) != os.getpid():
+            st = entry.lstat()  # a link planted under an arena's name is removed, never followed
+            pid = int(m.group(1))
+            if st.st_uid != os.getuid() or psutil.pid_exists(pid) and pid != os.getpid():
                 continue
             entry.unlink()
             removed += 1

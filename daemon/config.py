@@ -41,6 +41,13 @@ OVERRIDE_ORIGIN = "command-line override"
 ENV_ORIGIN = "default from the environment"
 DEFAULTS_ORIGIN = "built-in defaults"
 
+# Upper bounds of numeric keys: far above any real use, low enough that a typo or a unit slip
+# ("16TB" for "16GB", 1000 threads) is refused at load rather than exhausting the node.
+MAX_ARENA_BYTES = 4 << 40  # all of a large node's memory
+MAX_TIER_BYTES = 1 << 50  # 1 PiB: far above any node-local disk
+MAX_KEEP = 10_000  # checkpoints kept per job by one rule
+MAX_KEEP_EVERY = 1_000_000_000  # steps
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot be used.
@@ -132,6 +139,8 @@ class _Kind(NamedTuple):
 
     parse: Callable[[Any, str], Any]
     dump: Callable[[Any], str]
+    # The documented range of a numeric key ("1 to 64"), as default.toml writes it; "" if not numeric.
+    bounds: str = ""
 
 
 def _exact_size(n: int) -> str:
@@ -160,27 +169,52 @@ def _dump_str(text: str) -> str:
     return f'"{escaped}"'
 
 
-def _size(minimum: int = 1, multiple_of: int = 1) -> _Kind:
+def _size_bound(n: int) -> str:
+    """A bound as default.toml writes it: ``"4KiB"``, ``"1PiB"``, ``"0"``, ``"1B"``."""
+    text = _exact_size(n)
+    return text + "B" if text.isdigit() and n else text
+
+
+def _size(minimum: int, maximum: int, multiple_of: int = 1) -> _Kind:
+    """Bytes from ``minimum`` to ``maximum`` (a typo such as "16TB" for "16GB" is refused)."""
+    bounds = f"{_size_bound(minimum)} to {_size_bound(maximum)}"
+
     def parse(value: Any, key: str) -> int:
         n = parse_size(value, key)
-        if n < minimum:
-            raise ConfigError(key, f"must be at least {minimum} bytes, got {value!r}")
+        if not minimum <= n <= maximum:
+            raise ConfigError(key, f"must be a size from {bounds}, got {value!r}")
         if n % multiple_of:
             raise ConfigError(key, f"must be a multiple of {multiple_of} bytes, got {value!r}")
         return n
 
-    return _Kind(parse, _dump_size)
+    return _Kind(parse, _dump_size, bounds)
 
 
-def _int(minimum: int = 1, maximum: int | None = None) -> _Kind:
+def _rate(minimum: int, maximum: int) -> _Kind:
+    """Bytes per second from ``minimum`` to ``maximum``."""
+    bounds = f"{_size_bound(minimum)}/s to {_size_bound(maximum)}/s"
+
     def parse(value: Any, key: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ConfigError(key, f"must be an integer >= {minimum}, got {value!r}")
-        if maximum is not None and value > maximum:
-            raise ConfigError(key, f"must be an integer from {minimum} to {maximum}, got {value!r}")
-        return value
+        rate = parse_rate(value, key)
+        if not minimum <= rate <= maximum:
+            raise ConfigError(key, f"must be a rate from {bounds}, got {value!r}")
+        return rate
 
-    return _Kind(parse, str)
+    return _Kind(parse, _dump_rate, bounds)
+
+
+def _check_int(value: Any, key: str, minimum: int, maximum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ConfigError(key, f"must be an integer from {minimum} to {maximum}, got {value!r}")
+    return value
+
+
+def _int(minimum: int, maximum: int) -> _Kind:
+    """An integer from ``minimum`` to ``maximum``."""
+    def parse(value: Any, key: str) -> int:
+        return _check_int(value, key, minimum, maximum)
+
+    return _Kind(parse, str, f"{minimum} to {maximum}")
 
 
 def _parse_seconds(value: Any, key: str) -> float:
@@ -214,8 +248,8 @@ def _parse_listen(value: Any, key: str) -> str | None:
     if not isinstance(value, str):
         raise ConfigError(key, f'expected "HOST:PORT", got {value!r}')
     host, _, port = value.rpartition(":")
-    if not host.strip("[]") or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(key, f'expected "HOST:PORT" with a port in 0-65535, got {value!r}')
+    if not host.strip("[]") or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(key, f'expected "HOST:PORT" with a port from 1 to 65535, got {value!r}')
     return value
 
 
@@ -239,7 +273,7 @@ def _parse_keep_best(value: Any, key: str) -> KeepBest:
         raise ConfigError(key + ".metric", f"must be a non-empty metric name, got {metric!r}")
     if mode not in ("min", "max"):
         raise ConfigError(key + ".mode", f'must be "min" or "max", got {mode!r}')
-    n = _int(1).parse(value.get("n", 1), key + ".n")
+    n = _check_int(value.get("n", 1), key + ".n", 1, MAX_KEEP)
     return KeepBest(metric, mode, n)
 
 
@@ -251,18 +285,20 @@ def _dump_keep_best(best: KeepBest) -> str:
 
 def _seconds(minimum: float, maximum: float) -> _Kind:
     """Seconds within documented bounds: a value outside them is a mistake (a 1 µs timer burns a core)."""
+    bounds = f"{minimum:g} to {maximum:g} s"
+
     def parse(value: Any, key: str) -> float:
         seconds = _parse_seconds(value, key)
         if not minimum <= seconds <= maximum:
-            raise ConfigError(key, f"must be a positive number of seconds from {minimum:g} to {maximum:g}, "
-                                   f"got {value!r}")
+            raise ConfigError(key, f"must be a number of seconds from {bounds}, got {value!r}")
         return seconds
 
-    return _Kind(parse, repr)
+    return _Kind(parse, repr, bounds)
+
+
 _BOOL = _Kind(_parse_bool, lambda b: "true" if b else "false")
 _PATH = _Kind(_parse_path, lambda p: _dump_str(str(p)))
 _OPTIONAL_PATH = _Kind(_parse_optional_path, lambda p: _dump_str(str(p)))
-_RATE = _Kind(parse_rate, _dump_rate)
 _LISTEN = _Kind(_parse_listen, _dump_str)
 _KEEP_BEST = _Kind(_parse_keep_best, _dump_keep_best)
 
@@ -279,9 +315,9 @@ def _kind(kind: _Kind) -> dict[str, _Kind]:
 class ArenaConfig:
     """Shared memory the daemon hands to trainers, across all sessions."""
 
-    max_bytes: int = field(default=4 << 30, metadata=_kind(_size()))
+    max_bytes: int = field(default=4 << 30, metadata=_kind(_size(1 << 20, MAX_ARENA_BYTES)))
     # The smallest arena granted; a state larger than its arena streams through it.
-    min_session_bytes: int = field(default=64 << 20, metadata=_kind(_size()))
+    min_session_bytes: int = field(default=64 << 20, metadata=_kind(_size(4096, MAX_ARENA_BYTES)))
     # A session whose client has not opened its Attach stream after this long is closed (the client died).
     attach_timeout_s: float = field(default=30.0, metadata=_kind(_seconds(0.5, 3600)))
 
@@ -301,11 +337,11 @@ class LocalConfig:
     # Default <data_dir>/local, filled in by load_config because it depends on the environment.
     dir: Path = field(metadata=_kind(_PATH))
     # Committed checkpoints kept per job (never the ones not yet drained).
-    keep_last: int = field(default=2, metadata=_kind(_int(1)))
+    keep_last: int = field(default=2, metadata=_kind(_int(1, MAX_KEEP)))
     # Evict the oldest drained checkpoints while the tier holds more than max_bytes
     # or the disk has less than min_free_bytes free. None: no such limit.
-    max_bytes: int | None = field(default=None, metadata=_kind(_size()))
-    min_free_bytes: int | None = field(default=None, metadata=_kind(_size(0)))
+    max_bytes: int | None = field(default=None, metadata=_kind(_size(1, MAX_TIER_BYTES)))
+    min_free_bytes: int | None = field(default=None, metadata=_kind(_size(0, MAX_TIER_BYTES)))
 
 
 @dataclass(frozen=True)
@@ -313,12 +349,12 @@ class SharedConfig:
     """The shared (parallel) file system tier, drained to behind the local one."""
 
     dir: Path | None = field(default=None, metadata=_kind(_OPTIONAL_PATH))  # None: no shared tier
-    keep_last: int = field(default=5, metadata=_kind(_int(1)))
+    keep_last: int = field(default=5, metadata=_kind(_int(1, MAX_KEEP)))
     # Also keep every step divisible by this.
-    keep_every: int | None = field(default=None, metadata=_kind(_int(1)))
+    keep_every: int | None = field(default=None, metadata=_kind(_int(1, MAX_KEEP_EVERY)))
     keep_best: KeepBest | None = field(default=None, metadata=_kind(_KEEP_BEST))
     # Drain rate cap in bytes/second; None: uncapped.
-    max_bandwidth: int | None = field(default=None, metadata=_kind(_RATE))
+    max_bandwidth: int | None = field(default=None, metadata=_kind(_rate(1 << 20, 1 << 40)))
     # Parts (one rank's share of one step) drained at once.
     max_concurrent: int = field(default=2, metadata=_kind(_int(1, 64)))
     # A failed drain is retried after retry_initial_s, the delay doubling up to retry_max_s.
@@ -345,7 +381,7 @@ class PersistConfig:
     # Writer threads per node.
     workers: int = field(default=2, metadata=_kind(_int(1, 64)))
     # Unit of writes and of per-chunk checksums; a multiple of the page size for O_DIRECT.
-    chunk_bytes: int = field(default=64 << 20, metadata=_kind(_size(4096, multiple_of=4096)))
+    chunk_bytes: int = field(default=64 << 20, metadata=_kind(_size(4096, 1 << 30, multiple_of=4096)))
     # Aligned chunks bypass the page cache with O_DIRECT (2-3x faster here; falls back where refused).
     direct_io: bool = field(default=True, metadata=_kind(_BOOL))
     # On SIGTERM, how long to wait for in-flight writes (the systemd unit's TimeoutStopSec is above it).
@@ -391,7 +427,7 @@ class RetentionConfig:
     # Seconds between timed retention passes.
     interval_s: float = field(default=60.0, metadata=_kind(_seconds(0.1, 86400)))
     # The largest keep_last a client may request for its own job.
-    max_job_keep_last: int = field(default=100, metadata=_kind(_int(1)))
+    max_job_keep_last: int = field(default=100, metadata=_kind(_int(1, MAX_KEEP)))
 
 
 @dataclass(frozen=True)

@@ -6,20 +6,27 @@ Every committed part goes through :class:`PartWriter`, so invariant 1
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
 import os
 import shutil
-import stat
 import threading
 import uuid
 from pathlib import Path
 from typing import Any
 
+from ckptstage.daemon import tierpath
+from ckptstage.daemon.tierpath import check_contained  # noqa: F401 - used by callers as fsutil.check_contained
 from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
+
+# Private by default (manifests hold every plain value of a state), whatever the caller's umask: the
+# shared tier is written by this user's daemons on every node, so 0700 is right there too.
+PRIVATE_FILE = 0o600
+PRIVATE_DIR = 0o700
 
 
 def fsync_dir(path: Path) -> None:
@@ -31,60 +38,30 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def makedirs_durable(path: Path) -> None:
-    """``mkdir -p`` that fsyncs the parent of every directory it creates."""
+def makedirs_durable(path: Path, within: Path | None = None) -> None:
+    """``mkdir -p`` (0700) that fsyncs the parent of every directory it creates.
+
+    With ``within`` (a tier's root), refuses first if a component of ``path``
+    below it is a symbolic link (:func:`tierpath.check_contained`).
+    """
+    if within is not None:
+        check_contained(within, path)
     missing = []
     p = path
-    while not p.exists():
+    while not os.path.lexists(p):  # a dangling link is not "missing": mkdir must not go through it
         missing.append(p)
         p = p.parent
     for d in reversed(missing):
         try:
-            d.mkdir()
+            d.mkdir(mode=PRIVATE_DIR)
         except FileExistsError:
             continue
         fsync_dir(d.parent)
 
 
-def check_contained(tier_dir: Path, path: Path) -> None:
-    """Raises if any component of ``path`` below ``tier_dir`` is a symbolic link.
-
-    Every create, rename and delete on a tier goes through a path built from
-    the tier's root; a link planted inside the tier (``<tier>/<job>`` or
-    ``<tier>/.tmp/<node>`` pointing elsewhere) would carry it outside. The
-    tier root itself may be a link: an operator's choice, not a plant.
-    """
-    rel = path.relative_to(tier_dir)
-    current = tier_dir
-    for name in rel.parts:
-        current = current / name
-        try:
-            if stat.S_ISLNK(os.lstat(current).st_mode):
-                raise OSError(errno.ELOOP, f"{current} is a symbolic link inside the tier {tier_dir}; "
-                                           "ckptstage never follows one out of a tier (remove it)")
-        except FileNotFoundError:
-            return  # nothing below a missing component can be a link yet
-
-
-def check_tiers_disjoint(local: Path, shared: Path, timeout_s: float = 2.0) -> None:
-    """Raises ValueError when the tiers overlap once symbolic links are resolved (equal, or one inside
-    the other): local retention would then delete the "shared" copies.
-
-    The shared tier may be a network file system that hangs: resolving it is
-    given ``timeout_s``, after which the check is skipped with a warning.
-    """
-    box: list[Path] = []
-    t = threading.Thread(target=lambda: box.append(Path(os.path.realpath(shared))), daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if not box:
-        log.warning("cannot resolve the shared tier %s within %gs (hung?): not checked for overlap with the "
-                    "local tier", shared, timeout_s)
-        return
-    real_local, real_shared = Path(os.path.realpath(local)), box[0]
-    if real_local == real_shared or real_local in real_shared.parents or real_shared in real_local.parents:
-        raise ValueError(f"shared.dir {shared} (really {real_shared}) overlaps local.dir {local} "
-                         f"(really {real_local}): the tiers must be separate directories")
+def check_tiers_disjoint(local: Path, shared: Path, timeout_s: float = tierpath.RESOLVE_TIMEOUT_S) -> bool:
+    """Kept for callers of the old name: see :func:`tierpath.check_disjoint`."""
+    return tierpath.check_disjoint(local, shared, timeout_s)
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -108,7 +85,7 @@ class DataFile:
     ALIGN = 4096
 
     def __init__(self, path: Path, size: int, direct_io: bool) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, PRIVATE_FILE)
         self.direct_fd = -1
         try:
             if size:
@@ -148,11 +125,15 @@ class DataFile:
         self.fd = self.direct_fd = -1
 
 
-def write_file_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+def write_file_durable(path: Path, data: bytes, dir_fd: int | None = None) -> None:
+    """Creates ``path`` (0600; never through a link, never over an existing file), writes, fsyncs."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE,
+                 dir_fd=dir_fd)
+    try:
+        pwrite_all(fd, memoryview(data), 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class PartWriter:
@@ -169,10 +150,9 @@ class PartWriter:
         self.tier_dir = tier_dir
         self.final = layout.part_dir(tier_dir, job, step, rank)
         tmp_root = layout.tmp_root(tier_dir, owner)
-        check_contained(tier_dir, tmp_root)
-        makedirs_durable(tmp_root)
+        makedirs_durable(tmp_root, within=tier_dir)
         self.tmp = tmp_root / f"{job}.{step}.{rank}.{uuid.uuid4().hex[:12]}"
-        self.tmp.mkdir()
+        self.tmp.mkdir(mode=PRIVATE_DIR)
         self._done = False
 
     def path(self, name: str) -> Path:
@@ -184,7 +164,8 @@ class PartWriter:
             raise FileExistsError(f"{self.final} is already committed")
         write_file_durable(self.tmp / layout.MANIFEST_FILE, layout.manifest_file_bytes(manifest))
         fsync_dir(self.tmp)
-        makedirs_durable(self.final.parent)
+        makedirs_durable(self.final.parent, within=self.tier_dir)
+        check_contained(self.tier_dir, self.final)  # again, just before the rename: the step dir is new
         os.rename(self.tmp, self.final)
         fsync_dir(self.final.parent)
         self._done = True
@@ -204,8 +185,7 @@ def remove_part(tier_dir: Path, owner: str, part: Path) -> None:
     """
     trash = layout.tmp_root(tier_dir, owner) / f"del.{uuid.uuid4().hex[:12]}"
     check_contained(tier_dir, part)
-    check_contained(tier_dir, trash.parent)
-    makedirs_durable(trash.parent)
+    makedirs_durable(trash.parent, within=tier_dir)
     os.rename(part, trash)
     try:
         fsync_dir(part.parent)
@@ -245,13 +225,35 @@ def read_json(path: Path, default: Any) -> Any:
         return default
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Replaces a small JSON file atomically (write temp, fsync, rename, fsync dir)."""
-    makedirs_durable(path.parent)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    write_file_durable(tmp, json.dumps(obj, sort_keys=True).encode())
-    os.rename(tmp, path)
-    fsync_dir(path.parent)
+def write_json_atomic(path: Path, obj: Any, within: Path | None = None) -> None:
+    """Replaces a small JSON file atomically (write temp, fsync, rename, fsync dir).
+
+    The directory is opened once without following a link (``O_NOFOLLOW``)
+    and the temporary is created and renamed relative to it, so a link planted
+    in place of the directory (``<local>/.state``) makes this fail naming it,
+    never write elsewhere. ``within`` (a tier's root) also checks every
+    component of ``path`` below it.
+    """
+    makedirs_durable(path.parent, within=within)
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path.parent):
+            raise OSError(errno.ELOOP, f"{path.parent} is a symbolic link; ckptstage does not write "
+                                       f"{path.name} through one (remove it)") from None
+        raise
+    try:
+        tmp = f".{path.name}.{uuid.uuid4().hex[:8]}"
+        try:
+            write_file_durable(Path(tmp), json.dumps(obj, sort_keys=True).encode(), dir_fd=dir_fd)
+            os.rename(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def lower_thread_priority(nice: int) -> None:

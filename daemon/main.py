@@ -9,12 +9,13 @@ import logging
 import os
 import signal
 import socket as socketlib
+import stat
 import sys
 import threading
 from pathlib import Path
 from typing import IO, Any
 
-from ckptstage.daemon import fsutil
+from ckptstage.daemon import fsutil, tierpath
 from ckptstage.daemon.config import Config, ConfigError, load_config
 from ckptstage.daemon.node import STATE_DIR, VERSION, Node
 from ckptstage.daemon.server import RpcServer
@@ -22,9 +23,10 @@ from ckptstage.daemon.server import RpcServer
 log = logging.getLogger("ckptstaged")
 
 # Exit status of a configuration the daemon cannot run with (a bad key, or a directory, socket or
-# port it cannot use): one line on stderr names the key, the value and the reason. Documented in
-# deploy/systemd/README.md; the unit does not restart on it (RestartPreventExitStatus=2).
-EXIT_CONFIG = 2
+# port it cannot use): one line on stderr names the key, the value and the reason. EX_CONFIG from
+# sysexits.h, distinct from argparse's 2 for a bad flag. Documented in deploy/systemd/README.md and
+# default.toml; the unit does not restart on it (RestartPreventExitStatus=78).
+EXIT_CONFIG = 78
 
 
 class StartupError(Exception):
@@ -35,7 +37,9 @@ class StartupError(Exception):
 
 
 def _cannot(key: str, value: object, what: str, e: OSError) -> StartupError:
-    return StartupError(key, value, f"cannot {what}: {e.strerror or e}")
+    """``key = 'value': cannot <what>: <reason> (<the path that failed>, when it is not the value)``."""
+    where = f" ({e.filename})" if e.filename and str(e.filename) != str(value) else ""
+    return StartupError(key, value, f"cannot {what}: {e.strerror or e}{where}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -62,6 +66,7 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self._lock_file = self._lock_local_tier()
+        _check_tiers_disjoint(config)
         self.node = Node(config, attach_timeout_s=config.arena.attach_timeout_s)
         self.metrics_url = ""
         self._stopped = threading.Event()
@@ -77,7 +82,10 @@ class Daemon:
         _prepare_socket(self.config.socket)
         self._start_metrics()
         self.rpc.set_metrics_url(self.metrics_url)
-        self.node.recover()
+        try:
+            self.node.recover()
+        except OSError as e:  # e.g. a link planted in the local tier: the operator must look at it
+            raise _cannot("local.dir", self.config.local.dir, "recover it", e) from e
         try:
             self.rpc.start()
         except RuntimeError as e:  # grpc: "Failed to bind to address ..."
@@ -128,21 +136,41 @@ class Daemon:
 
     def _lock_local_tier(self) -> IO[bytes]:
         """Two daemons must never share a local tier: hold an exclusive lock on it."""
-        state = self.config.local.dir / STATE_DIR
+        local = self.config.local.dir
+        state = local / STATE_DIR
         try:
-            fsutil.makedirs_durable(state)
+            fsutil.makedirs_durable(state, within=local)
             probe = state / f".write-probe-{os.getpid()}"
-            probe.write_bytes(b"")  # the tier must be writable, not just its lock file
+            probe.unlink(missing_ok=True)  # left by a crashed daemon that had this pid (containers reuse pids)
+            fsutil.write_file_durable(probe, b"")  # the tier must be writable, not just its lock file
             probe.unlink()
-            f = open(state / "daemon.lock", "ab")
+            fd = os.open(state / "daemon.lock", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, fsutil.PRIVATE_FILE)
         except OSError as e:
-            raise _cannot("local.dir", self.config.local.dir, "create or write it", e) from e
+            raise _cannot("local.dir", local, "create or write it", e) from e
+        f = os.fdopen(fd, "ab")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.close()
-            raise SystemExit(f"ckptstaged: another daemon already uses the local tier {self.config.local.dir}")
+            raise StartupError("local.dir", local, f"another daemon already uses the local tier {local} "
+                                                   "(one daemon per local tier)") from None
         return f
+
+
+def _check_tiers_disjoint(config: Config) -> None:
+    """Refuses tiers that overlap once links are resolved; bounded, as the shared tier may hang.
+
+    When the shared tier does not answer in time the daemon starts anyway and
+    the drainer repeats the check (:func:`tierpath.check_disjoint`) before
+    its first use of the shared tier.
+    """
+    if config.shared.dir is None:
+        return
+    try:
+        tierpath.check_disjoint(config.local.dir, config.shared.dir)
+    except tierpath.TiersOverlap as e:
+        raise StartupError("shared.dir", config.shared.dir, str(e)) from None
 
 
 def _prepare_socket(path: Path) -> None:
@@ -154,16 +182,21 @@ def _prepare_socket(path: Path) -> None:
             raise PermissionError(errno.EACCES, "not writable")
     except OSError as e:
         raise _cannot("socket", path, f"create a socket in {path.parent}", e) from e
-    if path.exists() or path.is_symlink():
-        probe = socketlib.socket(socketlib.AF_UNIX)
-        try:
-            probe.connect(str(path))
-        except OSError:
-            path.unlink()  # nobody listens: left by a killed daemon
-        else:
-            raise SystemExit(f"ckptstaged: another daemon is serving on {path}")
-        finally:
-            probe.close()
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise StartupError("socket", path, "exists and is not a socket; remove it or choose another path")
+    probe = socketlib.socket(socketlib.AF_UNIX)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()  # nobody listens: left by a killed daemon
+    else:
+        raise StartupError("socket", path, "another ckptstaged is serving on it (one daemon per socket)")
+    finally:
+        probe.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,11 +208,6 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config, overrides_from(args))
-        if config.shared.dir is not None:
-            try:
-                fsutil.check_tiers_disjoint(config.local.dir, config.shared.dir)
-            except ValueError as e:
-                raise StartupError("shared.dir", config.shared.dir, str(e)) from e
         daemon = Daemon(config)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: threading.Thread(target=daemon.stop, name="shutdown").start())

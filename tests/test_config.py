@@ -284,30 +284,30 @@ BAD = [
     ('socket = ""', "socket", "non-empty path"),
     (f'socket = "/{"x" * 120}.sock"', "socket", "longer than 107 bytes"),
     ('[arena]\nmax_bytes = "lots"', "arena.max_bytes", "invalid size 'lots'"),
-    ("[arena]\nmax_bytes = 0", "arena.max_bytes", "at least 1 bytes"),
+    ("[arena]\nmax_bytes = 0", "arena.max_bytes", "a size from 1MiB to 4TiB, got 0"),
     ("[persist]\nnice = 20", "persist.nice", "from 0 to 19, got 20"),
-    ("[persist]\nnice = -5", "persist.nice", ">= 0, got -5"),
+    ("[persist]\nnice = -5", "persist.nice", "from 0 to 19, got -5"),
     (
         '[arena]\nmax_bytes = "1GiB"\nmin_session_bytes = "2GiB"',
         "arena.min_session_bytes",
         "exceeds arena.max_bytes",
     ),
     ('[local]\ndir = ""', "local.dir", "non-empty path"),
-    ("[local]\nkeep_last = 0", "local.keep_last", "integer >= 1, got 0"),
-    ('[local]\nkeep_last = "2"', "local.keep_last", "integer >= 1, got '2'"),
-    ("[local]\nkeep_last = true", "local.keep_last", "integer >= 1, got True"),
+    ("[local]\nkeep_last = 0", "local.keep_last", "integer from 1 to 10000, got 0"),
+    ('[local]\nkeep_last = "2"', "local.keep_last", "integer from 1 to 10000, got '2'"),
+    ("[local]\nkeep_last = true", "local.keep_last", "integer from 1 to 10000, got True"),
     ("[local]\nmax_bytes = -1", "local.max_bytes", "cannot be negative"),
     ('[local]\nmin_free_bytes = "10 parsecs"', "local.min_free_bytes", "invalid size"),
-    ("[shared]\nkeep_last = 0", "shared.keep_last", "integer >= 1"),
-    ("[shared]\nkeep_every = 0", "shared.keep_every", "integer >= 1"),
+    ("[shared]\nkeep_last = 0", "shared.keep_last", "integer from 1 to"),
+    ("[shared]\nkeep_every = 0", "shared.keep_every", "integer from 1 to"),
     ('[shared]\nkeep_best = "val_loss"', "shared.keep_best", "expected a table"),
     ('[shared]\nkeep_best = { mode = "min" }', "shared.keep_best.metric", "non-empty metric name"),
     ('[shared]\nkeep_best = { metric = "l", mode = "lowest" }', "shared.keep_best.mode", '"min" or "max"'),
-    ('[shared]\nkeep_best = { metric = "l", mode = "min", n = 0 }', "shared.keep_best.n", "integer >= 1"),
+    ('[shared]\nkeep_best = { metric = "l", mode = "min", n = 0 }', "shared.keep_best.n", "integer from 1 to"),
     ('[shared]\nkeep_best = { metric = "l", mode = "min", top = 2 }', "shared.keep_best.top", "unknown key"),
     ('[shared]\nmax_bandwidth = "2GiB"', "shared.max_bandwidth", "invalid rate"),
     ('[shared]\nmax_bandwidth = "0/s"', "shared.max_bandwidth", "must be positive"),
-    ("[shared]\nmax_concurrent = 0", "shared.max_concurrent", "integer >= 1"),
+    ("[shared]\nmax_concurrent = 0", "shared.max_concurrent", "integer from 1 to"),
     ("[shared]\nretry_initial_s = 0", "shared.retry_initial_s", "positive number of seconds"),
     ("[shared]\nretry_initial_s = nan", "shared.retry_initial_s", "positive number of seconds"),
     (
@@ -317,22 +317,23 @@ BAD = [
     ),
     ('[local]\ndir = "/t/a"\n[shared]\ndir = "/t/a/b"', "shared.dir", "overlaps local.dir"),
     ('[local]\ndir = "/t/a"\n[shared]\ndir = "/t"', "shared.dir", "overlaps local.dir"),
-    ("[persist]\nworkers = 0", "persist.workers", "integer >= 1"),
+    ("[persist]\nworkers = 0", "persist.workers", "integer from 1 to"),
     ("[persist]\nchunk_bytes = 6000", "persist.chunk_bytes", "multiple of 4096"),
-    ("[persist]\nchunk_bytes = 0", "persist.chunk_bytes", "at least 4096"),
+    ("[persist]\nchunk_bytes = 0", "persist.chunk_bytes", "a size from 4KiB to 1GiB, got 0"),
     ('[persist]\ndirect_io = "yes"', "persist.direct_io", "true or false"),
     ("[persist]\nshutdown_timeout_s = -1", "persist.shutdown_timeout_s", "positive number"),
     ('[metrics]\nlisten = "9464"', "metrics.listen", "HOST:PORT"),
-    ('[metrics]\nlisten = "localhost:70000"', "metrics.listen", "0-65535"),
+    ('[metrics]\nlisten = "localhost:70000"', "metrics.listen", "from 1 to 65535"),
+    ('[metrics]\nlisten = "localhost:0"', "metrics.listen", "from 1 to 65535"),
     ('[metrics]\nlisten = "localhost:http"', "metrics.listen", "HOST:PORT"),
     ('[metrics]\nlisten = ":9464"', "metrics.listen", "HOST:PORT"),
     ("[metrics]\nlisten = 9464", "metrics.listen", "HOST:PORT"),
     ("[retention]\ninterval_s = 0", "retention.interval_s", "positive number"),
-    ("[retention]\ninterval_s = 0.000001", "retention.interval_s", "from 0.1 to 86400"),
+    ("[retention]\ninterval_s = 0.000001", "retention.interval_s", "from 0.1 to 86400 s"),
     ("[shared]\nmax_concurrent = 1000", "shared.max_concurrent", "from 1 to 64"),
     ("[persist]\nworkers = 1000", "persist.workers", "from 1 to 64"),
-    ("[arena]\nattach_timeout_s = 0.01", "arena.attach_timeout_s", "from 0.5 to 3600"),
-    ("[retention]\nmax_job_keep_last = 0", "retention.max_job_keep_last", "integer >= 1"),
+    ("[arena]\nattach_timeout_s = 0.01", "arena.attach_timeout_s", "from 0.5 to 3600 s"),
+    ("[retention]\nmax_job_keep_last = 0", "retention.max_job_keep_last", "integer from 1 to"),
     ("[shared]\nkeep_lst = 3", "shared.keep_lst", "unknown key (did you mean 'keep_last'?)"),
     ("[sharde]\ndir = '/x'", "sharde", "unknown section (did you mean 'shared'?)"),
     ("[persist]\nfrobnicate = 1", "persist.frobnicate", "unknown key (known: chunk_bytes, direct_io"),
@@ -426,7 +427,7 @@ def test_unit_stops_after_the_daemon_shutdown_timeout(env: dict[str, str]) -> No
 
 
 @pytest.mark.parametrize(
-    "text", ["", FULL, "[local]\nmin_free_bytes = 0\nmax_bytes = 123457\n[shared]\nmax_bandwidth = 1001\n"]
+    "text", ["", FULL, "[local]\nmin_free_bytes = 0\nmax_bytes = 123457\n[shared]\nmax_bandwidth = 1048577\n"]
 )
 def test_dump_load_round_trip(tmp_path: Path, env: dict[str, str], text: str) -> None:
     original = load_config(write(tmp_path, text), env=env)
@@ -467,28 +468,127 @@ def test_arena_budget_below_one_chunk_is_rejected(tmp_path):
     assert "1 MiB" in str(err.value) and "2 MiB" in str(err.value)
 
 
-# --- start-up failures: one line naming the key, the value and the reason; exit 2; no traceback ---------
+# ------------------------------------------------------------------ bounds
+
+# Every numeric key, with the nearest values outside its documented bounds (None: no lower value
+# can be written, e.g. a negative size is refused as such).
+OUT_OF_BOUNDS: dict[str, tuple[object, object]] = {
+    "arena.max_bytes": (1048575, "5TiB"),
+    "arena.min_session_bytes": (4095, "5TiB"),
+    "arena.attach_timeout_s": (0.49, 3601),
+    "local.keep_last": (0, 10001),
+    "local.max_bytes": (0, "1025TiB"),
+    "local.min_free_bytes": (None, "1025TiB"),
+    "shared.keep_last": (0, 10001),
+    "shared.keep_every": (0, 1_000_000_001),
+    "shared.max_bandwidth": (1048575, "1025GiB/s"),
+    "shared.max_concurrent": (0, 65),
+    "shared.retry_initial_s": (0.009, 3601),
+    "shared.retry_max_s": (0.09, 86401),
+    "persist.workers": (0, 65),
+    "persist.chunk_bytes": (0, "1025MiB"),
+    "persist.shutdown_timeout_s": (0.99, 3601),
+    "persist.nice": (-1, 20),
+    "retention.interval_s": (0.09, 86401),
+    "retention.max_job_keep_last": (0, 10001),
+}
 
 
-def _start_failure(tmp_path: Path, **overrides: Any) -> tuple[int, str]:
+def _numeric_fields() -> dict[str, Any]:
+    """Dotted key -> dataclass field, for every key whose value is a number."""
+    from dataclasses import fields
+
+    out = {}
+    for section in fields(Config):
+        if "section" not in section.metadata:
+            continue
+        for f in fields(section.metadata["section"]):
+            if str(f.type).split(" ")[0] in ("int", "float"):
+                out[f"{section.name}.{f.name}"] = f
+    return out
+
+
+def test_every_numeric_key_has_bounds_tested_and_documented() -> None:
+    numeric = _numeric_fields()
+    assert set(numeric) == set(OUT_OF_BOUNDS)
+    for key, f in numeric.items():
+        bounds = f.metadata["kind"].bounds
+        assert bounds, f"{key} has no bounds"
+        section, name = key.split(".")
+        assert f"Bounds: {bounds}." in _comment_above(_section_text(default_toml(), section), name), key
+
+
+def _comment_above(body: str, key: str) -> str:
+    """The comment lines directly above ``key = `` (set or commented out) in a section's text."""
+    lines = body.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith((f"{key} = ", f"# {key} = ")))
+    block = []
+    for line in reversed(lines[:at]):
+        if not line.startswith("#"):
+            break
+        block.append(line)
+    return "\n".join(reversed(block))
+
+
+@pytest.mark.parametrize("key", sorted(OUT_OF_BOUNDS))
+@pytest.mark.parametrize("side", [0, 1], ids=["below", "above"])
+def test_a_value_outside_the_bounds_is_refused_naming_them(tmp_path: Path, env: dict[str, str],
+                                                           key: str, side: int) -> None:
+    value = OUT_OF_BOUNDS[key][side]
+    if value is None:
+        pytest.skip(f"{key} has no writable value below its bounds")
+    bounds = _numeric_fields()[key].metadata["kind"].bounds
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {key: value}, env=env)
+    assert info.value.key == key
+    assert bounds in str(info.value) and repr(value) in str(info.value)
+
+
+def test_the_bounds_themselves_are_accepted(tmp_path: Path, env: dict[str, str]) -> None:
+    lowest = load_config(None, {"arena.max_bytes": "1MiB", "arena.min_session_bytes": "4KiB",
+                                "persist.chunk_bytes": "4KiB", "retention.interval_s": 0.1,
+                                "shared.max_concurrent": 1, "shared.max_bandwidth": "1MiB/s",
+                                "local.min_free_bytes": 0, "persist.nice": 0}, env=env)
+    assert (lowest.arena.max_bytes, lowest.persist.chunk_bytes, lowest.retention.interval_s) == (MiB, 4 * KiB, 0.1)
+    highest = load_config(None, {"arena.max_bytes": "4TiB", "persist.chunk_bytes": "1GiB",
+                                 "shared.max_concurrent": 64, "persist.workers": 64, "local.keep_last": 10000,
+                                 "retention.interval_s": 86400, "shared.max_bandwidth": "1TiB/s"}, env=env)
+    assert (highest.arena.max_bytes, highest.shared.max_concurrent, highest.local.keep_last) == (4 * TiB, 64, 10000)
+
+
+# --- start-up failures: one line naming the key, the value and the reason; exit 78; no traceback --------
+
+
+def _run_daemon(config_path: Path) -> tuple[int, str]:
     import subprocess
     import sys
 
-    from conftest import DaemonProc
-
-    d = DaemonProc(tmp_path / "node", **overrides)
-    out = subprocess.run([sys.executable, "-m", "ckptstage.daemon.main", "--config", str(d.config_path)],
+    out = subprocess.run([sys.executable, "-m", "ckptstage.daemon.main", "--config", str(config_path)],
                          capture_output=True, text=True, timeout=60)
     return out.returncode, out.stderr
 
 
+def _start_failure(tmp_path: Path, **overrides: Any) -> tuple[int, str]:
+    from conftest import DaemonProc
+
+    return _run_daemon(DaemonProc(tmp_path / "node", **overrides).config_path)
+
+
 def _assert_one_line(code: int, stderr: str, *needles: str) -> None:
-    assert code == 2, stderr
+    from ckptstage.daemon.main import EXIT_CONFIG
+
+    assert code == EXIT_CONFIG == 78, stderr
     assert "Traceback" not in stderr, stderr
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1, stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+def test_a_bad_value_in_the_file_is_one_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "[retention]\ninterval_s = 0.000001\n")
+    code, err = _run_daemon(path)
+    _assert_one_line(code, err, str(path), "retention.interval_s", "1e-06", "from 0.1 to 86400")
 
 
 def test_metrics_port_in_use_is_one_line(tmp_path: Path) -> None:
@@ -499,7 +599,7 @@ def test_metrics_port_in_use_is_one_line(tmp_path: Path) -> None:
         busy.listen()
         listen = f"127.0.0.1:{busy.getsockname()[1]}"
         code, err = _start_failure(tmp_path, **{"metrics.listen": listen})
-    _assert_one_line(code, err, "metrics.listen", listen, "cannot listen there")
+    _assert_one_line(code, err, "metrics.listen", listen, "cannot listen there", "in use")
 
 
 def test_metrics_address_not_on_this_host_is_one_line(tmp_path: Path) -> None:
@@ -520,9 +620,57 @@ def test_unwritable_local_dir_is_one_line(tmp_path: Path) -> None:
     _assert_one_line(code, err, "local.dir", str(local), "cannot create or write it")
 
 
+def test_read_only_local_dir_is_one_line(tmp_path: Path) -> None:
+    import subprocess
+
+    local = tmp_path / "ro"
+    local.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(local)],
+                      capture_output=True).returncode:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    try:
+        code, err = _start_failure(tmp_path, **{"local.dir": str(local)})
+    finally:
+        subprocess.run(["umount", str(local)], check=True)
+    _assert_one_line(code, err, "local.dir", str(local), "cannot create or write it", "Read-only file system")
+
+
 def test_impossible_socket_dir_is_one_line(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     sock = blocker / "run" / "s.sock"
     code, err = _start_failure(tmp_path, socket=str(sock))
     _assert_one_line(code, err, "socket", str(sock), "cannot create a socket")
+
+
+def test_a_socket_path_that_is_a_directory_is_one_line(tmp_path: Path) -> None:
+    sock = tmp_path / "dir.sock"
+    (sock / "inside").mkdir(parents=True)
+    code, err = _start_failure(tmp_path, socket=str(sock))
+    _assert_one_line(code, err, "socket", str(sock), "not a socket")
+    assert (sock / "inside").is_dir()  # left as it was
+
+
+def test_a_socket_served_by_another_daemon_is_one_line(daemon_factory: Any) -> None:
+    first = daemon_factory().start()
+    second = daemon_factory("second", socket=str(first.socket))
+    code, err = _run_daemon(second.config_path)
+    _assert_one_line(code, err, "socket", str(first.socket), "another ckptstaged is serving on it")
+    assert first.proc.poll() is None and first.socket.is_socket()  # the first one still serves
+
+
+def test_a_local_tier_used_by_another_daemon_is_one_line(daemon_factory: Any) -> None:
+    first = daemon_factory().start()
+    second = daemon_factory("second", **{"local.dir": str(first.local)})
+    code, err = _run_daemon(second.config_path)
+    _assert_one_line(code, err, "local.dir", str(first.local), "another daemon already uses the local tier")
+    assert first.proc.poll() is None
+
+
+def test_unit_does_not_restart_on_a_configuration_error() -> None:
+    from ckptstage.daemon.main import EXIT_CONFIG
+
+    unit = (REPO / "deploy" / "systemd" / "ckptstaged@.service").read_text()
+    assert f"RestartPreventExitStatus={EXIT_CONFIG}\n" in unit
+    assert f"**{EXIT_CONFIG}**" in (REPO / "deploy" / "systemd" / "README.md").read_text()
+    assert f"status {EXIT_CONFIG}" in default_toml()

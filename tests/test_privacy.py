@@ -82,3 +82,28 @@ def test_everything_the_daemon_creates_is_private(world_readable_root: Path) -> 
     finally:
         d.stop()
         os.umask(old)
+
+
+def test_the_commit_helpers_are_private_whatever_the_umask(tmp_path: Path) -> None:
+    """Library use (a tool, a test) gets 0600/0700 too: the modes are explicit, not left to the umask."""
+    from ckptstage.daemon import fsutil
+
+    tier = tmp_path / "tier"
+    tier.mkdir()
+    old = os.umask(0o022)
+    try:
+        writer = fsutil.PartWriter(tier, "node", "job", 1, 0)
+        data = fsutil.DataFile(writer.path("data"), 4, direct_io=False)
+        data.write(memoryview(b"abcd"), 0)
+        data.sync()
+        data.close()
+        writer.commit({"files": [], "token": "hunter2"})
+        fsutil.write_json_atomic(tier / ".state" / "pins.json", {"job": [1]})
+        fsutil.makedirs_durable(tier / "a" / "b")
+    finally:
+        os.umask(old)
+    created = [p for p in tier.rglob("*")]
+    assert any(p.name == "manifest.json" for p in created) and any(p.name == "pins.json" for p in created)
+    for p in created:
+        mode = stat.S_IMODE(p.lstat().st_mode)
+        assert mode == (0o700 if p.is_dir() else 0o600), f"{p} is {oct(mode)}"
