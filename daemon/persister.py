@@ -11,8 +11,10 @@ the file is fsynced and the part committed through :class:`PartWriter`.
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from ckptstage.daemon.errors import InvalidRequest, SaveFailed
 from ckptstage.daemon.fsutil import DataFile, PartWriter, lower_thread_priority
@@ -30,8 +34,30 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Bounds checked at the daemon's door (parse_manifest), before any file is created. The manifest's
+# byte size (layout.MAX_MANIFEST_BYTES), container depth (layout.MAX_TREE_DEPTH) and plain value size
+# (layout.MAX_PLAIN_VALUE_BYTES) are shared with the client in protos/layout.py; these are the daemon's own.
 # Largest data file of one part (one rank's share of one step): 1 PiB. Larger is a client bug.
 MAX_PART_BYTES = 1 << 50
+# Tensors in one part: a 64 MiB manifest holds about this many entries.
+MAX_TENSORS = 1 << 20
+# Dimensions of one tensor (torch allows at most 64).
+MAX_TENSOR_DIMS = 64
+# JSON nesting of a whole manifest: a tree node is at most 3 levels per container (object, item list,
+# [key, value] pair), plus the manifest and a leaf. Checked before parsing, so the parser never recurses deeper.
+MAX_MANIFEST_DEPTH = 3 * layout.MAX_TREE_DEPTH + 8
+MAX_METRICS = 256
+MAX_NAME_CHARS = 4096
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_PLAIN_TAGS = {"N": int, "b": bool, "i": int, "f": str, "s": str, "y": str}
+_CONTAINER_TAGS = {"l", "t", "d", "o"}
+_DTYPE_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")
+# Element sizes of the common dtypes, to check nbytes against the shape; other dtypes (sub-byte ones)
+# need at least one bit per element.
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
+             "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1,
+             "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1}
 
 
 @dataclass(frozen=True)
@@ -52,37 +78,195 @@ def parse_manifest(raw: bytes, job: str, step: int, rank: int, world_size: int,
     """Validates a client's partial manifest against its session and the data size.
 
     Everything is bounded here, before any file is created: the manifest's
-    size and nesting (:func:`layout.decode_manifest`) and the data size.
+    size and JSON nesting (checked before it is parsed), the number of
+    tensors, every size, shape and offset, the state tree's depth and plain
+    values. A refusal is an :class:`InvalidRequest` naming the field or key
+    path and the limit. What passes is a manifest the client can load back.
     """
-    if not 0 <= data_bytes <= MAX_PART_BYTES:
-        raise InvalidRequest(f"data_bytes {data_bytes} is out of range: one part holds at most "
-                             f"{MAX_PART_BYTES} bytes")
-    try:
-        manifest = layout.decode_manifest(raw, "manifest_json")
-    except layout.ManifestError as e:
-        raise InvalidRequest(str(e)) from e
+    _check_int("data_bytes", data_bytes, MAX_PART_BYTES)
+    _check_metrics(metrics)
+    manifest = _decode(raw)
     if not isinstance(manifest, dict) or manifest.get("format") != layout.FORMAT:
         raise InvalidRequest(f"manifest_json is not a {layout.FORMAT} manifest")
     expected = {"job": job, "step": step, "rank": rank, "world_size": world_size}
     for key, value in expected.items():
-        if manifest.get(key) != value:
-            raise InvalidRequest(f"manifest {key}={manifest.get(key)!r} does not match the session's {value!r}")
+        got = manifest.get(key)
+        if type(got) is not type(value) or got != value:
+            raise InvalidRequest(f"manifest {key}={_short(got)} does not match the session's {value!r}")
+    tensors = _tensor_table(manifest.get("tensors"), data_bytes)
+    data_start = _check_int("manifest_json.data_start", manifest.get("data_start"), data_bytes)
     try:
-        tensors = [layout.TensorEntry.from_json(t) for t in manifest["tensors"]]
-        for t in tensors:
-            # A negative length would pass the overlap check below and shadow the next tensor.
-            if t.nbytes < 0 or any(d < 0 for d in t.shape):
-                raise layout.ManifestError(f"tensor {t.name!r} has a negative size "
-                                           f"(nbytes {t.nbytes}, shape {list(t.shape)})")
-        data_start = int(manifest["data_start"])
         layout.validate_tensor_table(tensors, data_start, data_bytes)
     except layout.ManifestError as e:
         raise InvalidRequest(f"manifest rejected: {e}") from e
-    except (KeyError, TypeError, ValueError) as e:
-        raise InvalidRequest(f"manifest rejected: malformed tensor table ({e!r})") from e
     if "tree" not in manifest:
         raise InvalidRequest("manifest rejected: missing key 'tree'")
+    _check_tree(manifest["tree"], len(tensors))
     return SaveSpec(job, step, rank, world_size, data_bytes, manifest, dict(metrics))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_int(what: str, value: Any, hi: int, lo: int = 0) -> int:
+    if type(value) is not int or not lo <= value <= hi:
+        raise InvalidRequest(f"{what} = {_short(value)} is out of range: an int in [{lo}, {hi}]")
+    return value
+
+
+def _check_metrics(metrics: dict[str, float]) -> None:
+    if len(metrics) > MAX_METRICS:
+        raise InvalidRequest(f"metrics has {len(metrics)} entries, more than the limit of {MAX_METRICS}")
+    for key in metrics:
+        if not 0 < len(key) <= 256:
+            raise InvalidRequest(f"metrics key {_short(key)} must have 1 to 256 characters")
+
+
+def _decode(raw: bytes) -> Any:
+    """Parses manifest_json after bounding its size and nesting (json.loads recurses once per level)."""
+    if len(raw) > layout.MAX_MANIFEST_BYTES:
+        raise InvalidRequest(f"manifest_json of {len(raw)} bytes exceeds the limit of {layout.MAX_MANIFEST_BYTES}")
+    depth = json_depth(raw)
+    if depth > MAX_MANIFEST_DEPTH:
+        raise InvalidRequest(f"manifest_json is nested {depth} levels deep, more than the limit of "
+                             f"{MAX_MANIFEST_DEPTH} (a state may nest at most {layout.MAX_TREE_DEPTH} containers)")
+    try:
+        return layout.decode_manifest(raw, "manifest_json")
+    except layout.ManifestError as e:
+        raise InvalidRequest(str(e)) from e
+
+
+def json_depth(raw: bytes, block: int = 1 << 20) -> int:
+    """The deepest nesting of ``[`` and ``{`` in JSON text, strings excluded, without parsing it.
+
+    Invalid JSON (an unterminated string) may read deeper than it is, never
+    shallower than valid JSON would; the parser refuses it anyway.
+    """
+    bare = np.frombuffer(_JSON_STRING.sub(b'""', raw), dtype=np.uint8)
+    deepest = level = 0
+    for i in range(0, len(bare), block):  # in blocks: the running sum of a 64 MiB manifest stays small
+        running = np.cumsum(_BRACKET_STEP[bare[i:i + block]], dtype=np.int32) + level
+        deepest = max(deepest, int(running.max()))
+        level = int(running[-1])
+    return deepest
+
+
+_BRACKET_STEP = np.zeros(256, dtype=np.int32)
+_BRACKET_STEP[[ord("["), ord("{")]] = 1
+_BRACKET_STEP[[ord("]"), ord("}")]] = -1
+
+
+def _tensor_table(table: Any, data_bytes: int) -> list[layout.TensorEntry]:
+    if not isinstance(table, list):
+        raise InvalidRequest(f"manifest_json.tensors = {_short(table)} is not a list")
+    if len(table) > MAX_TENSORS:
+        raise InvalidRequest(f"manifest_json.tensors has {len(table)} tensors, more than the limit of {MAX_TENSORS}")
+    return [_tensor_entry(i, t, data_bytes) for i, t in enumerate(table)]
+
+
+def _tensor_entry(i: int, obj: Any, data_bytes: int) -> layout.TensorEntry:
+    where = f"manifest_json.tensors[{i}]"
+    if not isinstance(obj, dict):
+        raise InvalidRequest(f"{where} = {_short(obj)} is not an object")
+    name, dtype, shape = obj.get("name"), obj.get("dtype"), obj.get("shape")
+    if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
+        raise InvalidRequest(f"{where}.name = {_short(name)} is not a str of at most {MAX_NAME_CHARS} characters")
+    where = f"{where} ({_short(name)})"
+    if not isinstance(dtype, str) or not _DTYPE_RE.fullmatch(dtype):
+        raise InvalidRequest(f"{where}.dtype = {_short(dtype)} is not a dtype name")
+    if not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS:
+        raise InvalidRequest(f"{where}.shape = {_short(shape)} is not a list of at most {MAX_TENSOR_DIMS} sizes")
+    dims = tuple(_check_int(f"{where}.shape[{d}]", n, 8 * MAX_PART_BYTES) for d, n in enumerate(shape))
+    offset = _check_int(f"{where}.offset", obj.get("offset"), data_bytes)
+    nbytes = _check_int(f"{where}.nbytes", obj.get("nbytes"), data_bytes)
+    numel = 1
+    for n in dims:
+        numel *= n
+    itemsize = _ITEMSIZE.get(dtype)
+    if (numel * itemsize != nbytes) if itemsize else (numel > 8 * nbytes or (nbytes > 0) != (numel > 0)):
+        raise InvalidRequest(f"{where}: shape {list(dims)} of {dtype} does not fit nbytes {nbytes}")
+    if "global_shape" in obj or "global_offset" in obj:  # a DTensor's fragment: a box inside its global tensor
+        _check_dims(f"{where}.global_shape", obj.get("global_shape"), obj)
+        _check_dims(f"{where}.global_offset", obj.get("global_offset"), obj)
+        if len(obj["global_shape"]) != len(dims) or len(obj["global_offset"]) != len(dims) or any(
+                o + n > g for o, n, g in zip(obj["global_offset"], dims, obj["global_shape"])):
+            raise InvalidRequest(f"{where}: fragment {list(dims)} at {obj['global_offset']} does not fit its "
+                                 f"global shape {obj['global_shape']}")
+    if not isinstance(obj.get("fqn", ""), str) or len(obj.get("fqn", "")) > MAX_NAME_CHARS:
+        raise InvalidRequest(f"{where}.fqn = {_short(obj.get('fqn'))} is not a str of at most {MAX_NAME_CHARS} "
+                             "characters")
+    return layout.TensorEntry(name, dtype, dims, offset, nbytes)
+
+
+def _check_tree(tree: Any, n_tensors: int) -> None:
+    """Checks the state tree (client/tree.py's encoding) without recursion: depth, tensor refs, plain values."""
+    stack: list[tuple[Any, str, int]] = [(tree, "state", 0)]
+    while stack:
+        node, path, depth = stack.pop()
+        where = f"manifest_json.tree {path[:200]}"
+        if not isinstance(node, dict) or len(node) != 1:
+            raise InvalidRequest(f"{where} = {_short(node)} is not a tree node")
+        (tag, value), = node.items()
+        if tag in _CONTAINER_TAGS:
+            if depth >= layout.MAX_TREE_DEPTH:
+                raise InvalidRequest(f"{where} is nested more than {layout.MAX_TREE_DEPTH} containers deep, "
+                                     "the limit for a saved state")
+            if not isinstance(value, list):
+                raise InvalidRequest(f"{where} = {_short(node)} is not a tree node")
+            if tag in ("l", "t"):
+                stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
+                continue
+            for item in value:
+                if not isinstance(item, list) or len(item) != 2:
+                    raise InvalidRequest(f"{where} has an item {_short(item)} that is not a [key, value] pair")
+                key = _plain(item[0], f"{where} (a key)")
+                stack.append((item[1], f"{path}[{key!r}]", depth + 1))
+        elif tag == "T":
+            _check_int(f"{where} (a tensor reference)", value, n_tensors - 1)
+        elif tag == "S":
+            _check_dims(where, value, node)
+        elif tag == "D":  # a DTensor: its fragments are tensor entries found by fqn (client/shards.py)
+            if not isinstance(value, dict) or not isinstance(value.get("fqn"), str) or \
+                    len(value["fqn"]) > MAX_NAME_CHARS or not isinstance(value.get("dtype"), str) or \
+                    not _DTYPE_RE.fullmatch(value["dtype"]):
+                raise InvalidRequest(f"{where} = {_short(node)} is not a sharded tensor node")
+            _check_dims(where, value.get("shape"), node)
+        else:
+            _plain(node, where)
+
+
+def _check_dims(where: str, value: Any, node: Any) -> None:
+    if not isinstance(value, list) or len(value) > MAX_TENSOR_DIMS or \
+            any(type(n) is not int or n < 0 for n in value):
+        raise InvalidRequest(f"{where} = {_short(node)} does not hold a shape (at most {MAX_TENSOR_DIMS} sizes)")
+
+
+def _plain(node: Any, where: str) -> Any:
+    """The value of a plain node (None, bool, int, float, str, bytes); refuses anything else or too big."""
+    if not isinstance(node, dict) or len(node) != 1:
+        raise InvalidRequest(f"{where} = {_short(node)} is not a plain value node")
+    tag: str
+    value: Any
+    (tag, value), = node.items()
+    kind = _PLAIN_TAGS.get(tag)
+    valid = kind is not None and type(value) is kind  # exact: a bool is no int here
+    if not valid:
+        raise InvalidRequest(f"{where} = {_short(node)} is not a valid tree node")
+    if tag in ("s", "y"):
+        size = len(value.encode("utf-8", "surrogatepass")) if tag == "s" else len(value) * 3 // 4
+        if size > layout.MAX_PLAIN_VALUE_BYTES:
+            raise InvalidRequest(f"{where} is a str/bytes value of about {size} bytes, more than the limit of "
+                                 f"{layout.MAX_PLAIN_VALUE_BYTES}")
+    try:
+        if tag == "f":
+            return float.fromhex(value)
+        if tag == "y":
+            return base64.b64decode(value, validate=True)
+    except ValueError as e:  # binascii.Error is a ValueError
+        raise InvalidRequest(f"{where} = {_short(node)} does not decode: {e}") from None
+    return value
 
 
 class Save:
@@ -90,6 +274,7 @@ class Save:
 
     def __init__(self, save_id: str, session_id: str, spec: SaveSpec, arena: Arena, stream_base: int,
                  chunk_bytes: int, writer: PartWriter, direct_io: bool = False) -> None:
+        """Takes ``writer`` over and creates the data file in it; on any error both are gone."""
         self.id = save_id
         self.session_id = session_id
         self.spec = spec
@@ -98,17 +283,23 @@ class Save:
         self.chunk_bytes = chunk_bytes
         self.writer = writer
         self.started = time.monotonic()
-        self.n_chunks = layout.chunk_count(spec.data_bytes, chunk_bytes)
-        self.digests: list[str | None] = [None] * self.n_chunks
-        self.scheduled = 0  # chunks handed to the writer pool
-        self.inflight = 0   # chunk writes running now; the fd closes only when none are
-        self.frontier = 0   # chunks [0, frontier) written; their arena space is free
-        self.finished = False  # the client has copied everything
-        self.error: str | None = None
-        self.local_done = threading.Event()
-        self.committed_path: Path | None = None
-        self.lock = threading.Lock()
-        self.file: DataFile | None = DataFile(writer.path(layout.DATA_FILE), spec.data_bytes, direct_io)
+        self.file: DataFile | None = None
+        try:
+            self.n_chunks = layout.chunk_count(spec.data_bytes, chunk_bytes)
+            # Digests of written chunks, by index: memory follows the bytes written, not the size declared.
+            self.digests: dict[int, str] = {}
+            self.scheduled = 0  # chunks handed to the writer pool
+            self.inflight = 0   # chunk writes running now; the fd closes only when none are
+            self.frontier = 0   # chunks [0, frontier) written; their arena space is free
+            self.finished = False  # the client has copied everything
+            self.error: str | None = None
+            self.local_done = threading.Event()
+            self.committed_path: Path | None = None
+            self.lock = threading.Lock()
+            self.file = DataFile(writer.path(layout.DATA_FILE), spec.data_bytes, direct_io)  # last: opens an fd
+        except BaseException:
+            self.discard()
+            raise
 
     @property
     def end(self) -> int:
@@ -212,7 +403,7 @@ class Persister:
             # The digest is published only after the write: frontier == n_chunks
             # then means every byte is in the file.
             save.digests[i] = digest
-            while save.frontier < save.n_chunks and save.digests[save.frontier] is not None:
+            while save.frontier < save.n_chunks and save.frontier in save.digests:
                 save.frontier += 1
             complete = save.finished and save.frontier == save.n_chunks and save.error is None
         self._on_progress(save)
@@ -233,9 +424,12 @@ class Persister:
             manifest["created"] = time.time()
             manifest["metrics"] = save.spec.metrics
             manifest["files"] = {layout.DATA_FILE: layout.FileEntry(
-                save.spec.data_bytes, save.chunk_bytes, tuple(d or "" for d in save.digests)).to_json()}
+                save.spec.data_bytes, save.chunk_bytes,
+                tuple(save.digests.get(i, "") for i in range(save.n_chunks))).to_json()}
             save.committed_path = save.writer.commit(manifest)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - whatever it was, the save fails and its temporary goes
+            # Raised here, anything but an OSError would end in the pool's unread future: the save
+            # would never settle and its temporary would stay until the daemon restarts.
             self.fail(save, f"committing {save.writer.final}: {e}")
             return
         # Index (and queue for draining) before waking waiters: whoever

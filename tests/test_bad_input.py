@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,10 @@ from ckptstage.client import (
     DaemonUnavailable,
     InvalidRequest,
 )
+from ckptstage.daemon import persister
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
+from conftest import DaemonProc
 
 _steps = itertools.count(1000)
 
@@ -252,8 +255,10 @@ BAD_TABLES = [
     ("overlap", [_tensor("first", 64, 32), _tensor("second", 80, 32)], 256, "'second'.*overlaps 'first'"),
     ("past-end", [_tensor("first", 64, 32), _tensor("tail", 96, 200)], 256, "'tail' ends at 296.*256"),
     ("in-header", [_tensor("early", 8, 16)], 256, "'early'.*overlaps '<header>'"),
-    ("negative-size", [_tensor("neg", 128, -64), _tensor("after", 80, 16)], 256, "tensor 'neg' has a negative size"),
-    ("negative-offset", [_tensor("before", -32, 16)], 256, "'before' at offset -32 overlaps"),
+    ("negative-size", [_tensor("neg", 128, -64), _tensor("after", 80, 16)], 256,
+     r"tensors\[0\] \('neg'\)\.nbytes = -64 is out of range: an int in \[0, 256\]"),
+    ("negative-offset", [_tensor("before", -32, 16)], 256,
+     r"tensors\[0\] \('before'\)\.offset = -32 is out of range: an int in \[0, 256\]"),
 ]
 
 
@@ -281,9 +286,9 @@ def test_begin_save_rejects_a_manifest_for_another_job_or_step(daemon):
                  (_manifest("other", 1, good), 80, "job='other'"),
                  (_manifest("mine", 2, good), 80, "step=2"),
                  (layout.encode_manifest({"format": "pickle"}), 80, "not a ckptstage/1 manifest"),
-                 (b"[" * 200_000 + b"]" * 200_000, 80, "nested too deeply"),
+                 (b"[" * 200_000 + b"]" * 200_000, 80, "nested 200000 levels deep"),
                  (b" " * (layout.MAX_MANIFEST_BYTES + 1), 80, f"exceeds the limit of {layout.MAX_MANIFEST_BYTES}"),
-                 (_manifest("mine", 1, good), 2**64 - 1, "data_bytes 18446744073709551615 is out of range"),
+                 (_manifest("mine", 1, good), 2**64 - 1, "data_bytes = 18446744073709551615 is out of range"),
                  (_manifest("mine", 1, [_tensor("t", 64, 2**60)]), 2**60 + 64, "out of range")]
         for raw, data_bytes, pattern in cases:
             with pytest.raises(InvalidRequest, match=pattern):
@@ -327,3 +332,92 @@ def test_begin_save_refuses_a_stream_position_that_is_taken_or_misaligned(daemon
         conn.call("CloseSession", pb.CloseSessionRequest(session_id=sid))
     assert temporaries(daemon.local) == []
     assert_serves(daemon, "pos")
+
+
+def _limits_manifest(**fields: Any) -> bytes:
+    base: dict[str, Any] = {"format": layout.FORMAT, "job": "lim", "step": 1, "rank": 0, "world_size": 1,
+                            "data_start": 64, "tensors": [_tensor("t", 64, 16)], "tree": {"T": 0}}
+    return layout.encode_manifest({**base, **fields})
+
+
+def _lists(depth: int) -> Any:
+    node: Any = {"T": 0}
+    for _ in range(depth):
+        node = {"l": [node]}
+    return node
+
+
+def _f32(shape: list[Any], nbytes: int, name: str = "w", offset: int = 64) -> dict[str, Any]:
+    return {"name": name, "dtype": "float32", "shape": shape, "offset": offset, "nbytes": nbytes}
+
+
+MAX_JSON_DEPTH = persister.MAX_MANIFEST_DEPTH
+LIMITS = [
+    # label, manifest_json, data_bytes, what the refusal must name (the field or key path, and the limit)
+    ("json-depth", b"[" * 200_000 + b"]" * 200_000, 80, f"nested 200000 levels deep.*limit of {MAX_JSON_DEPTH}"),
+    ("json-depth-in-a-string-is-fine", _limits_manifest(note="[" * 10_000), 80, None),
+    ("tree-depth", _limits_manifest(tree=_lists(layout.MAX_TREE_DEPTH + 1)), 80,
+     rf"tree state(\[0\])+ is nested more than {layout.MAX_TREE_DEPTH} containers"),
+    ("tree-depth-at-the-limit", _limits_manifest(tree=_lists(layout.MAX_TREE_DEPTH)), 80, None),
+    ("data-bytes-2^64-1", _limits_manifest(), 2**64 - 1,
+     rf"data_bytes = {2**64 - 1} is out of range: an int in \[0, {persister.MAX_PART_BYTES}\]"),
+    ("data-bytes-past-the-part-limit", _limits_manifest(), persister.MAX_PART_BYTES + 1, "data_bytes = .*out of range"),
+    ("tensor-count", _limits_manifest(tensors=[{}] * (persister.MAX_TENSORS + 1)), 80,
+     f"has {persister.MAX_TENSORS + 1} tensors, more than the limit of {persister.MAX_TENSORS}"),
+    ("dims", _limits_manifest(tensors=[_f32([1] * 65, 4)]), 80, r"tensors\[0\] \('w'\)\.shape = .*at most 64"),
+    ("dim-2^64", _limits_manifest(tensors=[_f32([2**64], 16)]), 80,
+     rf"tensors\[0\] \('w'\)\.shape\[0\] = {2**64} is out of range"),
+    ("dim-float", _limits_manifest(tensors=[_f32([4.0], 16)]), 80, r"\.shape\[0\] = 4\.0 is out of range"),
+    ("shape-beyond-nbytes", _limits_manifest(tensors=[_f32([1 << 30, 1 << 30], 16)]), 80,
+     r"tensors\[0\] \('w'\): shape \[1073741824, 1073741824\] of float32 does not fit nbytes 16"),
+    ("offset-2^63", _limits_manifest(tensors=[_f32([4], 16, offset=2**63)]), 80,
+     rf"\('w'\)\.offset = {2**63} is out of range: an int in \[0, 80\]"),
+    ("data-start-negative", _limits_manifest(data_start=-64), 80, r"data_start = -64 is out of range"),
+    ("step-as-bool", _limits_manifest(step=True), 80, "step=True does not match"),
+    ("tensor-ref-out-of-range", _limits_manifest(tree={"d": [[{"s": "w"}, {"T": 1}]]}), 80,
+     r"tree state\['w'\] \(a tensor reference\) = 1 is out of range: an int in \[0, 0\]"),
+    ("unknown-node", _limits_manifest(tree={"d": [[{"s": "cfg"}, {"l": [{"pickle": "x"}]}]]}), 80,
+     r"tree state\['cfg'\]\[0\] = .*pickle.* is not a valid tree node"),
+    ("plain-value-size", _limits_manifest(tree={"d": [[{"s": "w"}, {"T": 0}], [{"s": "blob"}, {
+        "s": "x" * (layout.MAX_PLAIN_VALUE_BYTES + 1)}]]}), 80,
+     rf"tree state\['blob'\] is a str/bytes value .*limit of {layout.MAX_PLAIN_VALUE_BYTES}"),
+]
+
+
+@pytest.fixture(scope="module")
+def limits_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    """One daemon for every case below (each leaves it as it found it), with its temporaries' directory made."""
+    d = DaemonProc(tmp_path_factory.mktemp("limits") / "node").start()
+    assert_serves(d, "lim")
+    yield d
+    d.stop()
+
+
+@pytest.mark.parametrize("label,raw,data_bytes,pattern", LIMITS, ids=[c[0] for c in LIMITS])
+def test_begin_save_bounds_every_size_naming_the_field_and_the_limit_before_creating_a_file(
+        limits_daemon, label, raw, data_bytes, pattern):
+    daemon = limits_daemon
+    [tmp_root] = (daemon.local / layout.TMP_DIR).iterdir()  # where this daemon makes its temporaries
+    with daemon.connection() as conn:
+        sid = conn.call("OpenSession", pb.OpenSessionRequest(job="lim", rank=0, world_size=1, pid=os.getpid()))\
+            .session_id
+        conn.call("EnsureArena", pb.EnsureArenaRequest(session_id=sid, want_bytes=1 << 20))
+        before = tmp_root.stat().st_mtime_ns
+        request = pb.BeginSaveRequest(session_id=sid, step=1, manifest_json=raw, data_bytes=data_bytes)
+        try:
+            if pattern is None:  # inside the limits: accepted, then aborted
+                save_id = conn.call("BeginSave", request).save_id
+                assert tmp_root.stat().st_mtime_ns != before  # this check does see a temporary being made
+                conn.call("AbortSave", pb.AbortSaveRequest(save_id=save_id, reason="test"))
+            else:
+                with pytest.raises(InvalidRequest, match="INVALID_ARGUMENT") as info:
+                    conn.call("BeginSave", request)
+                assert info.match(pattern), str(info.value)[:500]
+                # Refused before any file was created: the temporaries' directory was never touched.
+                assert tmp_root.stat().st_mtime_ns == before
+            [session] = conn.status().sessions
+            assert session.saves_in_flight == 0
+        finally:
+            conn.call("CloseSession", pb.CloseSessionRequest(session_id=sid))
+    assert temporaries(daemon.local) == []
+    assert_serves(daemon, "lim")

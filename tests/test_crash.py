@@ -18,6 +18,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,24 +32,26 @@ from support import wait_until
 
 T = TypeVar("T")
 
-# A trainer that begins a save and stalls inside it. argv: socket, job, MiB of
-# float64 streamed before the stall, step. Prints "SAVING" once the save is under way.
+# A trainer that begins a save and stalls inside it. argv: socket, job, MiB of float64 streamed before the
+# stall, step, the read end of the test's gate pipe. Prints "SAVING" once the save is under way, then
+# blocks reading the gate: it goes on only if the test writes to it (or closes it), which the tests
+# below never do before they kill it.
 STALLING_TRAINER = r"""
-import os, sys, time
+import os, sys
 import torch
 from ckptstage.client import Client
 
-socket, job, mib, step = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+socket, job, mib, step, gate = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 
 
 class Stall(torch.Tensor):
-    # Any torch call passes through, except the copy into the arena: it never returns.
+    # Any torch call passes through; the copy into the arena first waits for the test's gate.
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func is torch.Tensor.copy_:
             print("SAVING", flush=True)
-            while True:
-                time.sleep(60)
+            os.read(gate, 1)
+            print("RELEASED", flush=True)
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
@@ -60,6 +63,31 @@ handle = client.save(step, state)
 handle.wait_snapshot()
 print("UNREACHABLE: the snapshot finished", flush=True)
 """
+
+
+class Gate(torch.Tensor):
+    """A tensor whose copy into the arena waits until the test opens its gate (in this process).
+
+    Laid out after the rest of a state, it holds a save at a known point: every
+    other byte has been copied (and, when the state streams, reported to the
+    daemon), and the save cannot finish until :meth:`open` is called.
+    """
+
+    opened = threading.Event()
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.copy_:
+            cls.opened.wait()
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+    @classmethod
+    def close(cls) -> None:
+        cls.opened.clear()
+
+    @classmethod
+    def open(cls) -> None:
+        cls.opened.set()
 
 
 def temporaries(local: Path) -> list[Path]:
@@ -110,9 +138,14 @@ class Trainer:
 
     def __init__(self, daemon: Any, job: str, mib: int, step: int, log: Path) -> None:
         self.log = log
-        with open(log, "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, "-c", STALLING_TRAINER, str(daemon.socket), job, str(mib),
-                                          str(step)], stdout=subprocess.PIPE, stderr=err)
+        gate_r, self.gate = os.pipe()  # the trainer blocks reading gate_r; only this test could write to it
+        try:
+            with open(log, "wb") as err:
+                self.proc = subprocess.Popen([sys.executable, "-c", STALLING_TRAINER, str(daemon.socket), job,
+                                              str(mib), str(step), str(gate_r)], stdout=subprocess.PIPE, stderr=err,
+                                             pass_fds=(gate_r,))
+        finally:
+            os.close(gate_r)
 
     def wait_saving(self, timeout: float = 60.0) -> None:
         """Returns once the trainer is inside its save (it prints one line, or dies)."""
@@ -122,11 +155,16 @@ class Trainer:
         if line.strip() != "SAVING":
             self.kill()
             raise AssertionError(f"trainer did not reach its save: {line!r}\n{self.log.read_text()}")
+        # Held at the gate, it stays there: nothing more comes from it until it is killed.
+        assert not select.select([self.proc.stdout], [], [], 0)[0] and self.proc.poll() is None
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=30)
+        if self.gate >= 0:
+            os.close(self.gate)
+            self.gate = -1
 
 
 @pytest.fixture
@@ -200,36 +238,32 @@ def test_daemon_sigkill_mid_save_leaves_no_trace(daemon_factory, trainers):
 
 def test_daemon_sigkill_while_persisting_a_large_state(daemon_factory):
     # A few hundred MiB through a small arena in small chunks: the daemon is
-    # busy writing when it is killed.
+    # busy writing when it is killed. The state's last tensor is held at a gate,
+    # so the save cannot have finished (or been committed) before the kill.
     d = daemon_factory(**{"arena.max_bytes": "8MiB", "persist.chunk_bytes": "256KiB",
                           "arena.min_session_bytes": "1MiB", "persist.workers": 1, "shared.dir": ""}).start()
-    big = {"w": torch.full((256 << 18,), 0.5), "step": 2}  # 256 MiB
+    big = {"w": torch.full((256 << 18,), 0.5), "gate": torch.zeros(16, dtype=torch.uint8).as_subclass(Gate),
+           "step": 2}  # 256 MiB, then the gate
+    Gate.close()
     with Client("large", socket=d.socket) as c:
         c.save(1, training_state(1)).wait("local", timeout=30)
-        h = c.save(2, big)
-        wait_until(lambda: temporaries(d.local) and getattr(session_for(d, os.getpid()), "saves_in_flight", 0),
-                   30, "the large save is in flight")
-        dead_pid = d.proc.pid
-        assert d.kill(signal.SIGKILL) == -signal.SIGKILL
+        try:
+            h = c.save(2, big)
+            wait_until(lambda: temporaries(d.local) and getattr(session_for(d, os.getpid()), "saves_in_flight", 0),
+                       30, "the large save is in flight")
+            dead_pid = d.proc.pid
+            assert d.kill(signal.SIGKILL) == -signal.SIGKILL
+        finally:
+            Gate.open()  # the copy goes on, to a dead daemon
         with pytest.raises(CkptStageError):
             h.wait("local", timeout=60)
-        try:
-            h.wait_snapshot(timeout=0)
-            client_finished = True  # FinishSave was acknowledged before the kill
-        except CkptStageError:
-            client_finished = False
 
     d.start()
     assert arenas_of(dead_pid) == set()
     assert temporaries(d.local) == []
+    assert committed_steps(d.local, "large") == [1]
     with Client("large", socket=d.socket) as c:
-        steps = [i.step for i in c.list()]
-        if client_finished:  # killed during the final fsync/commit: either outcome, never torn
-            assert steps in ([1], [1, 2])
-        else:
-            assert steps == [1]
-            assert committed_steps(d.local, "large") == [1]
-        assert c.latest() == steps[-1]
+        assert [i.step for i in c.list()] == [1] and c.latest() == 1
         assert_same(c.load(1), training_state(1))
 
 
