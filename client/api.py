@@ -15,7 +15,8 @@ import queue
 import socket as socketlib
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -23,7 +24,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 import torch
 
-from ckptstage.client import errors, rpc, tree
+from ckptstage.client import dist, errors, reshard, rpc, tree
 from ckptstage.client.fileplan import FilePlan, PlanCache, build_manifest
 from ckptstage.client.restore import read_part
 from ckptstage.client.rpc import Connection
@@ -88,8 +89,7 @@ class SaveHandle:
         about that long, also when the daemon does not answer at all (hung or
         stopped): the daemon is asked to answer before the call's own deadline.
         """
-        if tier not in _TIERS:
-            raise ValueError(f"tier must be 'local' or 'shared', not {tier!r}")
+        code = _tier_code(tier)
         deadline = None if timeout is None else time.monotonic() + timeout
         self.wait_snapshot(timeout)
         assert self.save_id is not None
@@ -100,7 +100,7 @@ class SaveHandle:
             # The daemon answers "not yet" at timeout_s; the call's deadline, a little later, covers a
             # daemon that cannot answer at all.
             resp = self._client._conn.call("WaitSave", pb.WaitSaveRequest(
-                save_id=self.save_id, tier=_TIERS[tier], timeout_s=left), timeout=left + 0.5)
+                save_id=self.save_id, tier=code, timeout_s=left), timeout=left + 0.5)
             if resp.done:
                 return
 
@@ -115,6 +115,7 @@ class _Job:
     handle: SaveHandle
     plan: FilePlan
     tree: Any  # the state's structure, as tree.flatten encoded it
+    extras: list[dict[str, Any]]  # per tensor: fqn, and a DTensor fragment's place
     tensors: list[torch.Tensor]
     metrics: dict[str, float]
     ready: dict[torch.device, Any]  # CUDA events the copy waits for (see snapshot.ready_events)
@@ -124,17 +125,24 @@ class Client:
     """A trainer rank's connection to its node's ``ckptstaged``.
 
     ``socket`` defaults to ``$CKPTSTAGE_SOCKET``, else the daemon's default
-    path. ``arena_bytes`` pre-allocates the shared-memory arena now rather
-    than at the first save (which then pays for it).
+    path. ``rank`` and ``world_size`` default to the default process group's
+    when ``torch.distributed`` is initialized, else 0 and 1. ``attempt``
+    names this run of the job, the same on every rank (see
+    :mod:`ckptstage.client.dist` for how it is agreed when not given: with a
+    process group, the constructor is collective). ``arena_bytes``
+    pre-allocates the shared-memory arena now rather than at the first save
+    (which then pays for it).
     """
 
-    def __init__(self, job: str, socket: str | os.PathLike[str] | None = None, rank: int = 0,
-                 world_size: int = 1, arena_bytes: int | None = None,
-                 retention: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, job: str, socket: str | os.PathLike[str] | None = None, rank: int | None = None,
+                 world_size: int | None = None, arena_bytes: int | None = None,
+                 retention: Mapping[str, Any] | None = None, attempt: str | None = None) -> None:
+        rank, world_size = dist.rank_and_world(rank, world_size)
         try:
             self.job = layout.check_job(job)
             layout.check_rank(rank, world_size)
-        except layout.InvalidName as e:
+            self.attempt = dist.agree_attempt(attempt, world_size)
+        except (layout.InvalidName, ValueError) as e:
             raise errors.InvalidRequest(str(e)) from None
         self.rank, self.world_size = rank, world_size
         self._retention = dict(retention or {})
@@ -142,6 +150,7 @@ class Client:
         self._arena: ArenaMap | None = None
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._inflight: list[SaveHandle] = []
+        self._recent: OrderedDict[int, SaveHandle] = OrderedDict()  # newest saves by step, for wait_step
         self._lock = threading.Lock()
         self._closed = False
         # The arena stream as this client last heard of it (see snapshot.Streamer):
@@ -179,13 +188,17 @@ class Client:
             layout.check_step(step)
         except layout.InvalidName as e:
             raise errors.InvalidRequest(str(e)) from None
-        tree_json, tensors, paths = tree.flatten(state)
-        plan = self._plans.plan(tensors, paths)
+        flat = tree.flatten_state(state)
+        plan = self._plans.plan(flat.tensors, flat.paths)
         clean_metrics = _check_metrics(metrics)
         handle = SaveHandle(self, step)
         with self._lock:
             self._inflight = [h for h in self._inflight if not h.snapshot_done()] + [handle]
-        self._queue.put(_Job(handle, plan, tree_json, tensors, clean_metrics, ready_events(tensors)))
+            self._recent[step] = handle
+            while len(self._recent) > 64:
+                self._recent.popitem(last=False)
+        self._queue.put(_Job(handle, plan, flat.tree, flat.entry_extras(), flat.tensors, clean_metrics,
+                             ready_events(flat.tensors)))
         return handle
 
     def wait_snapshots(self) -> None:
@@ -203,20 +216,83 @@ class Client:
 
     # --- reading --------------------------------------------------------------------
 
-    def latest(self) -> int | None:
-        """The newest step whose every rank is committed (restorable), or None."""
-        try:
-            resp = self._conn.call("Locate", pb.LocateRequest(job=self.job, latest=True, rank=self.rank))
-        except errors.CheckpointNotFound:
-            return None
-        return int(resp.step)
+    def latest(self, group: Any = None) -> int | None:
+        """The newest complete step (every rank's part of one attempt committed), or None.
+
+        When ``torch.distributed`` is initialized this is collective over
+        ``group`` (the default group when None): every rank answers the same,
+        the newest step that every rank's daemon can load, from either tier.
+        """
+        if group is None and not dist.initialized():
+            return self._complete_steps(1)[0] if self._complete_steps(1) else None
+        common = set.intersection(*(set(steps) for steps in dist.gather(self._complete_steps(), group)))
+        return max(common, default=None)
+
+    def _complete_steps(self, most: int = 256) -> list[int]:
+        """This daemon's complete steps of the job, newest first (at most ``most``)."""
+        if most == 1:
+            try:
+                resp = self._conn.call("Locate", pb.LocateRequest(job=self.job, latest=True, rank=0))
+            except errors.CheckpointNotFound:
+                return []
+            return [int(resp.step)]
+        return sorted((c.step for c in self.list() if c.complete), reverse=True)[:most]
+
+    def wait_step(self, step: int, tier: str = "local", timeout: float | None = None) -> None:
+        """Returns once every rank's part of ``step`` (one attempt) is committed on ``tier``.
+
+        ``"shared"``: the step's commit record is on the shared tier (written
+        by whichever node's drain finished last). ``"local"``: every part is
+        on its node's local tier; when a process group spans the job this is
+        collective (each rank waits for its own part, then they agree), else
+        it asks this node's daemon, which can tell only for a job whose ranks
+        all run on this node. Raises :class:`SaveFailed` if a rank's part
+        failed, :class:`TimeoutError` after ``timeout`` seconds.
+        """
+        _tier_code(tier)
+        if tier == "local" and dist.initialized() and torch.distributed.get_world_size() == self.world_size:
+            handle = self._recent.get(step)
+            failure = None
+            try:
+                if handle is not None:
+                    handle.wait(tier, timeout)
+                else:
+                    self._wait_step(step, tier, timeout)
+            except (errors.CkptStageError, TimeoutError) as e:
+                failure = f"rank {self.rank}: {e}"
+            failures = [f for f in dist.gather(failure) if f]
+            if failures:
+                raise errors.SaveFailed(f"step {step} of {self.job!r} is not complete on {tier}: "
+                                        + "; ".join(failures))
+            return
+        self._wait_step(step, tier, timeout)
+
+    def _wait_step(self, step: int, tier: str, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 25.0 if deadline is None else min(25.0, deadline - time.monotonic())
+            if left <= 0:
+                raise TimeoutError(f"step {step} of {self.job!r} not complete on {tier} after {timeout}s")
+            resp = self._conn.call("WaitStep", pb.WaitStepRequest(job=self.job, step=step, tier=_tier_code(tier),
+                                                                 timeout_s=left), timeout=left + 0.5)
+            if resp.done:
+                return
 
     def list(self) -> list[CheckpointInfo]:
         resp = self._conn.call("ListCheckpoints", pb.ListRequest(job=self.job))
         return [_info(c) for c in resp.checkpoints]
 
     def load(self, step: int | None = None, into: Any = None) -> Any:
-        """The state saved at ``step`` (newest restorable when None), verified.
+        """The state saved at ``step`` (newest complete when None), verified.
+
+        A sharded state (DTensors) is read from every rank's part: each
+        DTensor of ``into`` (any mesh, placements or world size) is filled in
+        place from the byte ranges of the fragments that overlap its shard;
+        without ``into``, sharded tensors come back whole. Plain tensors and
+        values come from this rank's part at the same world size, from rank
+        0's at another. ``into`` fills a state's tensors in place (e.g. CUDA
+        tensors) instead of allocating; a key or a shape that disagrees with
+        the checkpoint is an error naming it.
 
         A copy that fails verification is reported to the daemon (which
         re-reads it and quarantines it only if its own read fails too) and
@@ -226,47 +302,79 @@ class Client:
         nothing about a copy: it is never reported, the next copy is tried,
         and if none can be read the error itself is raised. A copy that
         retention deletes while it is being read is not corrupt: the daemon is
-        asked again. ``into`` fills a state of the same structure in place
-        (e.g. CUDA tensors) instead of allocating.
+        asked again.
         """
-        req = pb.LocateRequest(job=self.job, rank=self.rank, latest=step is None, step=step or 0)
+        target = tree.flatten_state(into) if into is not None else None
+        req = pb.LocateRequest(job=self.job, rank=self.rank, latest=step is None, step=step or 0, all_ranks=True)
         for attempt in (1, 2):
             resp = self._conn.call("Locate", req)
-            if resp.world_size != self.world_size:
-                raise errors.InvalidRequest(
-                    f"step {resp.step} of {self.job!r} was saved by {resp.world_size} ranks, this client is one of "
-                    f"{self.world_size}; resharding on load is done by `ckptstage consolidate` (not yet available)")
-            failures, moved = [], False
-            own_errors: list[BaseException] = []
-            for loc in resp.locations:
-                tier = pb.Tier.Name(loc.tier).lower()
-                try:
-                    _, state = read_part(Path(loc.dir), into)
-                    return state
-                except (layout.ManifestError, OSError, MemoryError) as e:
-                    if not Path(loc.dir).exists():
-                        # Retention deleted (or the daemon quarantined) this copy after Locate
-                        # answered: not corruption. Locate again if no other copy verifies.
-                        moved = True
-                        log.info("checkpoint %s step %d rank %d: %s copy removed while reading it", self.job,
-                                 resp.step, self.rank, tier)
-                        failures.append(f"{tier}: {loc.dir} was removed while reading it")
-                        continue
-                    failures.append(f"{tier}: {e}")
-                    if not layout.is_verification_failure(e):
-                        own_errors.append(e)
-                        log.warning("checkpoint %s step %d rank %d: cannot read the %s copy here: %s", self.job,
-                                    resp.step, self.rank, tier, e)
-                        continue
-                    log.error("checkpoint %s step %d rank %d: %s copy failed verification: %s", self.job,
-                              resp.step, self.rank, tier, e)
-                    self._conn.call("ReportCorrupt", pb.ReportCorruptRequest(
-                        job=self.job, step=resp.step, rank=self.rank, tier=loc.tier, detail=str(e)))
+            req = pb.LocateRequest(job=self.job, rank=self.rank, step=resp.step, all_ranks=True)  # now pinned down
+            tree_rank = self.rank if resp.world_size == self.world_size else 0
+            parts = {p.rank: [(loc.tier, Path(loc.dir)) for loc in p.locations] for p in resp.parts}
+            if tree_rank == self.rank:
+                parts.setdefault(self.rank, [(loc.tier, Path(loc.dir)) for loc in resp.locations])
+            if tree_rank not in parts:
+                raise errors.CheckpointNotFound(f"{self.job} step {resp.step}: the daemon did not say where rank "
+                                                f"{tree_rank}'s part is")
+            try:
+                if (target is not None and target.sharded) or _is_sharded(parts[tree_rank]):
+                    return self._load_sharded(resp.step, parts, tree_rank, target)
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
+                continue  # retention removed a copy while it was read: ask again
+            state, moved = self._load_part(resp.step, tree_rank, parts[tree_rank], into)
             if not moved or attempt == 2:
-                break
+                return state
+        raise AssertionError("unreachable")
+
+    def _load_sharded(self, step: int, parts: Mapping[int, Sequence[tuple[int, Path]]], tree_rank: int,
+                      target: tree.Flat | None) -> Any:
+        def report(rank: int, copy: int, detail: str) -> None:
+            self._conn.call("ReportCorrupt", pb.ReportCorruptRequest(
+                job=self.job, step=step, rank=rank, tier=parts[rank][copy][0], detail=detail))
+
+        view = reshard.StepView.open({r: [d for _, d in locs] for r, locs in parts.items()}, report)
+        try:
+            return view.load(tree_rank, target)
+        except layout.ChecksumMismatch as e:
+            raise errors.CorruptCheckpoint(f"no copy of {self.job} step {step} verifies: {e}") from e
+        finally:
+            view.close()
+
+    def _load_part(self, step: int, rank: int, locations: Sequence[tuple[int, Path]], into: Any) -> tuple[Any, bool]:
+        """One rank's whole part, from its first copy that verifies; (state, whether a copy vanished meanwhile)."""
+        failures, moved = [], False
+        own_errors: list[BaseException] = []
+        for tier_code, part in locations:
+            tier = pb.Tier.Name(tier_code).lower()
+            try:
+                _, state = read_part(part, into)
+                return state, False
+            except (layout.ManifestError, OSError, MemoryError) as e:
+                if not part.exists():
+                    # Retention deleted (or the daemon quarantined) this copy after Locate
+                    # answered: not corruption. Locate again if no other copy verifies.
+                    moved = True
+                    log.info("checkpoint %s step %d rank %d: %s copy removed while reading it", self.job,
+                             step, rank, tier)
+                    failures.append(f"{tier}: {part} was removed while reading it")
+                    continue
+                failures.append(f"{tier}: {e}")
+                if not layout.is_verification_failure(e):
+                    own_errors.append(e)
+                    log.warning("checkpoint %s step %d rank %d: cannot read the %s copy here: %s", self.job,
+                                step, rank, tier, e)
+                    continue
+                log.error("checkpoint %s step %d rank %d: %s copy failed verification: %s", self.job,
+                          step, rank, tier, e)
+                self._conn.call("ReportCorrupt", pb.ReportCorruptRequest(
+                    job=self.job, step=step, rank=rank, tier=tier_code, detail=str(e)))
+        if moved:
+            return None, True
         if own_errors and len(own_errors) == len(failures):
             raise own_errors[0]  # nothing is known to be wrong with the checkpoint, only with this process
-        raise errors.CorruptCheckpoint(f"no copy of {self.job} step {resp.step} rank {self.rank} verifies: "
+        raise errors.CorruptCheckpoint(f"no copy of {self.job} step {step} rank {rank} verifies: "
                                        + "; ".join(failures))
 
     def pin(self, step: int) -> None:
@@ -307,7 +415,7 @@ class Client:
         o = self._retention
         resp = self._conn.call("OpenSession", pb.OpenSessionRequest(
             job=self.job, rank=self.rank, world_size=self.world_size, pid=os.getpid(),
-            hostname=socketlib.gethostname(), retention=pb.RetentionOverrides(**o)),
+            hostname=socketlib.gethostname(), retention=pb.RetentionOverrides(**o), attempt=self.attempt),
             timeout=_REOPEN_WAIT_S if wait_for_ready else rpc.DEFAULT_TIMEOUT_S, wait_for_ready=wait_for_ready)
         self._session_id = resp.session_id
         self._chunk = resp.chunk_bytes
@@ -420,7 +528,7 @@ class Client:
     def _manifest_json(self, job: _Job) -> bytes:
         """Built on the snapshot thread: off the trainer's thread."""
         raw = layout.encode_manifest(build_manifest(job.plan, job.tree, self.job, job.handle.step, self.rank,
-                                                    self.world_size))
+                                                    self.world_size, self.attempt, job.extras))
         if len(raw) > layout.MAX_MANIFEST_BYTES:
             raise errors.InvalidRequest(f"step {job.handle.step}: the manifest (tensor layout and plain values) "
                                         f"is {len(raw)} bytes, over the limit of {layout.MAX_MANIFEST_BYTES}; "
@@ -464,6 +572,22 @@ class _Once(Generic[_T]):
         if self._error is not None:
             raise self._error
         return self._result  # type: ignore[return-value]
+
+
+def _tier_code(tier: str) -> int:
+    if tier not in _TIERS:
+        raise ValueError(f"tier must be 'local' or 'shared', not {tier!r}")
+    return _TIERS[tier]
+
+
+def _is_sharded(locations: Sequence[tuple[int, Path]]) -> bool:
+    """Whether the part (its first copy whose manifest reads) holds DTensor fragments."""
+    for _, part in locations:
+        try:
+            return reshard.has_sharded(layout.read_manifest(part))
+        except layout.ManifestError:
+            continue
+    return False
 
 
 def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:

@@ -90,11 +90,19 @@ class PlanCache:
         return self._plan
 
 
-def build_manifest(plan: FilePlan, tree: Any, job: str, step: int, rank: int, world_size: int) -> dict[str, Any]:
-    """The part manifest as the client sends it; the daemon adds files, times and metrics."""
+def build_manifest(plan: FilePlan, tree: Any, job: str, step: int, rank: int, world_size: int,
+                   attempt: str = "", extras: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The part manifest as the client sends it; the daemon adds files, times and metrics.
+
+    ``extras`` add to each tensor entry what the file layout does not say:
+    its fqn, and for a DTensor's fragment its global shape and offset.
+    """
+    tensors = [e.to_json() for e in plan.entries]
+    for entry, extra in zip(tensors, extras or ()):
+        entry.update(extra)
     return {
         "format": layout.FORMAT, "job": job, "step": step, "rank": rank, "world_size": world_size,
-        "data_start": len(plan.header), "tensors": [e.to_json() for e in plan.entries], "tree": tree,
+        "attempt": attempt, "data_start": len(plan.header), "tensors": tensors, "tree": tree,
     }
 
 

@@ -1,0 +1,376 @@
+"""Loading a sharded step into any mesh, placements or world size: boxes filled from fragments.
+
+Every part of the step is opened (its manifest read and verified); each
+tensor the caller wants is a *box* of a global tensor (a DTensor's local
+shard, or the whole tensor), filled from every stored fragment that overlaps
+it, reading only the byte range of each fragment that holds the overlap.
+Plain (non-DTensor) tensors and values come from one part: the caller's own
+rank at the same world size, rank 0's at another (DCP's rule for replicated
+state). Reads are verified chunk by chunk against the manifest; a chunk that
+a read only partly needs is read whole (it is the unit of verification) and
+kept for the next fragment in it. A copy that fails verification is reported
+and the part's next copy (normally the shared tier's) is read instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptstage.client import shards, tree
+from ckptstage.client.fileplan import dtype_from_name
+from ckptstage.protos import layout
+
+log = logging.getLogger(__name__)
+
+_READERS = 4       # parts read in parallel
+_CACHED_CHUNKS = 2  # verified chunks kept per part for the next fragment in them
+
+Report = Callable[[int, int, str], None]  # (rank, index of the copy, what failed)
+
+
+class PartReader:
+    """Verified reads of byte ranges of one part's data file, from its best copy that verifies."""
+
+    def __init__(self, rank: int, dirs: list[Path], report: Report | None = None) -> None:
+        if not dirs:
+            raise layout.ManifestError(f"rank {rank}: no copy of this part to read")
+        self.rank = rank
+        self.dirs = dirs
+        self._report = report
+        self._copy = -1
+        self._fd = -1
+        self.bytes_read = 0
+        self._cache: OrderedDict[int, bytearray] = OrderedDict()
+        self.manifest: dict[str, Any] = {}
+        self._next_copy(None)
+
+    def _next_copy(self, failure: BaseException | None) -> None:
+        """Moves to the next copy whose manifest reads; raises the last failure when none is left."""
+        while True:
+            self._copy += 1
+            if self._copy >= len(self.dirs):
+                raise failure if failure is not None else layout.ManifestError(f"rank {self.rank}: no copy")
+            try:
+                manifest = layout.read_manifest(self.dirs[self._copy])
+                entry = layout.manifest_files(manifest)[layout.DATA_FILE]
+                fd = os.open(self.dirs[self._copy] / layout.DATA_FILE, os.O_RDONLY)
+            except (layout.ManifestError, KeyError, OSError) as e:
+                failure = self._failed(e)
+                continue
+            if self.manifest and layout.manifest_files(self.manifest)[layout.DATA_FILE] != entry:
+                os.close(fd)
+                failure = layout.ManifestError(f"{self.dirs[self._copy]}: this copy's data differs from the first's")
+                continue
+            self.close()
+            self._fd, self.manifest, self.file = fd, self.manifest or manifest, entry
+            self._cache.clear()
+            return
+
+    def _failed(self, e: BaseException) -> BaseException:
+        if isinstance(e, KeyError):
+            e = layout.ManifestError(f"{self.dirs[self._copy]}: manifest lists no {layout.DATA_FILE}")
+        if self._report is not None and layout.is_verification_failure(e):
+            self._report(self.rank, self._copy, str(e))
+        log.warning("rank %d part at %s: %s", self.rank, self.dirs[self._copy], e)
+        return e
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def read(self, offset: int, dest: memoryview) -> None:
+        """Fills ``dest`` with the file's bytes at ``offset``, every chunk they touch verified."""
+        while True:
+            try:
+                self._read(offset, dest)
+                return
+            except layout.ChecksumMismatch as e:
+                self._next_copy(self._failed(e))
+
+    def _read(self, offset: int, dest: memoryview) -> None:
+        cb, end, pos = self.file.chunk_bytes, offset + len(dest), offset
+        while pos < end:
+            c = pos // cb
+            c0, c1 = c * cb, min((c + 1) * cb, self.file.size)
+            stop = min(end, c1)
+            if pos == c0 and stop == c1 and c not in self._cache:
+                self._pread_verified(c, dest[pos - offset:stop - offset])  # the whole chunk, straight in
+            else:
+                chunk = self._chunk(c)
+                dest[pos - offset:stop - offset] = memoryview(chunk)[pos - c0:stop - c0]
+            pos = stop
+
+    def _chunk(self, c: int) -> bytearray:
+        buf = self._cache.get(c)
+        if buf is None:
+            cb = self.file.chunk_bytes
+            buf = bytearray(min(cb, self.file.size - c * cb))
+            self._pread_verified(c, memoryview(buf))
+            self._cache[c] = buf
+            while len(self._cache) > _CACHED_CHUNKS:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(c)
+        return buf
+
+    def _pread_verified(self, c: int, view: memoryview) -> None:
+        path = self.dirs[self._copy] / layout.DATA_FILE
+        got = 0
+        while got < len(view):
+            n = os.preadv(self._fd, [view[got:]], c * self.file.chunk_bytes + got)
+            if n <= 0:
+                raise layout.ChecksumMismatch(path, f"unexpected end of file in chunk {c}")
+            got += n
+        self.bytes_read += got
+        digest = layout.chunk_digest(view)
+        if digest != self.file.digests[c]:
+            raise layout.ChecksumMismatch(path, f"chunk {c} (bytes {c * self.file.chunk_bytes}..) "
+                                                f"{layout.CHECKSUM} {digest} != {self.file.digests[c]}")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One stored tensor that holds part of a global tensor: the box it covers and where its bytes are."""
+
+    rank: int
+    entry: layout.TensorEntry
+    origin: tuple[int, ...]  # global offset of its element 0
+
+
+@dataclass
+class _Task:
+    source: Source
+    box: shards.Box          # the overlap, in global coordinates
+    out: torch.Tensor        # the target box's tensor (CPU)
+    out_origin: tuple[int, ...]
+
+
+@dataclass
+class StepView:
+    """Every part of one step, indexed by fqn: the fragments of each sharded tensor, and the plain tensors."""
+
+    readers: dict[int, PartReader]
+    fragments: dict[str, list[Source]] = field(default_factory=dict)
+    plain: dict[int, dict[str, Source]] = field(default_factory=dict)   # rank -> fqn -> its plain tensor
+    plain_index: dict[int, list[str]] = field(default_factory=dict)     # rank -> tensor number -> fqn
+    sharded: dict[str, dict[str, Any]] = field(default_factory=dict)    # fqn -> the "D" node (dtype, shape)
+    _names: dict[int, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, locations: dict[int, list[Path]], report: Report | None = None) -> StepView:
+        view = cls({})
+        try:
+            for rank, dirs in sorted(locations.items()):
+                view.readers[rank] = PartReader(rank, dirs, report)
+        except BaseException:
+            view.close()
+            raise
+        for rank, reader in view.readers.items():
+            view._index(rank, reader.manifest)
+        return view
+
+    def _index(self, rank: int, manifest: dict[str, Any]) -> None:
+        fqns: list[str] = []
+        self.plain[rank] = {}
+        for raw in manifest["tensors"]:
+            entry = layout.TensorEntry.from_json(raw)
+            fqn = str(raw.get("fqn", entry.name))
+            fqns.append(fqn)
+            if "global_shape" in raw:
+                src = Source(rank, entry, tuple(int(o) for o in raw["global_offset"]))
+                self.fragments.setdefault(fqn, []).append(src)
+            else:
+                self.plain[rank].setdefault(fqn, Source(rank, entry, (0,) * len(entry.shape)))
+        self.plain_index[rank] = fqns
+        for node in _sharded_nodes(manifest["tree"]):
+            self.sharded.setdefault(str(node["fqn"]), node)
+
+    def close(self) -> None:
+        for reader in self.readers.values():
+            reader.close()
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r.bytes_read for r in self.readers.values())
+
+    def tree_of(self, rank: int) -> Any:
+        return self.readers[rank].manifest["tree"]
+
+    def names(self, tree_rank: int = 0) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Every tensor of the step as ``tree_rank`` sees it, by fqn: (dtype, global shape); plain ones first."""
+        if tree_rank in self._names:
+            return self._names[tree_rank]
+        out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = self._names.setdefault(tree_rank, {})
+        for fqn in self.plain_index[tree_rank]:
+            src = self.plain[tree_rank].get(fqn)
+            if src is not None:
+                out.setdefault(fqn, (dtype_from_name(src.entry.dtype), src.entry.shape))
+        for fqn, node in self.sharded.items():
+            out[fqn] = (dtype_from_name(str(node["dtype"])), tuple(int(n) for n in node["shape"]))
+        return out
+
+    def read_full(self, fqn: str, tree_rank: int = 0) -> torch.Tensor:
+        """One whole (unsharded) tensor, assembled from its fragments or ``tree_rank``'s plain copy."""
+        dtype, shape = self.names(tree_rank)[fqn]
+        sources = self.fragments.get(fqn) or [self.plain[tree_rank][fqn]]
+        tasks: list[_Task] = []
+        out = self._fill(fqn, dtype, shape, sources, _Targets(None), tasks, [])
+        self._run(tasks)
+        return out
+
+    def load(self, tree_rank: int, into: tree.Flat | None) -> Any:
+        """The state of ``tree_rank``'s tree, sharded tensors filled from every part (into ``into``'s where given)."""
+        wanted = _Targets(into)
+        tasks: list[_Task] = []
+        done: list[Callable[[], None]] = []
+        fqns = self.plain_index[tree_rank]
+
+        def sharded(node: dict[str, Any]) -> Any:
+            fqn = str(node["fqn"])
+            dtype, shape = dtype_from_name(str(node["dtype"])), tuple(int(n) for n in node["shape"])
+            return self._fill(fqn, dtype, shape, self.fragments.get(fqn, []), wanted, tasks, done)
+
+        loaded: dict[int, Any] = {}
+
+        def plain(i: int) -> Any:
+            if i not in loaded:  # a tensor stored once under several keys (tied weights) is read once
+                src = self.plain[tree_rank][fqns[i]]
+                dtype = dtype_from_name(src.entry.dtype)
+                loaded[i] = self._fill(fqns[i], dtype, src.entry.shape, [src], wanted, tasks, done)
+            return loaded[i]
+
+        state = tree.unflatten(self.tree_of(tree_rank), plain, sharded)
+        missing = wanted.unused()
+        if missing:
+            raise KeyError(f"the checkpoint has no tensor for key(s) {missing[:10]} of the state to load into "
+                           f"({len(missing)} in all)")
+        self._run(tasks)
+        for finish in done:
+            finish()
+        return state
+
+    def _fill(self, fqn: str, dtype: torch.dtype, shape: tuple[int, ...], sources: list[Source],
+              wanted: _Targets, tasks: list[_Task], done: list[Callable[[], None]]) -> Any:
+        target = wanted.take(fqn)
+        if target is None:
+            box: shards.Box = ((0,) * len(shape), shape)
+            out = torch.empty(shape, dtype=dtype)
+            result: Any = out
+        else:
+            t_shape = tuple(target.shape)
+            if t_shape != shape or target.dtype != dtype:
+                raise ValueError(f"cannot load key {fqn!r}: the checkpoint has {dtype} of global shape {list(shape)}, "
+                                 f"the state to load into has {target.dtype} of global shape {list(t_shape)}")
+            local = target.to_local() if shards.is_dtensor(target) else target
+            box = shards.local_box(target) if shards.is_dtensor(target) else ((0,) * len(shape), shape)
+            direct = local.device.type == "cpu" and local.is_contiguous()
+            out = local if direct else torch.empty(box[1], dtype=dtype)
+            if not direct:
+                done.append(lambda: local.copy_(out))
+            result = target
+        covered = 0
+        for src in sources:
+            part = shards.overlap(box, (src.origin, src.entry.shape))
+            if part is not None:
+                tasks.append(_Task(src, part, out, box[0]))
+                covered += _numel(part[1])
+        if covered != _numel(box[1]):
+            raise layout.ManifestError(f"key {fqn!r}: the checkpoint's fragments cover {covered} of the "
+                                       f"{_numel(box[1])} elements of box {box} (a part is missing or overlaps)")
+        return result
+
+    def _run(self, tasks: list[_Task]) -> None:
+        by_rank: dict[int, list[_Task]] = defaultdict(list)
+        for task in tasks:
+            by_rank[task.source.rank].append(task)
+        for group in by_rank.values():
+            group.sort(key=lambda t: t.source.entry.offset)  # file order: each chunk read once
+        if len(by_rank) <= 1:
+            for group in by_rank.values():
+                self._read_group(group)
+            return
+        with ThreadPoolExecutor(max_workers=min(_READERS, len(by_rank))) as pool:
+            list(pool.map(self._read_group, by_rank.values()))
+
+    def _read_group(self, tasks: list[_Task]) -> None:
+        for task in tasks:
+            _read_task(self.readers[task.source.rank], task)
+
+
+def _read_task(reader: PartReader, task: _Task) -> None:
+    entry, box = task.source.entry, task.box
+    dtype = dtype_from_name(entry.dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    dest = task.out[shards.box_slices(box, task.out_origin)]
+    whole = box == (task.source.origin, entry.shape)
+    if whole and dest.is_contiguous():
+        reader.read(entry.offset, _bytes_of(dest))
+        return
+    lo, hi = shards.byte_span(box, task.source.origin, entry.shape, itemsize)
+    buf = torch.empty((hi - lo) // itemsize, dtype=dtype)
+    reader.read(entry.offset + lo, _bytes_of(buf))
+    strides = [1] * len(entry.shape)
+    for d in range(len(entry.shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * entry.shape[d + 1]
+    dest.copy_(buf.as_strided(box[1], strides))
+
+
+class _Targets:
+    """The caller's ``into=`` tensors by fqn, each handed out once."""
+
+    def __init__(self, flat: tree.Flat | None) -> None:
+        self._by_fqn: dict[str, Any] = {}
+        if flat is not None:
+            self._by_fqn.update({fqn: t for fqn, t, frag in zip(flat.fqns, flat.tensors, flat.fragments)
+                                 if frag is None})
+            self._by_fqn.update(flat.dtensors)
+        self._taken: set[str] = set()
+
+    def take(self, fqn: str) -> Any:
+        target = self._by_fqn.get(fqn)
+        if target is not None:
+            self._taken.add(fqn)
+        return target
+
+    def unused(self) -> list[str]:
+        return [fqn for fqn in self._by_fqn if fqn not in self._taken]
+
+
+def _sharded_nodes(node: Any) -> list[dict[str, Any]]:
+    """Every "D" node of a tree, without recursion (trees may nest deeply)."""
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        (tag, v), = n.items()
+        if tag == "D":
+            out.append(v)
+        elif tag in ("l", "t"):
+            stack.extend(v)
+        elif tag in ("d", "o"):
+            stack.extend(item[1] for item in v)
+    return out
+
+
+def has_sharded(manifest: dict[str, Any]) -> bool:
+    return any("global_shape" in t for t in manifest["tensors"]) or bool(_sharded_nodes(manifest["tree"]))
+
+
+def _numel(sizes: tuple[int, ...]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
