@@ -184,11 +184,15 @@ class Client:
         anything that cannot be saved.
         """
         self._check_open()
+        return self.save_flat(step, tree.flatten_state(state), metrics)
+
+    def save_flat(self, step: int, flat: tree.Flat, metrics: Mapping[str, float] | None = None) -> SaveHandle:
+        """:meth:`save` of a state already taken apart (the DCP writer builds its fragments itself)."""
+        self._check_open()
         try:
             layout.check_step(step)
         except layout.InvalidName as e:
             raise errors.InvalidRequest(str(e)) from None
-        flat = tree.flatten_state(state)
         plan = self._plans.plan(flat.tensors, flat.paths)
         clean_metrics = _check_metrics(metrics)
         handle = SaveHandle(self, step)

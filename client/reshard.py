@@ -228,6 +228,14 @@ class StepView:
         self._run(tasks)
         return out
 
+    def read_box(self, fqn: str, box: shards.Box, out: torch.Tensor, tree_rank: int = 0) -> None:
+        """Fills ``out`` (a CPU tensor of the box's sizes) with ``box`` of tensor ``fqn``, from every overlapping
+        fragment (or ``tree_rank``'s plain copy)."""
+        sources = self.fragments.get(fqn) or [self.plain[tree_rank][fqn]]
+        tasks = [_Task(src, part, out, box[0]) for src in sources
+                 if (part := shards.overlap(box, (src.origin, src.entry.shape))) is not None]
+        self._run(tasks)
+
     def load(self, tree_rank: int, into: tree.Flat | None) -> Any:
         """The state of ``tree_rank``'s tree, sharded tensors filled from every part (into ``into``'s where given)."""
         wanted = _Targets(into)
