@@ -44,7 +44,7 @@ class CheckpointInfo:
     """One step of a job as the daemon knows it."""
 
     step: int
-    tiers: tuple[str, ...]     # tiers holding every rank's part
+    tiers: tuple[str, ...]     # tiers holding the step's commit record (and so every rank's part)
     bytes: int
     created: float             # unix seconds
     complete: bool             # every rank's part is committed somewhere: restorable
@@ -52,6 +52,8 @@ class CheckpointInfo:
     pinned: bool = False
     drain_state: str = ""
     metrics: Mapping[str, float] = field(default_factory=dict)
+    attempt: str = ""                       # the run whose parts make up the step
+    ranks_missing: tuple[int, ...] = ()     # of that attempt, with no part on any tier the daemon reads
 
 
 class SaveHandle:
@@ -228,7 +230,8 @@ class Client:
         the newest step that every rank's daemon can load, from either tier.
         """
         if group is None and not dist.initialized():
-            return self._complete_steps(1)[0] if self._complete_steps(1) else None
+            newest = self._complete_steps(1)
+            return newest[0] if newest else None
         common = set.intersection(*(set(steps) for steps in dist.gather(self._complete_steps(), group)))
         return max(common, default=None)
 
@@ -604,8 +607,7 @@ def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
 
 
 def _info(c: pb.CheckpointInfo) -> CheckpointInfo:
-    tiers = tuple(t for t, ranks in (("local", c.ranks_local), ("shared", c.ranks_shared))
-                  if len(ranks) == c.world_size)
+    tiers = tuple(t for t, committed in (("local", c.committed_local), ("shared", c.committed_shared)) if committed)
     return CheckpointInfo(step=c.step, tiers=tiers, bytes=c.bytes, created=c.created, complete=c.complete,
                           world_size=c.world_size, pinned=c.pinned, drain_state=c.drain_state,
-                          metrics=dict(c.metrics))
+                          metrics=dict(c.metrics), attempt=c.attempt, ranks_missing=tuple(c.ranks_missing))
