@@ -1,0 +1,57 @@
+"""DCP's default planners with ckptstage's value encoding for non-tensor values (no pickle either way).
+
+Tensors are planned exactly as DCP's default planners plan them (flattening,
+resharding, deduplication); only the bytes of non-tensor values differ:
+:mod:`ckptstage.dcp.values` instead of ``torch.save`` / ``torch.load``.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.planner import ReadItem, WriteItem, WriteItemType
+
+from ckptstage.dcp import values
+
+
+class SavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` whose non-tensor values are ckptstage's JSON encoding, not ``torch.save`` pickles.
+
+    Replicated tensors (the same key on several ranks) are written by the
+    lowest rank holding them, as ``Client.save`` keeps plain tensors of
+    rank 0 for other world sizes.
+    """
+
+    def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
+                 dedup_save_to_lowest_rank: bool = True, enable_plan_caching: bool = False) -> None:
+        super().__init__(flatten_state_dict=flatten_state_dict, flatten_sharded_tensors=flatten_sharded_tensors,
+                         dedup_save_to_lowest_rank=dedup_save_to_lowest_rank,
+                         enable_plan_caching=enable_plan_caching)
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002 - DCP's name
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(values.encode(object, write_item.index.fqn))
+        return super().transform_object(write_item, object)
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that reads non-tensor values from ckptstage's encoding and never unpickles.
+
+    A value the checkpoint holds as ``torch.save`` bytes (saved through DCP's
+    default planner, of a type ckptstage cannot encode) is refused with an
+    error naming its key.
+    """
+
+    #: Tells :class:`ckptstage.dcp.Reader` to hand this planner ckptstage's encoding.
+    ckptstage_values = True
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        obj = values.decode(value.getvalue(), fqn)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj

@@ -1,0 +1,175 @@
+"""``Reader``: DCP's ``StorageReader`` over a ckptstage step, saved through DCP or with the plain API.
+
+``read_metadata`` finds the step (the newest complete one, agreed by every
+rank, when none is named), opens every rank's part and rebuilds DCP's
+``Metadata`` from their manifests (:mod:`ckptstage.dcp.metadata`).
+``read_data`` fills each tensor ``ReadItem`` from the byte ranges of the
+fragments that overlap its box (verified chunk by chunk, as ``Client.load``
+reads), and hands non-tensor values to the planner: in ckptstage's encoding
+to a planner that asks for it (:class:`ckptstage.dcp.LoadPlanner`), as
+``torch.save`` bytes to DCP's default planner.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from ckptstage.client import Client, errors, reshard
+from ckptstage.dcp import metadata as step_metadata
+from ckptstage.dcp import values
+from ckptstage.dcp.metadata import StepIndex, TensorRef
+from ckptstage.dcp.writer import parse_step
+from ckptstage.protos import layout
+from ckptstage.protos.v1 import ckptstage_pb2 as pb
+
+
+class Reader(StorageReader):
+    """Loads ``step`` of ``job`` (None: the newest complete step) through this node's ckptstage daemon.
+
+    ``dcp.load(sd, storage_reader=Reader(job))``. Any world size and mesh
+    can read any other's step; a step saved with ``Client.save`` loads too,
+    its keys flattened as DCP flattens a state dict. The ``Client`` is
+    created in ``read_metadata`` (collective with a process group) and
+    closed when ``read_data`` ends.
+    """
+
+    def __init__(self, job: str, step: int | None = None, *, socket: str | os.PathLike[str] | None = None) -> None:
+        self.job = job
+        self.step = None if step is None else parse_step(step)
+        self.socket = socket
+        self.loaded_step: int | None = None  # the step read_metadata found
+        self._client: Client | None = None
+        self._view: reshard.StepView | None = None
+        self._index: StepIndex | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.step = parse_step(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Opens the step and returns its ``Metadata``; collective with a process group (every rank reads)."""
+        self._close_view()
+        if self._client is None:
+            self._client = Client(self.job, socket=self.socket)
+        client = self._client
+        step = self.step if self.step is not None else client.latest()
+        if step is None:
+            raise errors.CheckpointNotFound(f"job {self.job!r} has no complete step to load")
+        found, world_size, parts = _locate(client, step)
+        self.loaded_step = found
+
+        def report(rank: int, copy: int, detail: str) -> None:
+            client._conn.call("ReportCorrupt", pb.ReportCorruptRequest(
+                job=self.job, step=found, rank=rank, tier=parts[rank][copy][0], detail=detail))
+
+        self._view = reshard.StepView.open({r: [d for _, d in locs] for r, locs in parts.items()}, report)
+        tree_rank = client.rank if world_size == client.world_size and client.rank in parts else 0
+        md, self._index = step_metadata.build(self._view, tree_rank)
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._view is None or self._index is None:
+            raise RuntimeError("Reader.read_data before read_metadata")
+        try:
+            for item in plan.items:
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, io.BytesIO(self._value_bytes(item.storage_index.fqn, planner)))
+                else:
+                    self._read_tensor(item, planner)
+        except layout.ChecksumMismatch as e:
+            raise errors.CorruptCheckpoint(f"no copy of {self.job} step {self.loaded_step} verifies: {e}") from e
+        finally:
+            self.close()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def close(self) -> None:
+        self._close_view()
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # --- internals --------------------------------------------------------------------
+
+    def _read_tensor(self, item: ReadItem, planner: LoadPlanner) -> None:
+        assert self._view is not None and self._index is not None
+        ref = self._index.tensors[item.storage_index.fqn]
+        chunk_origin = item.storage_index.offset or torch.Size([0] * len(ref.shape))
+        box = (tuple(int(o) + int(s) for o, s in zip(chunk_origin, item.storage_offsets)),
+               tuple(int(n) for n in item.lengths))
+        target = planner.resolve_tensor(item).detach()
+        if tuple(target.shape) != box[1]:
+            raise ValueError(f"DCP key {item.dest_index.fqn!r}: the planner's tensor has shape {list(target.shape)}, "
+                             f"the read is of {list(box[1])}")
+        if target.device.type == "cpu" and target.dtype == ref.dtype:
+            self._view.read_box(ref.fqn, box, target, self._index.tree_rank)
+        else:  # another device or dtype: read, then copy (DCP converts dtypes the same way)
+            tmp = torch.empty(box[1], dtype=ref.dtype)
+            self._view.read_box(ref.fqn, box, tmp, self._index.tree_rank)
+            target.copy_(tmp)
+        planner.commit_tensor(item, target)
+
+    def _value_bytes(self, key: str, planner: LoadPlanner) -> bytes:
+        assert self._index is not None
+        value = self._index.values[key]
+        if isinstance(value, values.Opaque):
+            return value.raw
+        value = self._materialize(value)
+        if getattr(planner, "ckptstage_values", False):
+            return values.encode(value, key)
+        buf = io.BytesIO()
+        torch.save(value, buf)  # what DCP's default planner reads (and unpickles)
+        return buf.getvalue()
+
+    def _materialize(self, value: Any) -> Any:
+        """A value with its tensors read (a tuple of tensors is one value to DCP)."""
+        assert self._view is not None and self._index is not None
+        if isinstance(value, TensorRef):
+            return self._view.read_full(value.fqn, self._index.tree_rank)
+        if isinstance(value, (list, tuple)):
+            out = [self._materialize(v) for v in value]
+            return out if isinstance(value, list) else tuple(out)
+        if isinstance(value, dict):
+            return type(value)((k, self._materialize(v)) for k, v in value.items())
+        return value
+
+    def _close_view(self) -> None:
+        if self._view is not None:
+            self._view.close()
+            self._view = None
+
+
+def _locate(client: Client, step: int) -> tuple[int, int, dict[int, list[tuple[int, Path]]]]:
+    """(step, its world size, every rank's part copies as (tier, dir), best first)."""
+    conn = client._conn
+    resp = conn.call("Locate", pb.LocateRequest(job=client.job, rank=0, step=step, all_ranks=True))
+    parts = {p.rank: [(loc.tier, Path(loc.dir)) for loc in p.locations] for p in resp.parts}
+    parts.setdefault(0, [(loc.tier, Path(loc.dir)) for loc in resp.locations])
+    for rank in range(resp.world_size):
+        if not parts.get(rank):
+            one = conn.call("Locate", pb.LocateRequest(job=client.job, rank=rank, step=resp.step))
+            parts[rank] = [(loc.tier, Path(loc.dir)) for loc in one.locations]
+    return int(resp.step), int(resp.world_size), parts
