@@ -6,6 +6,8 @@
     ckptstage drain [--wait] [--job J]   drain to the shared tier (--wait: for job epilogues)
     ckptstage pin JOB STEP / unpin JOB STEP
     ckptstage prefetch JOB [STEP]        stage a checkpoint from the shared tier onto local SSD
+    ckptstage consolidate JOB [STEP] --out DIR [--prefix P] [--max-shard-size 5GB] [--overwrite]
+                                         full tensors as Hugging Face style safetensors files
     ckptstage demo                       train, kill, resume: see README
 
 Exit status: 0 on success, 1 when the daemon reports a failure, 2 for bad usage,
@@ -145,6 +147,31 @@ def cmd_prefetch(conn: Connection, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    from ckptstage.client import consolidate  # imports torch
+
+    progress = "bar" if sys.stderr.isatty() else "lines"
+    done = consolidate.consolidate(args.job, args.step, args.out, prefix=args.prefix,
+                                   max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+                                   socket=args.socket, progress=progress)
+    if args.json:
+        print(json.dumps(done.to_json(), indent=2, sort_keys=True))
+    else:
+        print(f"{done.job} step {done.step}: {done.tensors} tensors, {_size(done.bytes)} in "
+              f"{len(done.files) - 1} file(s) under {done.out}")
+    return 0
+
+
+def _max_shard_size(text: str) -> str:
+    from ckptstage.client.consolidate import parse_size
+
+    try:
+        parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckptstage", description="Inspect and operate the node's ckptstaged.")
     p.add_argument("--socket", help="daemon socket (default: $CKPTSTAGE_SOCKET, else the daemon's default)")
@@ -171,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
     pf = add("prefetch", "copy a checkpoint from the shared tier onto local SSD")
     pf.add_argument("job")
     pf.add_argument("step", type=int, nargs="?")
+    co = add("consolidate", "write a step's full tensors as Hugging Face style safetensors files")
+    co.add_argument("job")
+    co.add_argument("step", type=int, nargs="?", help="default: the newest complete step")
+    co.add_argument("--out", required=True, help="directory for model*.safetensors and the index")
+    co.add_argument("--prefix", default="", help="keep only keys under this prefix and strip it (e.g. model.)")
+    co.add_argument("--max-shard-size", default="5GB", type=_max_shard_size,
+                    help="largest file, e.g. 5GB, 500MB (decimal units, as transformers), 2GiB (binary)")
+    co.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
     demo = add("demo", "train a small model, kill it, resume from the latest checkpoint", json_flag=False)
     demo.add_argument("--steps", type=int, default=60)
     demo.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
@@ -191,12 +226,17 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo.run(args.socket, args.steps, args.every, args.kill_at)
     try:
+        if args.command == "consolidate":
+            return cmd_consolidate(args)
         with Connection(args.socket) as conn:
             return COMMANDS[args.command](conn, args)
     except errors.DaemonUnavailable as e:
         print(f"ckptstage: {e}", file=sys.stderr)
         return 3
     except errors.CkptStageError as e:
+        print(f"ckptstage: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # consolidate's output directory
         print(f"ckptstage: {e}", file=sys.stderr)
         return 1
 
