@@ -151,7 +151,7 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     from ckptstage.client import consolidate  # imports torch
 
     progress = "bar" if sys.stderr.isatty() else "lines"
-    done = consolidate.consolidate(args.job, args.step, args.out, prefix=args.prefix,
+    done = consolidate.consolidate(args.job, args.step, out=args.out, prefix=args.prefix,
                                    max_shard_size=args.max_shard_size, overwrite=args.overwrite,
                                    socket=args.socket, progress=progress)
     if args.json:

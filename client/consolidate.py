@@ -109,7 +109,7 @@ def parse_size(value: str | int) -> int:
     return n
 
 
-def consolidate(job: str, step: int | None = None, out: str | os.PathLike[str] = ".", *, prefix: str = "",
+def consolidate(job: str, step: int | None = None, *, out: str | os.PathLike[str], prefix: str = "",
                 max_shard_size: str | int = "5GB", overwrite: bool = False,
                 socket: str | os.PathLike[str] | None = None, progress: Progress = "auto") -> Consolidated:
     """Writes step ``step`` of ``job`` (the newest complete one when None) into ``out`` as safetensors.

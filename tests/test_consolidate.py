@@ -62,10 +62,12 @@ def mixed_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     return state, want
 
 
-def test_plain_state_comes_back_whole_with_dtypes(daemon: Any, tmp_path: Path) -> None:
+def test_plain_state_comes_back_whole_with_dtypes(daemon: Any, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
     state, want = mixed_state()
     saved(daemon, "co-plain", state, step=3)
-    done = co.consolidate("co-plain", out=tmp_path / "out", socket=daemon.socket)
+    done = co.consolidate("co-plain", out=tmp_path / "out", socket=daemon.socket, progress="bar")
+    assert "co-plain step 3" in capsys.readouterr().err  # the tqdm bar's label
     assert (done.step, done.tensors, done.files) == (3, len(want), [co.WEIGHTS_NAME, co.INDEX_NAME])
     got, index = read_out(tmp_path / "out")
     assert_same(got, want)
