@@ -83,6 +83,9 @@ class PartReader:
         log.warning("rank %d part at %s: %s", self.rank, self.dirs[self._copy], e)
         return e
 
+    def drop_cache(self) -> None:
+        self._cache.clear()
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
@@ -311,8 +314,12 @@ class StepView:
             list(pool.map(self._read_group, by_rank.values()))
 
     def _read_group(self, tasks: list[_Task]) -> None:
-        for task in tasks:
-            _read_task(self.readers[task.source.rank], task)
+        reader = self.readers[tasks[0].source.rank]
+        try:
+            for task in tasks:
+                _read_task(reader, task)
+        finally:
+            reader.drop_cache()  # memory stays bounded by the readers at work, not by the parts of the step
 
 
 def _read_task(reader: PartReader, task: _Task) -> None:
