@@ -45,13 +45,14 @@ class LoadPlanner(DefaultLoadPlanner):
     error naming its key.
     """
 
-    #: Tells :class:`ckptstage.dcp.Reader` to hand this planner ckptstage's encoding.
-    ckptstage_values = True
-
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.load_value(read_item, values.decode(value.getvalue(), read_item.dest_index.fqn))
+
+    def load_value(self, read_item: ReadItem, value: Any) -> None:
+        """Puts a non-tensor value in the state; :class:`ckptstage.dcp.Reader` calls it directly, with no bytes
+        in between (so a value holding tensors, which DCP stores as one item, loads as well)."""
         fqn = read_item.dest_index.fqn
-        obj = values.decode(value.getvalue(), fqn)
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
+            set_element(self.original_state_dict, self.mappings[fqn], value)
         else:
-            self.state_dict[fqn] = obj
+            self.state_dict[fqn] = value

@@ -5,9 +5,9 @@ rank, when none is named), opens every rank's part and rebuilds DCP's
 ``Metadata`` from their manifests (:mod:`ckptstage.dcp.metadata`).
 ``read_data`` fills each tensor ``ReadItem`` from the byte ranges of the
 fragments that overlap its box (verified chunk by chunk, as ``Client.load``
-reads), and hands non-tensor values to the planner: in ckptstage's encoding
-to a planner that asks for it (:class:`ckptstage.dcp.LoadPlanner`), as
-``torch.save`` bytes to DCP's default planner.
+reads), and hands non-tensor values to the planner: as values to one that
+takes them (:class:`ckptstage.dcp.LoadPlanner`'s ``load_value``: nothing
+is unpickled), as ``torch.save`` bytes to DCP's default planner.
 """
 
 from __future__ import annotations
@@ -59,8 +59,12 @@ class Reader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """Opens the step and returns its ``Metadata``; collective with a process group (every rank reads)."""
+    def read_metadata(self, *args: Any, **_: Any) -> Metadata:
+        """Opens the step and returns its ``Metadata``; collective with a process group (every rank reads).
+
+        (No parameter named ``kwargs``: DCP would then call it again per rank after a failure, a second
+        round of collectives that only some ranks might enter.)
+        """
         self._close_view()
         if self._client is None:
             self._client = Client(self.job, socket=self.socket)
@@ -95,7 +99,7 @@ class Reader(StorageReader):
         try:
             for item in plan.items:
                 if item.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(item, io.BytesIO(self._value_bytes(item.storage_index.fqn, planner)))
+                    self._load_value(item, planner)
                 else:
                     self._read_tensor(item, planner)
         except layout.ChecksumMismatch as e:
@@ -132,17 +136,23 @@ class Reader(StorageReader):
             target.copy_(tmp)
         planner.commit_tensor(item, target)
 
-    def _value_bytes(self, key: str, planner: LoadPlanner) -> bytes:
+    def _load_value(self, item: ReadItem, planner: LoadPlanner) -> None:
+        """A value to a planner that takes values (:class:`ckptstage.dcp.LoadPlanner`), else as the bytes
+        DCP's default planner reads: ``torch.save`` of it, or the ``torch.save`` bytes stored as they were."""
         assert self._index is not None
-        value = self._index.values[key]
+        value = self._index.values[item.storage_index.fqn]
         if isinstance(value, values.Opaque):
-            return value.raw
+            planner.load_bytes(item, io.BytesIO(value.raw))
+            return
         value = self._materialize(value)
-        if getattr(planner, "ckptstage_values", False):
-            return values.encode(value, key)
+        load_value = getattr(planner, "load_value", None)
+        if load_value is not None:
+            load_value(item, value)
+            return
         buf = io.BytesIO()
-        torch.save(value, buf)  # what DCP's default planner reads (and unpickles)
-        return buf.getvalue()
+        torch.save(value, buf)
+        buf.seek(0)
+        planner.load_bytes(item, buf)
 
     def _materialize(self, value: Any) -> Any:
         """A value with its tensors read (a tuple of tensors is one value to DCP)."""

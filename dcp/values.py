@@ -39,7 +39,7 @@ def node(value: Any, fqn: str) -> Any:
     try:
         flat = tree.flatten_state(value)
     except (TypeError, ValueError) as e:
-        raise type(e)(f"DCP key {fqn!r}: {e}") from None
+        raise type(e)(f"DCP key {fqn!r}: " + str(e).replace("state", "the value", 1)) from None
     if flat.tensors or flat.dtensors:
         raise TypeError(f"DCP key {fqn!r}: a non-tensor value of the state holds tensors; DCP stores it as one value, "
                         "which ckptstage's planner cannot: make it a dict or list so DCP takes it apart")
