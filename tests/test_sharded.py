@@ -31,8 +31,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 DIM = 24      # divisible by 1, 2, 3, 4 (and 12): every layer but ``odd`` shards evenly at any world size here
 ODD = 13      # deliberately uneven: FSDP pads it (4 ranks hold 4, 4, 4, 1 rows; 3 ranks 5, 5, 3)
+HEAD = 2      # fewer rows than ranks: at 3 and 4 ranks some hold an empty shard
 VOCAB = 36
 STEP = 40
+REP1D = torch.arange(4.0 * DIM).view(4, DIM)            # saved Replicate on the 4-rank world mesh
+GRID = torch.arange(DIM * DIM, dtype=torch.int64).view(DIM, DIM)  # saved (Shard(0), Shard(1)) on the 2x2 mesh
 
 
 # --- the model and its parallelisms (used inside the rank processes) ---------------------
@@ -48,11 +51,12 @@ class Net(nn.Module):
         self.fc1 = nn.Linear(DIM, 2 * DIM)
         self.fc2 = nn.Linear(2 * DIM, DIM)
         self.odd = nn.Linear(DIM, ODD)
+        self.head = nn.Linear(ODD, HEAD)
         self.register_buffer("scale", torch.arange(12, dtype=torch.float32) + seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.emb(torch.arange(4)).float().mean(0)
-        return self.odd(self.fc2(torch.relu(self.fc1(h)))) * self.scale[0]
+        return self.head(self.odd(self.fc2(torch.relu(self.fc1(h))))) * self.scale[0]
 
 
 def build(layout: str, mesh_shape: tuple[int, ...], seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
@@ -69,7 +73,7 @@ def build(layout: str, mesh_shape: tuple[int, ...], seed: int) -> tuple[nn.Modul
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
         dp = mesh["dp"]
-    for sub in (model.emb, model.fc1, model.fc2, model.odd):
+    for sub in (model.emb, model.fc1, model.fc2, model.odd, model.head):
         fully_shard(sub, mesh=dp)
     fully_shard(model, mesh=dp)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
@@ -124,17 +128,18 @@ def placeholders() -> dict[str, Any]:
 def save_sharded(ctx: RankContext, job: str, layout: str, mesh_shape: tuple[int, ...]) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from ckptstage.client import Client
 
-    model, opt, _ = build(layout, mesh_shape, seed=0)
+    model, opt, mesh = build(layout, mesh_shape, seed=0)
     train_step(model, opt, seed=1)
     msd, osd = get_state_dict(model, opt)
     state: dict[str, Any] = {"model": msd, "optim": osd, **per_rank_values(ctx.rank)}
     if layout == "2d":
         world = init_device_mesh("cpu", (ctx.world_size,))
-        state["rep1d"] = distribute_tensor(torch.arange(4.0 * DIM).view(4, DIM), world, [Replicate()])
+        state["rep1d"] = distribute_tensor(REP1D, world, [Replicate()])
+        state["grid"] = distribute_tensor(GRID, mesh, [Shard(0), Shard(1)])
     with Client(job, socket=ctx.socket) as client:
         h = client.save(STEP, state)
         h.wait_snapshot(timeout=60)
@@ -146,10 +151,11 @@ def save_sharded(ctx: RankContext, job: str, layout: str, mesh_shape: tuple[int,
 
 
 def load_sharded(ctx: RankContext, job: str, layout: str, mesh_shape: tuple[int, ...],
-                 probe_errors: bool = False) -> dict[str, Any]:
+                 probe_errors: bool = False, extras: bool = False) -> dict[str, Any]:
+    """Loads into ``layout``; ``extras``: the checkpoint also has save_sharded's 2-D extras (rep1d, grid)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     from ckptstage.client import Client
 
@@ -158,9 +164,10 @@ def load_sharded(ctx: RankContext, job: str, layout: str, mesh_shape: tuple[int,
     train_step(model, opt, seed=3)  # and another optimizer step count
     msd, osd = get_state_dict(model, opt)
     into: dict[str, Any] = {"model": msd, "optim": osd, **placeholders()}
-    if layout == "2d":
+    if extras:
         world = init_device_mesh("cpu", (ctx.world_size,))
-        into["rep1d"] = distribute_tensor(torch.zeros(4, DIM), world, [Shard(0)])  # saved Replicate, loaded Shard(0)
+        into["rep1d"] = distribute_tensor(torch.zeros_like(REP1D), world, [Shard(0)])  # saved Replicate
+        into["grid"] = distribute_tensor(torch.zeros_like(GRID), world, [Replicate()])  # saved (Shard(0), Shard(1))
         if ctx.rank % 2:
             # Ranks may list their keys in different orders (DCP tests this: a collective per key would hang).
             into = dict(reversed(list(into.items())))
@@ -178,8 +185,9 @@ def load_sharded(ctx: RankContext, job: str, layout: str, mesh_shape: tuple[int,
     full = full_state(model, opt)
     out["full"] = full if ctx.rank == 0 else None
     out["out"] = probe_output(model)
-    if layout == "2d":
+    if extras:
         out["rep1d"] = got["rep1d"].full_tensor()
+        out["grid"] = got["grid"].to_local().clone()  # Replicate: this rank's own copy, read from every fragment
     return out
 
 
