@@ -45,53 +45,127 @@ class Part:
     nbytes: int
     created: float
     metrics: dict[str, float] = field(default_factory=dict)
+    attempt: str = ""  # the run that saved it (see docs/FORMAT.md, attempts)
+    digest: str = ""   # xxh3-64 of its manifest.json file: what a commit record names
+    ino: int = 0       # of its directory: a part replaced under the same name has another
 
     @classmethod
     def from_disk(cls, ref: layout.PartRef, tier: TierName) -> Part:
-        manifest = layout.read_manifest(ref.path)
+        manifest, digest = layout.read_manifest_and_digest(ref.path)
         return cls(ref.job, ref.step, ref.rank, int(manifest["world_size"]), tier, ref.path,
                    layout.part_bytes(manifest), float(manifest.get("created", 0.0)),
-                   {str(k): float(v) for k, v in manifest.get("metrics", {}).items()})
+                   {str(k): float(v) for k, v in manifest.get("metrics", {}).items()},
+                   layout.manifest_attempt(manifest), digest, ref.ino)
+
+    def matches(self, record: layout.CommitRecord) -> bool:
+        """Whether this part is the one ``record`` names for its rank (same attempt, same manifest)."""
+        named = record.parts.get(self.rank)
+        return named is not None and self.attempt == record.attempt and self.digest == named.manifest_digest
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A step of a job as the catalogue sees it, across ranks and tiers."""
+    """A step of a job as the catalogue sees it, across ranks, tiers and attempts.
+
+    A step exists on a tier when that tier's commit record is there and every
+    part it names is indexed on that tier, unchanged (:meth:`complete_on`):
+    a record whose parts are not all here does not count. ``parts`` holds
+    every part found, of any attempt; the ``committed`` views hold only the
+    parts of the committed attempt.
+    """
 
     job: str
     step: int
     world_size: int
     parts: dict[int, dict[TierName, Part]]
     pinned: bool
+    records: dict[TierName, layout.CommitRecord] = field(default_factory=dict)
 
-    def ranks_on(self, tier: TierName) -> list[int]:
-        return sorted(r for r, tiers in self.parts.items() if tier in tiers)
-
-    def on_tier(self, tier: TierName) -> list[Part]:
-        return [tiers[tier] for _, tiers in sorted(self.parts.items()) if tier in tiers]
+    def complete_on(self, tier: TierName) -> bool:
+        record = self.records.get(tier)
+        if record is None:
+            return False
+        return all(r in self.parts and tier in self.parts[r] and self.parts[r][tier].matches(record)
+                   for r in range(record.world_size))
 
     @property
     def complete(self) -> bool:
-        """Every rank's part is committed on some tier this daemon can read."""
-        return all(r in self.parts for r in range(self.world_size))
+        """Its commit record is on some tier this daemon reads, with every part it names."""
+        return any(self.complete_on(t) for t in self.records)
 
-    def complete_on(self, tier: TierName) -> bool:
-        return all(tier in self.parts.get(r, {}) for r in range(self.world_size))
+    @property
+    def record(self) -> layout.CommitRecord | None:
+        """The commit record that makes the step complete (the local one first), if any."""
+        return next((self.records[t] for t in (TierName.LOCAL, TierName.SHARED) if self.complete_on(t)), None)
+
+    @property
+    def attempt(self) -> str:
+        """The committed attempt; for an incomplete step, the attempt of its newest part."""
+        record = self.record
+        if record is not None:
+            return record.attempt
+        newest = max((p for tiers in self.parts.values() for p in tiers.values()), default=None,
+                     key=lambda p: (p.created, p.attempt))
+        if newest is not None:
+            return newest.attempt
+        return next(iter(self.records.values())).attempt if self.records else ""
+
+    def _of_attempt(self) -> dict[int, dict[TierName, Part]]:
+        record, attempt = self.record, self.attempt
+        out: dict[int, dict[TierName, Part]] = {}
+        for rank, tiers in self.parts.items():
+            mine = {t: p for t, p in tiers.items()
+                    if (p.matches(record) if record is not None else p.attempt == attempt)}
+            if mine:
+                out[rank] = mine
+        return out
+
+    def committed(self, rank: int) -> list[Part]:
+        """The copies of ``rank``'s part a reader may use, best first (local, then shared).
+
+        Only parts of the committed attempt, identical to what its record names;
+        none when the step is not complete.
+        """
+        if self.record is None:
+            return []
+        tiers = self._of_attempt().get(rank, {})
+        return [tiers[t] for t in (TierName.LOCAL, TierName.SHARED) if t in tiers]
+
+    def stragglers(self) -> list[Part]:
+        """Parts a complete step's record does not name (an earlier attempt's, left by a crashed run)."""
+        record = self.record
+        if record is None:
+            return []
+        return [p for tiers in self.parts.values() for p in tiers.values() if not p.matches(record)]
+
+    def ranks_on(self, tier: TierName) -> list[int]:
+        """Ranks of this step's attempt (:attr:`attempt`) with a part on ``tier``."""
+        return sorted(r for r, tiers in self._of_attempt().items() if tier in tiers)
+
+    def ranks_missing(self) -> list[int]:
+        """Ranks of this step's attempt with no part on any tier this daemon reads."""
+        have = self._of_attempt()
+        return [r for r in range(self.world_size) if r not in have]
+
+    def on_tier(self, tier: TierName) -> list[Part]:
+        """Every part on ``tier``, of any attempt (what deleting the step there removes)."""
+        return [tiers[tier] for _, tiers in sorted(self.parts.items()) if tier in tiers]
 
     def nbytes(self, tier: TierName | None = None) -> int:
-        """Bytes of the parts on ``tier``; with no tier, of one copy of each part."""
+        """Bytes of every part on ``tier``; with no tier, of one copy of each part of the step's attempt."""
         if tier is None:
-            return sum(max(p.nbytes for p in tiers.values()) for tiers in self.parts.values())
+            return sum(max(p.nbytes for p in tiers.values()) for tiers in self._of_attempt().values())
         return sum(tiers[tier].nbytes for tiers in self.parts.values() if tier in tiers)
 
     @property
     def created(self) -> float:
-        return min(p.created for tiers in self.parts.values() for p in tiers.values())
+        mine = [p.created for tiers in self._of_attempt().values() for p in tiers.values()]
+        return min(mine) if mine else min((r.created for r in self.records.values()), default=0.0)
 
     @property
     def metrics(self) -> dict[str, float]:
         merged: dict[str, float] = {}
-        for _, tiers in sorted(self.parts.items(), reverse=True):
+        for _, tiers in sorted(self._of_attempt().items(), reverse=True):
             for p in tiers.values():
                 merged.update(p.metrics)
         return merged
@@ -107,6 +181,9 @@ class Catalog:
         self._lock = threading.Lock()
         self._persist_lock = threading.Lock()  # one writer of the state files at a time
         self._parts: dict[str, dict[int, dict[int, dict[TierName, Part]]]] = {}
+        # job -> step -> tier -> (verified commit record, inode of commit.json)
+        self._records: dict[str, dict[int, dict[TierName, tuple[layout.CommitRecord, int]]]] = {}
+        self._untrusted: dict[Path, int] = {}  # commit records that failed verification, logged once per inode
         self._pins_file = pins_file
         self._pins: dict[str, set[int]] = {
             job: set(steps) for job, steps in fsutil.read_json(pins_file, {}).items()}
@@ -115,56 +192,117 @@ class Catalog:
             (str(job), int(step), int(rank)) for job, step, rank in fsutil.read_json(self._drained_file, [])}
 
     def load_tier(self, tier: TierName, tier_dir: Path) -> int:
-        """Indexes every committed part on a tier; returns how many."""
-        count = 0
-        for ref in layout.scan_tier(tier_dir):
-            try:
-                self.add(Part.from_disk(ref, tier))
-                count += 1
-            except (layout.ManifestError, KeyError, ValueError) as e:
-                log.error("ignoring part %s: %s", ref.path, e)
-        return count
+        """Indexes every committed part and commit record on a tier; returns how many parts."""
+        return sum(self._sync(tier, tier_dir, job, None)[2] for job in layout.scan_jobs(tier_dir))
 
     def sync_job(self, tier: TierName, tier_dir: Path, job: str, step: int | None = None) -> tuple[int, int]:
         """Re-reads one job's directory on a tier (or one step's); returns (parts added, parts dropped).
 
         Other nodes' daemons write other ranks of the same job to the shared
-        tier and delete steps their retention gave up; this brings the index
-        in step with them. Known parts are not re-read (their manifests do
-        not change once committed).
+        tier, write commit records and delete steps their retention gave up;
+        this brings the index in step with them. Known parts and records are
+        not re-read unless their inode changed (a part of another attempt
+        replaced under the same name).
         """
+        added, dropped, _ = self._sync(tier, tier_dir, job, step)
+        return added, dropped
+
+    def _sync(self, tier: TierName, tier_dir: Path, job: str, step: int | None) -> tuple[int, int, int]:
         # What is known is read before the disk: a part deleted (renamed away, then dropped from
         # the index) between the two reads is then never indexed again.
         with self._lock:
             known = {(s, rank): tiers[tier] for s, ranks in self._parts.get(job, {}).items()
                      if step in (None, s) for rank, tiers in ranks.items() if tier in tiers}
-        found = {(ref.step, ref.rank): ref for ref in layout.scan_tier(tier_dir, job, step)}
+            known_records = {s: tiers[tier] for s, tiers in self._records.get(job, {}).items()
+                             if step in (None, s) and tier in tiers}
+        steps = list(layout.scan_steps(tier_dir, job, step))
+        found = {(ref.step, ref.rank): ref for sref in steps for ref in sref.parts}
         added = dropped = 0
         for key, ref in found.items():
-            if key not in known or known[key].path != ref.path:
+            old = known.get(key)
+            if old is None or old.path != ref.path or (ref.ino and old.ino != ref.ino):
                 try:
                     self.add(Part.from_disk(ref, tier))
                     added += 1
-                except (layout.ManifestError, KeyError, ValueError) as e:
+                except (layout.ManifestError, KeyError, ValueError, TypeError) as e:
                     log.error("ignoring part %s: %s", ref.path, e)
         for key, part in known.items():
             if key not in found:
                 self.remove(part)
                 dropped += 1
-        return added, dropped
+        seen_records = set()
+        for sref in steps:
+            if sref.record_ino is None:
+                continue
+            seen_records.add(sref.step)
+            have = known_records.get(sref.step)
+            if have is None or have[1] != sref.record_ino:
+                self._read_record(tier, job, sref)
+        for s in known_records.keys() - seen_records:
+            self.drop_record(tier, job, s)
+        return added, dropped, len(found)
+
+    def _read_record(self, tier: TierName, job: str, sref: layout.StepRef) -> None:
+        path = sref.path / layout.COMMIT_FILE
+        try:
+            record = layout.read_commit_record(sref.path)
+            if record is not None and (record.job, record.step) != (job, sref.step):
+                raise layout.ManifestError(f"{path}: commit record names {record.job!r} step {record.step}")
+        except layout.ManifestError as e:
+            with self._lock:
+                first = self._untrusted.get(path) != sref.record_ino
+                self._untrusted[path] = sref.record_ino or 0
+            if first:
+                log.error("not trusting the commit record %s (the step is not complete on the %s tier): %s",
+                          path, tier.value, e)
+            self.drop_record(tier, job, sref.step)
+            return
+        if record is None:
+            self.drop_record(tier, job, sref.step)
+        else:
+            self.set_record(tier, record, sref.record_ino or 0)
+
+    def set_record(self, tier: TierName, record: layout.CommitRecord, ino: int = 0) -> None:
+        """Indexes a verified commit record of a step on a tier."""
+        with self._lock:
+            self._records.setdefault(record.job, {}).setdefault(record.step, {})[tier] = (record, ino)
+
+    def drop_record(self, tier: TierName, job: str, step: int) -> None:
+        with self._lock:
+            steps = self._records.get(job, {})
+            steps.get(step, {}).pop(tier, None)
+            if not steps.get(step, True):
+                steps.pop(step, None)
+            if not steps:
+                self._records.pop(job, None)
+
+    def record(self, job: str, step: int, tier: TierName) -> layout.CommitRecord | None:
+        with self._lock:
+            entry = self._records.get(job, {}).get(step, {}).get(tier)
+        return entry[0] if entry else None
 
     def add(self, part: Part) -> None:
+        key = (part.job, part.step, part.rank)
         with self._lock:
             ranks = self._parts.setdefault(part.job, {}).setdefault(part.step, {})
-            ranks.setdefault(part.rank, {})[part.tier] = part
+            tiers = ranks.setdefault(part.rank, {})
+            old = tiers.get(part.tier)
+            tiers[part.tier] = part
+            # A local part replaced by another (a later attempt's): the old one's drain is not this one's.
+            forget = part.tier == TierName.LOCAL and old is not None and old.digest != part.digest and \
+                key in self._drained
+            if forget:
+                self._drained.discard(key)
+        if forget:
+            self._write_drained()
 
     def remove(self, part: Part) -> None:
         with self._lock:
             steps = self._parts.get(part.job, {})
             tiers = steps.get(part.step, {}).get(part.rank, {})
             indexed = tiers.get(part.tier)
-            if indexed is not None and indexed.path != part.path:
-                return  # another copy took its place meanwhile (e.g. a prefetch); it stays indexed
+            if indexed is not None and (indexed.path != part.path or indexed.digest != part.digest):
+                return  # another copy took its place meanwhile (a prefetch, a later attempt); it stays indexed
             tiers.pop(part.tier, None)
             if not tiers:
                 steps.get(part.step, {}).pop(part.rank, None)
@@ -224,23 +362,31 @@ class Catalog:
         with self._lock:
             return rank in self._parts.get(job, {}).get(step, {})
 
+    def parts_of(self, job: str, step: int, rank: int) -> dict[TierName, Part]:
+        """Every indexed copy of one rank's part, by tier (of whatever attempt)."""
+        with self._lock:
+            return dict(self._parts.get(job, {}).get(step, {}).get(rank, {}))
+
     def jobs(self) -> list[str]:
         with self._lock:
-            return sorted(self._parts)
+            return sorted(self._parts.keys() | self._records.keys())
 
     def checkpoints(self, job: str) -> list[Checkpoint]:
-        """Every step of a job that has at least one committed part, oldest first."""
+        """Every step of a job that has a committed part or a commit record, oldest first."""
         with self._lock:
             steps = self._parts.get(job, {})
+            records = self._records.get(job, {})
             pins = self._pins.get(job, set())
-            return [self._view(job, step, ranks, step in pins) for step, ranks in sorted(steps.items())]
+            return [self._view(job, step, steps.get(step, {}), records.get(step, {}), step in pins)
+                    for step in sorted(steps.keys() | records.keys())]
 
     def get(self, job: str, step: int) -> Checkpoint | None:
         with self._lock:
-            ranks = self._parts.get(job, {}).get(step)
-            if not ranks:
+            ranks = self._parts.get(job, {}).get(step, {})
+            records = self._records.get(job, {}).get(step, {})
+            if not ranks and not records:
                 return None
-            return self._view(job, step, ranks, step in self._pins.get(job, set()))
+            return self._view(job, step, ranks, records, step in self._pins.get(job, set()))
 
     def latest_complete(self, job: str) -> Checkpoint | None:
         complete = [c for c in self.checkpoints(job) if c.complete]
@@ -265,7 +411,14 @@ class Catalog:
             return step in self._pins.get(job, set())
 
     @staticmethod
-    def _view(job: str, step: int, ranks: dict[int, dict[TierName, Part]], pinned: bool) -> Checkpoint:
+    def _view(job: str, step: int, ranks: dict[int, dict[TierName, Part]],
+              records: dict[TierName, tuple[layout.CommitRecord, int]], pinned: bool) -> Checkpoint:
         parts = {r: dict(tiers) for r, tiers in ranks.items()}
-        world = max(p.world_size for tiers in parts.values() for p in tiers.values())
-        return Checkpoint(job, step, world, parts, pinned)
+        view = Checkpoint(job, step, 0, parts, pinned, {t: rec for t, (rec, _) in records.items()})
+        record, attempt = view.record, view.attempt
+        if record is not None:
+            world = record.world_size
+        else:
+            sizes = [p.world_size for tiers in parts.values() for p in tiers.values() if p.attempt == attempt]
+            world = max(sizes) if sizes else max((rec.world_size for rec, _ in records.values()), default=1)
+        return Checkpoint(job, step, world, parts, pinned, view.records)

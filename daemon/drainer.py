@@ -109,7 +109,8 @@ _REMEMBER_DRAINED = 100_000
 class Drainer:
     def __init__(self, config: SharedConfig, local_dir: Path, owner: str, catalog: Catalog, metrics: Metrics,
                  on_drained: Callable[[Part], None], on_corrupt: Callable[[Part, str], None] | None = None,
-                 on_indexed: Callable[[], None] | None = None, nice: int = 0) -> None:
+                 on_indexed: Callable[[], None] | None = None, nice: int = 0,
+                 on_published: Callable[[Part], None] | None = None) -> None:
         assert config.dir is not None
         self._nice = nice  # added to the drain threads' niceness ([persist] nice)
         self.config = config
@@ -122,6 +123,7 @@ class Drainer:
         self._on_drained = on_drained
         self._on_corrupt = on_corrupt
         self._on_indexed = on_indexed
+        self._on_published = on_published  # a part reached the shared tier: re-read its step, seal it
         self._stop = threading.Event()
         self._limiter = RateLimiter(config.max_bandwidth, sleep=self._stop.wait)
         self._cond = threading.Condition()
@@ -223,11 +225,35 @@ class Drainer:
             return
         with self._cond:
             if key in self._parts:
+                self._parts[key] = part  # a later attempt's part may have replaced the queued one
                 return
             self._parts[key] = part
             self._failed.pop(key, None)
             self._latest[part.job] = max(part.step, self._latest.get(part.job, part.step))
             self._cond.notify()
+
+    def forget(self, job: str, step: int, rank: int) -> None:
+        """The local part (job, step, rank) was replaced by another attempt's: what was known of the
+        old one's drain (done, failed) is not this one's."""
+        key = (job, step, rank)
+        with self._cond:
+            self._done.pop(key, None)
+            self._failed.pop(key, None)
+
+    def drop(self, part: Part) -> bool:
+        """Takes a local part about to be deleted out of the queue; False while it is being copied.
+
+        Retention deletes only drained parts, or stragglers (another attempt's
+        parts of a committed step), which must not be copied any more.
+        """
+        key = (part.job, part.step, part.rank)
+        with self._cond:
+            if key in self._draining:
+                return False
+            if self._parts.pop(key, None) is not None:
+                self._failed[key] = "deleted before it drained: the step is committed by another attempt"
+                self._cond.notify_all()
+            return True
 
     def pending(self) -> tuple[int, int]:
         with self._cond:
@@ -295,10 +321,9 @@ class Drainer:
         The local copy counts as drained: it came from the shared tier.
         Raises :class:`CorruptSource` if the shared copy fails its checksums.
         """
-        dest = self._copy(part, self.local_dir, rate_limited=False)
+        local = self._copy(part, self.local_dir, TierName.LOCAL, rate_limited=False)
         self.catalog.mark_drained(part.job, part.step, part.rank)
-        return Part(part.job, part.step, part.rank, part.world_size, TierName.LOCAL, dest, part.nbytes,
-                    part.created, part.metrics)
+        return local
 
     def _recover_in_background(self) -> None:
         try:
@@ -325,7 +350,7 @@ class Drainer:
     def _drain_one(self, key: Key, part: Part) -> None:
         started = time.monotonic()
         try:
-            dest = self._copy(part, self.shared_dir, rate_limited=True)
+            shared = self._copy(part, self.shared_dir, TierName.SHARED, rate_limited=True)
         except _Stopping:
             with self._cond:
                 self._draining.discard(key)  # stays queued; resumes after a restart
@@ -348,16 +373,14 @@ class Drainer:
         self.metrics.bytes_persisted.labels("shared").inc(part.nbytes)
         if elapsed > 0:
             self.metrics.drain_bandwidth.set(part.nbytes / elapsed)
-        shared = Part(part.job, part.step, part.rank, part.world_size, TierName.SHARED, dest, part.nbytes,
-                      part.created, part.metrics)
         self.catalog.add(shared)
         self.catalog.mark_drained(*key)
-        try:
-            # Other nodes' ranks of this step, so the index sees the checkpoint complete
-            # (the retention timer re-reads whole jobs).
-            self.catalog.sync_job(TierName.SHARED, self.shared_dir, part.job, part.step)
-        except OSError as e:
-            log.warning("cannot re-read %s on the shared tier: %s", part.job, e)
+        if self._on_published is not None:
+            try:
+                # Other nodes' ranks of this step, and the step's commit record once all are there.
+                self._on_published(shared)
+            except (OSError, layout.ManifestError) as e:
+                log.warning("cannot re-read %s step %d on the shared tier: %s", part.job, part.step, e)
         with self._cond:
             self._draining.discard(key)
             self._parts.pop(key, None)
@@ -424,30 +447,58 @@ class Drainer:
             self._cond.notify_all()
 
     def _on_shared(self, key: Key) -> bool:
-        ckpt = self.catalog.get(key[0], key[1])
-        return ckpt is not None and TierName.SHARED in ckpt.parts.get(key[2], {})
+        """Whether the local part ``key`` has its copy on the shared tier (the same attempt's part)."""
+        tiers = self.catalog.parts_of(*key)
+        local, shared = tiers.get(TierName.LOCAL), tiers.get(TierName.SHARED)
+        return shared is not None and (local is None or local.digest == shared.digest)
 
-    def _copy(self, part: Part, tier_dir: Path, rate_limited: bool) -> Path:
-        """Copies one part to ``tier_dir`` with the commit protocol; returns the committed directory."""
+    def _copy(self, part: Part, tier_dir: Path, tier: TierName, rate_limited: bool) -> Part:
+        """Copies one part to ``tier_dir`` with the commit protocol; returns the committed copy.
+
+        A part of another attempt already there is replaced when the step has
+        no commit record on that tier (:meth:`Commits.replacer`); a step
+        committed by another attempt is a :class:`Conflict` (this part is a
+        straggler of a run that did not complete it).
+        """
         manifest = layout.read_manifest(part.path)
+        attempt = layout.manifest_attempt(manifest)
         final = layout.part_dir(tier_dir, part.job, part.step, part.rank)
-        if final.exists():
-            return self._reuse(final, manifest)
-        writer = fsutil.PartWriter(tier_dir, self.owner, part.job, part.step, part.rank)
+        committed = _record_on(final.parent)
+        if committed is not None and committed.attempt != attempt:
+            raise Conflict(f"{part.job} step {part.step} is committed on {tier_dir} by attempt "
+                           f"{committed.attempt!r}; this part of attempt {attempt!r} is a straggler and is not "
+                           "copied")
+        if final.exists() and not self._replaceable(final, manifest):
+            return self._reuse(final, manifest, part, tier)
+        writer = fsutil.PartWriter(tier_dir, self.owner, part.job, part.step, part.rank,
+                                   replace=lambda f: self._replaceable(f, manifest))
         try:
             for name, entry in layout.manifest_files(manifest).items():
                 self._copy_file(part.path / name, writer.path(name), entry, rate_limited)
             try:
-                return writer.commit(manifest)
+                dest = writer.commit(manifest)
             except OSError:
                 if final.exists():  # published meanwhile (by ourselves before a crash, or a race)
-                    return self._reuse(final, manifest)
+                    return self._reuse(final, manifest, part, tier)
                 raise
+            return Part(part.job, part.step, part.rank, part.world_size, tier, dest, part.nbytes, part.created,
+                        part.metrics, attempt, writer.manifest_digest, writer.ino)
         finally:
             writer.abort()
 
     @staticmethod
-    def _reuse(final: Path, manifest: dict[str, object]) -> Path:
+    def _replaceable(final: Path, manifest: dict[str, object]) -> bool:
+        """Whether the part at ``final`` is another attempt's, in a step with no commit record there."""
+        if (final.parent / layout.COMMIT_FILE).exists():
+            return False
+        try:
+            theirs = layout.manifest_attempt(layout.read_manifest(final))
+        except layout.ManifestError:
+            return False  # judged by _reuse: a Conflict, never silently replaced
+        return theirs != layout.manifest_attempt(manifest)
+
+    @staticmethod
+    def _reuse(final: Path, manifest: dict[str, object], part: Part, tier: TierName) -> Part:
         """A part already committed at ``final``: ours if its files match, else a :class:`Conflict`.
 
         It is ours when a crash came after the rename but before the index
@@ -455,11 +506,12 @@ class Drainer:
         with a stale checkpoint left on the shared tier) must never be taken
         for this one: the local copy would be deleted as drained.
         """
-        theirs = layout.read_manifest(final)
+        theirs, digest = layout.read_manifest_and_digest(final)
         if theirs.get("files") != manifest.get("files"):
             raise Conflict(f"{final} already holds a different checkpoint under the same job, step and rank; "
                            "move it away (or use a new job name) to drain this one")
-        return final
+        return Part(part.job, part.step, part.rank, part.world_size, tier, final, part.nbytes, part.created,
+                    part.metrics, layout.manifest_attempt(theirs), digest, _ino(final))
 
     def _copy_file(self, src: Path, dst: Path, entry: layout.FileEntry, rate_limited: bool) -> None:
         """Reads chunk i+1 while chunk i is written: one check per chunk, one write, one read.
@@ -497,3 +549,18 @@ class Drainer:
             out.sync()
         finally:
             out.close()
+
+
+def _record_on(step_path: Path) -> layout.CommitRecord | None:
+    """The step's trusted commit record on a tier (None: none, or one that fails verification)."""
+    try:
+        return layout.read_commit_record(step_path)
+    except layout.ManifestError:
+        return None
+
+
+def _ino(path: Path) -> int:
+    try:
+        return path.stat().st_ino
+    except OSError:
+        return 0

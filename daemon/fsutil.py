@@ -14,6 +14,7 @@ import os
 import shutil
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -146,9 +147,16 @@ class PartWriter:
     daemon removes on start.
     """
 
-    def __init__(self, tier_dir: Path, owner: str, job: str, step: int, rank: int) -> None:
+    def __init__(self, tier_dir: Path, owner: str, job: str, step: int, rank: int,
+                 replace: Callable[[Path], bool] | None = None) -> None:
+        """``replace(final)``, when given, is asked at commit whether a part already at ``final`` may be
+        replaced (a part of an earlier, incomplete attempt): it is then moved aside first (:func:`remove_part`)."""
         self.tier_dir = tier_dir
+        self.owner = owner
         self.final = layout.part_dir(tier_dir, job, step, rank)
+        self.replace = replace
+        self.manifest_digest = ""  # xxh3-64 of the committed manifest.json file
+        self.ino = 0               # of the committed part directory
         tmp_root = layout.tmp_root(tier_dir, owner)
         makedirs_durable(tmp_root, within=tier_dir)
         self.tmp = tmp_root / f"{job}.{step}.{rank}.{uuid.uuid4().hex[:12]}"
@@ -160,14 +168,21 @@ class PartWriter:
 
     def commit(self, manifest: dict[str, Any]) -> Path:
         check_contained(self.tier_dir, self.final)
-        if self.final.exists():
+        if self.final.exists() and not (self.replace is not None and self.replace(self.final)):
             raise FileExistsError(f"{self.final} is already committed")
-        write_file_durable(self.tmp / layout.MANIFEST_FILE, layout.manifest_file_bytes(manifest))
+        raw = layout.manifest_file_bytes(manifest)
+        write_file_durable(self.tmp / layout.MANIFEST_FILE, raw)
         fsync_dir(self.tmp)
         makedirs_durable(self.final.parent, within=self.tier_dir)
         check_contained(self.tier_dir, self.final)  # again, just before the rename: the step dir is new
+        if self.final.exists():
+            # Only a part ``replace`` accepted: renamed into .tmp and removed first (readers see the
+            # old part or nothing, then the new one), so the rename below never merges directories.
+            remove_part(self.tier_dir, self.owner, self.final, rmdir_step=False)
         os.rename(self.tmp, self.final)
         fsync_dir(self.final.parent)
+        self.manifest_digest = layout.chunk_digest(raw)
+        self.ino = os.stat(self.final).st_ino
         self._done = True
         return self.final
 
@@ -177,11 +192,12 @@ class PartWriter:
             self._done = True
 
 
-def remove_part(tier_dir: Path, owner: str, part: Path) -> None:
+def remove_part(tier_dir: Path, owner: str, part: Path, rmdir_step: bool = True) -> None:
     """Deletes a committed part so that it vanishes at once, never half-deleted.
 
     The part is renamed into ``.tmp`` first (one atomic step that readers
-    see), then removed; an emptied step directory is removed too.
+    see), then removed; an emptied step directory is removed too (unless
+    ``rmdir_step`` is False: a part is about to take its place).
     """
     trash = layout.tmp_root(tier_dir, owner) / f"del.{uuid.uuid4().hex[:12]}"
     check_contained(tier_dir, part)
@@ -192,10 +208,49 @@ def remove_part(tier_dir: Path, owner: str, part: Path) -> None:
     except FileNotFoundError:
         pass  # another node's daemon removed the emptied step directory: nothing left to make durable
     shutil.rmtree(trash, ignore_errors=True)
+    if rmdir_step:
+        try:
+            part.parent.rmdir()  # the step directory, when this was its last part
+        except OSError:
+            pass
+
+
+def remove_file(tier_dir: Path, owner: str, path: Path) -> None:
+    """Deletes one file the same way as :func:`remove_part` (rename into ``.tmp``, fsync, unlink).
+
+    Raises FileNotFoundError when it is gone already.
+    """
+    trash = layout.tmp_root(tier_dir, owner) / f"del.{uuid.uuid4().hex[:12]}"
+    check_contained(tier_dir, path)
+    makedirs_durable(trash.parent, within=tier_dir)
+    os.rename(path, trash)
+    fsync_dir(path.parent)
+    trash.unlink(missing_ok=True)
+
+
+def link_exactly_once(tier_dir: Path, owner: str, final: Path, data: bytes) -> bool:
+    """Publishes ``data`` at ``final`` unless a file is there already; True if this call created it.
+
+    Exactly once, also between daemons of several nodes on one shared tier:
+    the data is written and fsynced under ``.tmp/<owner>/``, then hard-linked
+    to ``final`` (``link`` never replaces an existing name, where ``rename``
+    would), then the temporary is unlinked and the directory fsynced. Readers
+    see the whole file or nothing; of two racing callers exactly one gets True.
+    """
+    tmp = layout.tmp_root(tier_dir, owner) / f"{final.name}.{uuid.uuid4().hex[:12]}"
+    check_contained(tier_dir, final)
+    makedirs_durable(tmp.parent, within=tier_dir)
     try:
-        part.parent.rmdir()  # the step directory, when this was its last part
-    except OSError:
-        pass
+        write_file_durable(tmp, data)
+        try:
+            os.link(tmp, final, follow_symlinks=False)
+            created = True
+        except FileExistsError:
+            created = False
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(final.parent)
+    return created
 
 
 def clean_temporaries(tier_dir: Path, owner: str) -> int:

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptstage.daemon import fsutil, retention
-from ckptstage.daemon.catalog import Catalog, TierName
+from ckptstage.daemon.catalog import Catalog, Part, TierName
 from ckptstage.daemon.config import Config
 from ckptstage.daemon.drainer import Drainer
 from ckptstage.daemon.job_rules import JobRetention, JobRules
 from ckptstage.daemon.metrics import Metrics
+from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class Janitor:
             with self._locks[tier]:
                 planned = self._plan(job, tier)
                 if not dry_run:
+                    self._remove_stragglers(job, tier)
                     for action in planned:
                         self._delete(action)
             actions += planned
@@ -79,12 +81,16 @@ class Janitor:
         records = []
         d = self.drainer
         for c in self.catalog.checkpoints(job):
-            ranks = c.ranks_on(tier)
+            ranks = sorted(p.rank for p in c.on_tier(tier))
             if not ranks:
                 continue
             if tier == TierName.LOCAL:
                 # Drained: committed on the shared tier, even if the shared rules deleted it since.
                 drained = d is None or all(d.drained(job, c.step, r) for r in ranks)
+                if drained and d is not None and c.complete_on(TierName.LOCAL) and \
+                        not c.complete_on(TierName.SHARED) and \
+                        all(TierName.SHARED in c.parts.get(r, {}) for r in range(c.world_size)):
+                    drained = False  # every part is there but not yet its record: this is still the only commit
                 records.append(retention.Record(c.step, c.nbytes(tier), drained=drained, pinned=c.pinned,
                                                 complete=c.complete, metrics=c.metrics))
             else:
@@ -122,31 +128,76 @@ class Janitor:
                 if c.keep_best is not None else None)
         return retention.SharedRules(keep_last=c.keep_last, keep_every=c.keep_every, keep_best=best)
 
+    def _tier_dir(self, tier: TierName) -> Path:
+        tier_dir = self.config.local.dir if tier == TierName.LOCAL else self.config.shared.dir
+        assert tier_dir is not None
+        return tier_dir
+
+    def _remove_stragglers(self, job: str, tier: TierName) -> None:
+        """Removes what no reader will ever use on ``tier``: parts of a complete step that its commit
+        record does not name (an earlier attempt's, left by a crashed run), and records whose parts
+        are all gone (a deletion cut short)."""
+        for ckpt in self.catalog.checkpoints(job):
+            if tier in ckpt.records and not ckpt.on_tier(tier):
+                self._delete_record(job, ckpt.step, tier, "its parts are gone")
+            for part in ckpt.stragglers():
+                if part.tier == tier:
+                    self._delete_part(part, tier, "straggler")
+
+    def _delete_record(self, job: str, step: int, tier: TierName, why: str) -> None:
+        """Deletes a step's commit record (after its parts: a half-deleted step never reads complete)."""
+        path = layout.commit_path(self._tier_dir(tier), job, step)
+        self.catalog.drop_record(tier, job, step)
+        try:
+            fsutil.remove_file(self._tier_dir(tier), self.owner, path)
+        except FileNotFoundError:
+            return  # another node's daemon deleted it
+        except OSError as e:
+            log.error("retention could not delete %s: %s", path, e)
+            return
+        try:
+            path.parent.rmdir()
+        except OSError:
+            pass
+        log.info("retention: deleted the commit record of %s step %d on %s (%s)", job, step, tier.value, why)
+
     def _delete(self, action: GcAction) -> None:
         ckpt = self.catalog.get(action.job, action.step)
         if ckpt is None:
             return
-        tier_dir = self.config.local.dir if action.tier == TierName.LOCAL else self.config.shared.dir
-        assert tier_dir is not None
+        # Out of the index first, so that no reader takes the step for complete while its parts go; on disk
+        # the record goes last, so that a deletion cut short never leaves a record naming absent parts valid.
+        self.catalog.drop_record(action.tier, action.job, action.step)
+        kept = 0
         for part in ckpt.on_tier(action.tier):
-            if self._in_flight(part.job, part.step, part.rank) and action.tier == TierName.SHARED:
-                continue
-            if self.drainer is not None and action.tier == TierName.LOCAL and self.drainer.busy_with(part):
-                continue  # being read by the drainer right now; the next pass gets it
-            try:
-                fsutil.remove_part(tier_dir, self.owner, part.path)
-            except FileNotFoundError:
-                # Gone already: another node's daemon applied the same rule to this step.
-                self.catalog.remove(part)
-                log.debug("retention: %s was already deleted", part.path)
-                continue
-            except OSError as e:
-                log.error("retention could not delete %s: %s", part.path, e)
-                continue
+            if not self._delete_part(part, action.tier, action.reason):
+                kept += 1
+        if not kept and action.tier in ckpt.records:
+            self._delete_record(action.job, action.step, action.tier, action.reason)
+
+    def _delete_part(self, part: Part, tier: TierName, reason: str) -> bool:
+        """Deletes one part from ``tier``; False when it stays (in use, or the deletion failed)."""
+        tier_dir = self._tier_dir(tier)
+        if self._in_flight(part.job, part.step, part.rank) and tier == TierName.SHARED:
+            return False
+        if self.drainer is not None and tier == TierName.LOCAL and not self.drainer.drop(part):
+            return False  # being read by the drainer right now; the next pass gets it
+        try:
+            fsutil.remove_part(tier_dir, self.owner, part.path)
+        except FileNotFoundError:
+            # Gone already: another node's daemon applied the same rule to this step.
             self.catalog.remove(part)
-            self.metrics.evictions.labels(action.tier.value, retention.rule_name(action.reason)).inc()
-            log.info("retention: deleted %s step %d rank %d from %s (%s, %d bytes)", part.job, part.step,
-                     part.rank, action.tier.value, action.reason, part.nbytes)
+            log.debug("retention: %s was already deleted", part.path)
+            return True
+        except OSError as e:
+            log.error("retention could not delete %s: %s", part.path, e)
+            return False
+        self.catalog.remove(part)
+        self.metrics.evictions.labels(tier.value, retention.rule_name(reason)).inc()
+        log.info("retention: deleted %s step %d rank %d from %s (%s, %d bytes; attempt %r)", part.job, part.step,
+                 part.rank, tier.value, reason, part.nbytes, part.attempt)
+        return True
+
 
 def _free_bytes(path: Path) -> int | None:
     try:

@@ -22,6 +22,7 @@ from pathlib import Path
 from ckptstage.daemon import arena as arena_mod
 from ckptstage.daemon import fsutil
 from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
+from ckptstage.daemon.commits import Commits
 from ckptstage.daemon.config import Config
 from ckptstage.daemon.drainer import CorruptSource, Drainer
 from ckptstage.daemon.errors import (
@@ -39,6 +40,7 @@ from ckptstage.daemon.metrics import Metrics, StateProbe
 from ckptstage.daemon.persister import Persister, Save, parse_manifest
 from ckptstage.daemon.quarantine import Quarantine
 from ckptstage.daemon.sessions import Session, SessionInfo, SessionTable
+from ckptstage.daemon.sharedsync import SharedSync
 from ckptstage.daemon.tierprobe import TierProbe
 from ckptstage.protos import layout
 
@@ -105,7 +107,10 @@ class Node:
             self.tier_probes[TierName.SHARED] = TierProbe("shared", config.shared.dir)
         self.persister = Persister(config.persist.workers, self._on_commit, self._on_failure, self._on_progress,
                                    config.persist.nice)
+        self.commits = Commits(self.catalog, config.local.dir, config.shared.dir if config.shared.enabled else None,
+                               self.owner, clock)
         self.drainer: Drainer | None = None
+        self.shared_sync: SharedSync | None = None
         if config.shared.enabled:
             assert config.shared.dir is not None
             self.drainer = Drainer(config.shared, config.local.dir, self.owner, self.catalog, self.metrics,
@@ -113,7 +118,10 @@ class Node:
                                    on_corrupt=lambda part, why: self.report_corrupt(
                                        part.job, part.step, part.rank, TierName.LOCAL, why),
                                    on_indexed=self._on_shared_indexed,
-                                   nice=config.persist.nice)
+                                   nice=config.persist.nice,
+                                   on_published=lambda part: self.commits.seal_shared(part.job, part.step))
+            self.shared_sync = SharedSync(self.catalog, config.shared.dir,
+                                          watched=lambda: {s.info.job for s in self.sessions.all()})
         self.quarantine = Quarantine(self.catalog, self.metrics)
         self.janitor = Janitor(config, self.catalog, self.metrics, self.owner, self.drainer, self.job_rules,
                                self._in_flight)
@@ -138,6 +146,8 @@ class Node:
         n_local = self.catalog.load_tier(TierName.LOCAL, self.config.local.dir)
         self.quarantine.load_tier(TierName.LOCAL.value, self.config.local.dir)
         self.catalog.prune_drained()
+        # A crash between a step's last local part and its commit record: the record is written now.
+        self.commits.seal_all(TierName.LOCAL)
         self.job_rules.load()
         log.info("local tier %s: %d committed parts, %d temporaries removed, %d stale arenas removed",
                  self.config.local.dir, n_local, removed, stale)
@@ -150,6 +160,8 @@ class Node:
         if self.drainer is not None:
             self.drainer.start()
             self._spawn("retention-shared", self._shared_timer)
+        if self.shared_sync is not None:
+            self.shared_sync.start()
 
     def shutdown(self, timeout: float) -> None:
         """Stops taking saves, lets finished ones commit (bounded), then stops the drainer."""
@@ -165,6 +177,8 @@ class Node:
         self.persister.shutdown(wait=True)
         if self.drainer is not None:
             self.drainer.stop(max(0.0, deadline - time.monotonic()))
+        if self.shared_sync is not None:
+            self.shared_sync.stop()
         for probe in self.tier_probes.values():
             probe.stop()
         self.quarantine.shutdown()
@@ -176,6 +190,7 @@ class Node:
     def open_session(self, info: SessionInfo) -> Session:
         self._check_running()
         layout.check_job(info.job)
+        layout.check_attempt(info.attempt)
         try:
             layout.check_rank(info.rank, info.world_size)
         except layout.InvalidName as e:
@@ -186,8 +201,8 @@ class Node:
             self._shared_wake.set()  # the shared-tier thread publishes them for the other nodes
         self.sessions.add(session)
         self.metrics.sessions_opened.inc()
-        log.info("session %s opened: job %s rank %d/%d pid %d on %s", session.id, info.job, info.rank,
-                 info.world_size, info.pid, info.hostname)
+        log.info("session %s opened: job %s rank %d/%d attempt %r pid %d on %s", session.id, info.job, info.rank,
+                 info.world_size, info.attempt, info.pid, info.hostname)
         return session
 
     def close_session(self, session_id: str, reason: str) -> None:
@@ -226,11 +241,16 @@ class Node:
         if session.arena is None:
             raise InvalidRequest("no arena: call EnsureArena before BeginSave")
         spec = parse_manifest(manifest_json, info.job, step, info.rank, info.world_size, data_bytes, metrics)
-        if self.catalog.has(info.job, step, info.rank) or self._in_flight(info.job, step, info.rank):
-            raise AlreadyExists(f"step {step} of job {info.job!r} rank {info.rank} is already committed "
-                                "or being saved; save a new step (or delete that one first)")
+        attempt = spec.manifest.get("attempt", "")
+        if attempt != info.attempt:
+            raise InvalidRequest(f"manifest attempt={attempt!r:.140} does not match the session's attempt "
+                                 f"{info.attempt!r}")
+        if self._in_flight(info.job, step, info.rank):
+            raise AlreadyExists(f"step {step} of job {info.job!r} rank {info.rank} is being saved; save a new step")
+        self.commits.check_begin(info.job, step, info.rank, info.attempt)
         base = session.stream_base_for_next_save(stream_base)
-        writer = fsutil.PartWriter(self.config.local.dir, self.owner, info.job, step, info.rank)
+        writer = fsutil.PartWriter(self.config.local.dir, self.owner, info.job, step, info.rank,
+                                   replace=self.commits.replacer(self.config.local.dir, info.job, step, info.attempt))
         try:
             save = Save(uuid.uuid4().hex[:16], session.id, spec, session.arena,
                         base, session.chunk_bytes, writer,
@@ -297,24 +317,39 @@ class Node:
     # --- catalogue ------------------------------------------------------------------
 
     def checkpoints(self, job: str) -> list[Checkpoint]:
-        return self.catalog.checkpoints(layout.check_job(job))
+        layout.check_job(job)
+        self._fresh(job)
+        # A record whose parts are all gone (a deletion under way) names nothing to list.
+        return [c for c in self.catalog.checkpoints(job) if c.parts]
 
     def drain_state(self, ckpt: Checkpoint) -> str:
         if self.drainer is None:
             return "disabled"
         return self.drainer.checkpoint_state(ckpt)
 
-    def locate(self, job: str, step: int | None, rank: int) -> tuple[Checkpoint, list[Part]]:
+    def locate(self, job: str, step: int | None, rank: int, all_ranks: bool = False) -> tuple[Checkpoint, list[Part]]:
+        """The complete step (the newest when ``step`` is None) and ``rank``'s copies of the committed
+        attempt's part, best first. With ``all_ranks`` a rank outside the step's world size gets no
+        copies instead of an error (a reader of another world size reads several parts)."""
         layout.check_job(job)
+        self._fresh(job)
         ckpt = self.catalog.latest_complete(job) if step is None else self.catalog.get(job, step)
-        if ckpt is None or (step is not None and not ckpt.complete):
-            raise CheckpointNotFound(job, step, "" if ckpt is None else
-                                     f"ranks {sorted(set(range(ckpt.world_size)) - set(ckpt.parts))} missing")
-        tiers = ckpt.parts.get(rank)
-        if not tiers:
+        if ckpt is None or not ckpt.complete:
+            raise CheckpointNotFound(job, step, "" if ckpt is None else _why_incomplete(ckpt))
+        parts = ckpt.committed(rank)
+        if not parts and not all_ranks:
             raise CheckpointNotFound(job, ckpt.step, f"no part for rank {rank} (world size {ckpt.world_size})")
-        ordered = [tiers[t] for t in (TierName.LOCAL, TierName.SHARED) if t in tiers]
-        return ckpt, ordered
+        return ckpt, parts
+
+    def wait_step(self, job: str, step: int, tier: TierName | None, timeout: float) -> Checkpoint | None:
+        """The step once its commit record is on ``tier`` (None: any) with all its parts; None at the timeout."""
+        layout.check_job(job)
+        layout.check_step(step)
+        if tier == TierName.SHARED and self.drainer is None:
+            raise InvalidRequest("this daemon has no shared tier ([shared] dir is not set)")
+        sync = self.shared_sync
+        refresh = (lambda j, s, wait: sync.fresh(j, s, max_age_s=0.25, wait_s=wait)) if sync is not None else None
+        return self.commits.wait_step(job, step, tier, timeout, refresh)
 
     def report_corrupt(self, job: str, step: int, rank: int, tier: TierName, detail: str) -> None:
         """A reader found a copy that fails verification: the daemon re-reads it and hides it only if its
@@ -343,7 +378,8 @@ class Node:
             raise InvalidRequest("this daemon has no shared tier to prefetch from")
         ckpt, _ = self.locate(job, step, 0)
         copied = 0
-        for rank, tiers in sorted(ckpt.parts.items()):
+        for rank in range(ckpt.world_size):
+            tiers = {p.tier: p for p in ckpt.committed(rank)}
             if TierName.LOCAL not in tiers and TierName.SHARED in tiers:
                 shared = tiers[TierName.SHARED]
                 try:
@@ -352,6 +388,7 @@ class Node:
                     self.report_corrupt(job, ckpt.step, rank, TierName.SHARED, str(e))
                     raise SaveFailed(f"cannot prefetch {job} step {ckpt.step} rank {rank}: {e}") from e
                 copied += 1
+        self.commits.seal_local(job, ckpt.step)  # every part is here now: the step exists locally too
         log.info("prefetched %s step %d: %d parts copied to the local tier", job, ckpt.step, copied)
         return ckpt.step, copied
 
@@ -377,15 +414,26 @@ class Node:
     def _on_commit(self, save: Save) -> None:
         assert save.committed_path is not None
         spec = save.spec
+        writer = save.writer
         part = Part(spec.job, spec.step, spec.rank, spec.world_size, TierName.LOCAL, save.committed_path,
-                    spec.data_bytes, self.clock(), dict(spec.metrics))
+                    spec.data_bytes, self.clock(), dict(spec.metrics), layout.manifest_attempt(spec.manifest),
+                    writer.manifest_digest, writer.ino)
+        replaced = self.catalog.parts_of(spec.job, spec.step, spec.rank).get(TierName.LOCAL)
         self.catalog.add(part)
+        if replaced is not None and self.drainer is not None:
+            self.drainer.forget(spec.job, spec.step, spec.rank)  # an earlier attempt's part was replaced
         self.metrics.saves_committed.labels("local").inc()
         self.metrics.bytes_persisted.labels("local").inc(spec.data_bytes)
         elapsed = time.monotonic() - save.started
         self.metrics.persist_seconds.observe(elapsed)
         log.info("committed %s step %d rank %d on local: %d bytes in %.2fs", spec.job, spec.step, spec.rank,
                  spec.data_bytes, elapsed)
+        try:
+            # Before the save settles: the last rank's wait("local") returns with the step committed here.
+            self.commits.seal_local(spec.job, spec.step)
+        except OSError as e:
+            log.error("cannot write the local commit record of %s step %d: %s (written on restart)", spec.job,
+                      spec.step, e)
         if self.drainer is not None:
             # Queued before the save settles, so that a wait("shared") finds it queued.
             self.drainer.enqueue(part)
@@ -445,6 +493,11 @@ class Node:
     def _in_flight(self, job: str, step: int, rank: int) -> bool:
         return any(s.spec.job == job and s.spec.step == step and s.spec.rank == rank for s in self._live_saves())
 
+    def _fresh(self, job: str) -> None:
+        """The index of ``job`` on the shared tier at most ~1 s old, or as fresh as a bounded wait gets it."""
+        if self.shared_sync is not None:
+            self.shared_sync.fresh(job)
+
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
         thread.start()
@@ -477,6 +530,7 @@ class Node:
                 next_pass = time.monotonic() + interval
                 assert self.drainer is not None
                 self.drainer.refresh()
+                self.commits.seal_all(TierName.SHARED)
                 self.job_rules.publish()
                 for job in self.catalog.jobs():
                     self.apply_retention(job, trigger="timer", local=False)
@@ -484,7 +538,12 @@ class Node:
                 log.exception("timed shared retention pass failed")
 
     def _on_shared_indexed(self) -> None:
-        """The drainer has indexed the shared tier (at start, or once it answered): its rules may run."""
+        """The drainer has indexed the shared tier (at start, or once it answered): records a crash kept
+        from being written are written, then its rules may run."""
+        try:
+            self.commits.seal_all(TierName.SHARED)
+        except (OSError, layout.ManifestError) as e:
+            log.warning("cannot complete the shared tier's commit records: %s", e)
         for job in self.catalog.jobs():
             self.apply_retention(job, trigger="start", local=False)
 
@@ -518,3 +577,14 @@ class Node:
             shared_reachable=(lambda: d.reachable) if d else (lambda: None))
 
 
+
+
+def _why_incomplete(ckpt: Checkpoint) -> str:
+    """Why a step is not complete, for a person: no record, or the ranks of its attempt that are missing."""
+    missing = ckpt.ranks_missing()
+    if missing:
+        return (f"not complete: ranks {missing[:20]}{'...' if len(missing) > 20 else ''} of attempt "
+                f"{ckpt.attempt!r} (world size {ckpt.world_size}) have no committed part")
+    if ckpt.records:
+        return "not complete: its commit record names parts this daemon cannot read"
+    return f"not complete: no commit record yet (attempt {ckpt.attempt!r})"

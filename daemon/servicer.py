@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from ckptstage.daemon.catalog import Checkpoint, TierName
+from ckptstage.daemon.catalog import Checkpoint, Part, TierName
 from ckptstage.daemon.errors import (
     AlreadyExists,
     ArenaFull,
@@ -100,6 +100,10 @@ def _tier(value: int) -> TierName:
     return _TIERS[value]
 
 
+def _locations(parts: list[Part]) -> list[pb.PartLocation]:
+    return [pb.PartLocation(tier=_TIER_PB[p.tier], dir=str(p.path)) for p in parts]
+
+
 def _timeout(requested: float, context: grpc.aio.ServicerContext) -> float:
     remaining = context.time_remaining()
     limit = MAX_BLOCK_S if remaining is None else max(0.0, min(MAX_BLOCK_S, remaining - 0.05))
@@ -143,7 +147,7 @@ class Servicer(pb_grpc.CheckpointerServicer):
         # Every field of RetentionOverrides, by name; unset (zero/empty) ones mean "the operator's".
         overrides = {f.name: getattr(o, f.name) for f in o.DESCRIPTOR.fields if getattr(o, f.name)}
         info = SessionInfo(request.job, request.rank, request.world_size or 1, request.pid, request.hostname,
-                           overrides)
+                           overrides, request.attempt)
         session = await self._run(self.node.open_session, info)
         return pb.OpenSessionResponse(session_id=session.id, chunk_bytes=session.chunk_bytes,
                                       daemon_version=VERSION)
@@ -251,6 +255,15 @@ class Servicer(pb_grpc.CheckpointerServicer):
                                                             _timeout(request.timeout_s, context)))
         return pb.WaitSaveResponse(done=done)
 
+    @_mapped
+    async def WaitStep(self, request: pb.WaitStepRequest, context: grpc.aio.ServicerContext) -> pb.WaitStepResponse:
+        tier = None if request.tier == pb.TIER_UNSPECIFIED else _tier(request.tier)
+        timeout = _timeout(request.timeout_s, context)
+        ckpt = await self._wait(self.node.wait_step, request.job, request.step, tier, timeout)
+        if ckpt is None:
+            return pb.WaitStepResponse(done=False)
+        return pb.WaitStepResponse(done=True, attempt=ckpt.attempt, world_size=ckpt.world_size)
+
     # --- catalogue ----------------------------------------------------------------------
 
     @_mapped
@@ -263,9 +276,11 @@ class Servicer(pb_grpc.CheckpointerServicer):
     @_mapped
     async def Locate(self, request: pb.LocateRequest, context: grpc.aio.ServicerContext) -> pb.LocateResponse:
         ckpt, parts = await self._run(self.node.locate, request.job, None if request.latest else request.step,
-                                      request.rank)
-        return pb.LocateResponse(step=ckpt.step, world_size=ckpt.world_size, locations=[
-            pb.PartLocation(tier=_TIER_PB[p.tier], dir=str(p.path)) for p in parts])
+                                      request.rank, request.all_ranks)
+        every = [pb.RankParts(rank=r, locations=_locations(ckpt.committed(r))) for r in range(ckpt.world_size)] \
+            if request.all_ranks else []
+        return pb.LocateResponse(step=ckpt.step, world_size=ckpt.world_size, locations=_locations(parts),
+                                 attempt=ckpt.attempt, parts=every)
 
     @_mapped
     async def ReportCorrupt(self, request: pb.ReportCorruptRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
@@ -315,7 +330,9 @@ class Servicer(pb_grpc.CheckpointerServicer):
         return pb.CheckpointInfo(
             job=c.job, step=c.step, world_size=c.world_size, ranks_local=c.ranks_on(TierName.LOCAL),
             ranks_shared=c.ranks_on(TierName.SHARED), bytes=c.nbytes(), created=c.created, complete=c.complete,
-            pinned=c.pinned, drain_state=self.node.drain_state(c), metrics=c.metrics)
+            pinned=c.pinned, drain_state=self.node.drain_state(c), metrics=c.metrics, attempt=c.attempt,
+            committed_local=c.complete_on(TierName.LOCAL), committed_shared=c.complete_on(TierName.SHARED),
+            ranks_missing=c.ranks_missing())
 
     def _tier_status(self, tier: TierName) -> pb.TierStatus:
         cfg = self.node.config

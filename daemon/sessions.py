@@ -21,6 +21,7 @@ class SessionInfo:
     pid: int
     hostname: str
     overrides: dict[str, object] = field(default_factory=dict)
+    attempt: str = ""  # the run this rank belongs to; "" is the anonymous attempt of older clients
 
 
 class Session:

@@ -8,11 +8,17 @@ A tier directory looks like::
 
     <tier>/<job>/step-000000000010/rank-00000/data.safetensors
                                              /manifest.json
+    <tier>/<job>/step-000000000010/commit.json   the step's commit record, written last
     <tier>/.tmp/<node>/<random>/   temporaries, renamed into place on commit
 
 A *part* is one rank's share of one step. A part directory exists only once
 it is complete: it is written under ``.tmp``, every file fsynced, the
 manifest written last, then renamed into place and its parent fsynced.
+
+A *step* exists on a tier only once its commit record (:class:`CommitRecord`)
+is there: written when every rank's part of one *attempt* (one run of the
+job, agreed by all its ranks) is committed on that tier, and naming each
+part's size and the digest of its manifest file.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import xxhash
 FORMAT = "ckptstage/1"
 DATA_FILE = "data.safetensors"
 MANIFEST_FILE = "manifest.json"
+COMMIT_FILE = "commit.json"
 TMP_DIR = ".tmp"
 # Checksums are taken per chunk so that writers and readers can hash in
 # parallel and a reader can verify while it copies, without a second pass.
@@ -43,6 +50,7 @@ MAX_TREE_DEPTH = 100
 MAX_PLAIN_VALUE_BYTES = 16 << 20
 
 _JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_ATTEMPT_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _STEP_RE = re.compile(r"step-(\d{12})")
 _RANK_RE = re.compile(r"rank-(\d{5})")
 MAX_STEP = 10**12 - 1
@@ -104,6 +112,13 @@ def check_rank(rank: int, world_size: int) -> int:
     return rank
 
 
+def check_attempt(attempt: str) -> str:
+    """Returns ``attempt`` if valid: empty (the anonymous attempt) or 1-128 of ``[A-Za-z0-9._:-]``."""
+    if not isinstance(attempt, str) or (attempt and not _ATTEMPT_RE.fullmatch(attempt)):
+        raise InvalidName(f"invalid attempt {attempt!r}: empty, or 1-128 characters from [A-Za-z0-9._:-]")
+    return attempt
+
+
 def step_dirname(step: int) -> str:
     return f"step-{check_step(step):012d}"
 
@@ -126,6 +141,15 @@ def part_dir(tier_dir: Path, job: str, step: int, rank: int) -> Path:
     return tier_dir / check_job(job) / step_dirname(step) / rank_dirname(rank)
 
 
+def step_dir(tier_dir: Path, job: str, step: int) -> Path:
+    return tier_dir / check_job(job) / step_dirname(step)
+
+
+def commit_path(tier_dir: Path, job: str, step: int) -> Path:
+    """Where a step's commit record lies on a tier."""
+    return step_dir(tier_dir, job, step) / COMMIT_FILE
+
+
 def tmp_root(tier_dir: Path, owner: str) -> Path:
     """Where one daemon keeps its temporaries on a tier.
 
@@ -143,6 +167,55 @@ class PartRef:
     step: int
     rank: int
     path: Path
+    ino: int = 0  # of the part directory: a part replaced under the same name has another
+
+
+@dataclass(frozen=True)
+class StepRef:
+    """A step directory found on a tier: its committed parts and whether it holds a commit record."""
+
+    job: str
+    step: int
+    path: Path
+    parts: tuple[PartRef, ...]
+    record_ino: int | None  # inode of commit.json; None when there is none
+
+
+def scan_steps(tier_dir: Path, job: str, step: int | None = None) -> Iterator[StepRef]:
+    """Yields the step directories of one job (or the one step), as :func:`scan_tier` walks them.
+
+    Steps with neither a part nor a commit record are skipped.
+    """
+    job_dir = tier_dir / check_job(job)
+    if not job_dir.is_dir() or job_dir.is_symlink():
+        return
+    steps = [job_dir / step_dirname(step)] if step is not None else [
+        Path(e.path) for e in _entries(job_dir) if _STEP_RE.fullmatch(e.name)]
+    for sdir in steps:
+        m = _STEP_RE.fullmatch(sdir.name)
+        if not m or sdir.is_symlink():
+            continue
+        parts: list[PartRef] = []
+        record: int | None = None
+        for entry in _entries(sdir):
+            if entry.name == COMMIT_FILE:
+                if entry.is_file(follow_symlinks=False):
+                    record = entry.inode()
+                continue
+            r = _RANK_RE.fullmatch(entry.name)
+            if r and entry.is_dir(follow_symlinks=False) and \
+                    os.path.isfile(os.path.join(entry.path, MANIFEST_FILE)):
+                parts.append(PartRef(job, int(m.group(1)), int(r.group(1)), Path(entry.path), entry.inode()))
+        if parts or record is not None:
+            yield StepRef(job, int(m.group(1)), sdir, tuple(sorted(parts, key=lambda p: p.rank)), record)
+
+
+def scan_jobs(tier_dir: Path) -> list[str]:
+    """The job directories on a tier (links and other names skipped)."""
+    if not tier_dir.is_dir():
+        return []
+    return sorted(e.name for e in _entries(tier_dir)
+                  if _JOB_RE.fullmatch(e.name) and ".." not in e.name and e.is_dir(follow_symlinks=False))
 
 
 def scan_tier(tier_dir: Path, job: str | None = None, step: int | None = None) -> Iterator[PartRef]:
@@ -164,15 +237,16 @@ def scan_tier(tier_dir: Path, job: str | None = None, step: int | None = None) -
             continue
         steps = [job_dir / step_dirname(step)] if step is not None else [
             Path(e.path) for e in _entries(job_dir) if _STEP_RE.fullmatch(e.name)]
-        for step_dir in steps:
-            m = _STEP_RE.fullmatch(step_dir.name)
-            if step_dir.is_symlink():
+        for sdir in steps:
+            m = _STEP_RE.fullmatch(sdir.name)
+            if sdir.is_symlink():
                 continue
-            for rank_entry in _entries(step_dir):
+            for rank_entry in _entries(sdir):
                 r = _RANK_RE.fullmatch(rank_entry.name)
                 if m and r and rank_entry.is_dir(follow_symlinks=False) and \
                         os.path.isfile(os.path.join(rank_entry.path, MANIFEST_FILE)):
-                    yield PartRef(job_dir.name, int(m.group(1)), int(r.group(1)), Path(rank_entry.path))
+                    yield PartRef(job_dir.name, int(m.group(1)), int(r.group(1)), Path(rank_entry.path),
+                                  rank_entry.inode())
 
 
 def _entries(path: str | Path) -> list[os.DirEntry[str]]:
@@ -300,15 +374,30 @@ def read_manifest(part: Path) -> dict[str, Any]:
     The digest trailer is checked before anything is parsed, so a changed
     byte anywhere in the file is an error, never a different checkpoint.
     """
+    return read_manifest_and_digest(part)[0]
+
+
+def read_manifest_and_digest(part: Path) -> tuple[dict[str, Any], str]:
+    """:func:`read_manifest`, and the xxh3-64 of the whole ``manifest.json`` file (what commit records name)."""
     path = part / MANIFEST_FILE
     try:
         raw = path.read_bytes()
     except OSError as e:
         raise ManifestError(f"{path}: unreadable manifest: {e}") from e
+    return parse_manifest_file(raw, path), chunk_digest(raw)
+
+
+def _verified_body(raw: bytes, path: Path, what: str) -> bytes:
+    """The JSON line of a two-line file whose second line is its ``xxh3_64:`` digest; raises if it differs."""
     body, _, trailer = raw[:-1].rpartition(b"\n")
     if not raw.endswith(b"\n") or trailer != _manifest_trailer(body):
-        raise ChecksumMismatch(path, f"the manifest does not match its {CHECKSUM} trailer")
-    manifest = decode_manifest(body, str(path))
+        raise ChecksumMismatch(path, f"the {what} does not match its {CHECKSUM} trailer")
+    return body
+
+
+def parse_manifest_file(raw: bytes, path: Path) -> dict[str, Any]:
+    """The manifest in the bytes of a ``manifest.json`` file, verified (see :func:`read_manifest`)."""
+    manifest = decode_manifest(_verified_body(raw, path, "manifest"), str(path))
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ManifestError(f"{path}: not a {FORMAT} manifest (format={manifest.get('format')!r})"
                             if isinstance(manifest, dict) else f"{path}: not a JSON object")
@@ -316,6 +405,15 @@ def read_manifest(part: Path) -> dict[str, Any]:
         if key not in manifest:
             raise ManifestError(f"{path}: missing key {key!r}")
     return manifest
+
+
+def manifest_attempt(manifest: dict[str, Any]) -> str:
+    """The attempt a part belongs to (absent: the anonymous attempt ``""`` of older clients)."""
+    attempt = manifest.get("attempt", "")
+    try:
+        return check_attempt(attempt)
+    except InvalidName as e:
+        raise ManifestError(f"manifest of {manifest.get('job')!r} step {manifest.get('step')!r}: {e}") from None
 
 
 def manifest_files(manifest: dict[str, Any]) -> dict[str, FileEntry]:
@@ -345,3 +443,101 @@ def verify_part(part: Path, manifest: dict[str, Any] | None = None) -> None:
             if a != b:
                 raise ChecksumMismatch(path, f"chunk {i} (bytes {i * entry.chunk_bytes}..) "
                                              f"{CHECKSUM} {a} != {b} in the manifest")
+
+
+# --- the commit record --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CommittedPart:
+    """What a commit record says of one rank's part: its bytes and the digest of its manifest file."""
+
+    nbytes: int
+    manifest_digest: str
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """``<tier>/<job>/step-N/commit.json``: the step exists on that tier, made of these parts of this attempt.
+
+    Written last and atomically, once every rank's part of one attempt is
+    committed on the tier; the part digests pin the exact manifests, so a
+    part replaced or changed since does not match the record.
+    """
+
+    job: str
+    step: int
+    attempt: str
+    world_size: int
+    created: float
+    parts: dict[int, CommittedPart]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "kind": "commit", "job": self.job, "step": self.step, "attempt": self.attempt,
+                "world_size": self.world_size, "created": self.created,
+                "parts": {str(r): {"bytes": p.nbytes, "manifest_xxh3_64": p.manifest_digest}
+                          for r, p in sorted(self.parts.items())}}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> CommitRecord:
+        """Validates every field; raises :class:`ManifestError` naming the file and the field."""
+        def bad(what: str) -> ManifestError:
+            return ManifestError(f"{where}: commit record {what}")
+
+        if not isinstance(obj, dict) or obj.get("format") != FORMAT or obj.get("kind") != "commit":
+            raise bad(f"is not a {FORMAT} commit record")
+        fields: dict[str, Any] = obj
+
+        def get(key: str) -> Any:
+            return fields.get(key)
+
+        try:
+            job, step = check_job(get("job")), check_step(get("step"))
+            attempt = check_attempt(get("attempt"))
+            world = get("world_size")
+            check_rank(0, world if type(world) is int else 0)
+        except InvalidName as e:
+            raise bad(str(e)) from None
+        created = get("created")
+        if type(created) not in (int, float):
+            raise bad(f"has created={created!r}, not a number")
+        parts = get("parts")
+        if not isinstance(parts, dict) or sorted(parts) != sorted(str(r) for r in range(world)):
+            raise bad(f"does not name exactly ranks 0..{world - 1}")
+        out: dict[int, CommittedPart] = {}
+        for key, entry in parts.items():
+            nbytes = entry.get("bytes") if isinstance(entry, dict) else None
+            digest = entry.get("manifest_xxh3_64") if isinstance(entry, dict) else None
+            if type(nbytes) is not int or nbytes < 0 or not isinstance(digest, str) or \
+                    not re.fullmatch(r"[0-9a-f]{16}", digest):
+                raise bad(f"has a malformed entry for rank {key}: {entry!r:.100}")
+            out[int(key)] = CommittedPart(nbytes, digest)
+        return cls(job, step, attempt, world, float(created), out)
+
+
+def commit_record_bytes(record: CommitRecord) -> bytes:
+    """``commit.json`` on disk: the record as one compact JSON line, then its ``xxh3_64:`` digest line."""
+    return manifest_file_bytes(record.to_json())
+
+
+def parse_commit_record(raw: bytes, path: Path) -> CommitRecord:
+    """Verifies the trailer, then every field; raises :class:`ManifestError` (a changed byte is never trusted)."""
+    body = _verified_body(raw, path, "commit record")
+    return CommitRecord.from_json(decode_manifest(body, str(path)), str(path))
+
+
+def read_commit_record(step_path: Path) -> CommitRecord | None:
+    """The commit record in a step directory, verified; None when there is none.
+
+    Raises :class:`ManifestError` when it is there but unreadable or fails
+    verification: such a record is not trusted, and the step does not exist
+    on that tier.
+    """
+    path = step_path / COMMIT_FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ManifestError(f"{path}: unreadable commit record: {e}") from e
+    return parse_commit_record(raw, path)

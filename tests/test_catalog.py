@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 from ckptstage.daemon.catalog import Catalog, Part, TierName
+from ckptstage.daemon.commits import Commits
 from ckptstage.protos.layout import scan_tier
 from ckptstage.daemon.fsutil import PartWriter
 from ckptstage.protos import layout
@@ -77,7 +78,13 @@ def test_sync_job_sees_other_nodes_parts_appear_and_vanish(tmp_path: Path) -> No
     commit(shared, "other", 1, 0)  # another job: not this sync's business
     assert cat.sync_job(TierName.SHARED, shared, "j", step=1) == (1, 0)
     ckpt = cat.get("j", 1)
-    assert ckpt is not None and ckpt.complete and cat.get("j", 2) is None
+    # Both ranks are indexed, but a step exists only once its commit record is there.
+    assert ckpt is not None and ckpt.ranks_on(TierName.SHARED) == [0, 1] and not ckpt.complete
+    assert cat.get("j", 2) is None
+    Commits(cat, tmp_path / "local", shared, "test-node").seal_shared("j", 1)
+    ckpt = cat.get("j", 1)
+    assert ckpt is not None and ckpt.complete_on(TierName.SHARED)
+    assert layout.read_commit_record(shared / "j" / layout.step_dirname(1)) == ckpt.records[TierName.SHARED]
     assert cat.sync_job(TierName.SHARED, shared, "j") == (1, 0)
     assert cat.sync_job(TierName.SHARED, shared, "j") == (0, 0)  # known parts are not read again
     shutil.rmtree(theirs)  # the other node's retention deleted its part

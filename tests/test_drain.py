@@ -411,15 +411,24 @@ def test_same_part_name_from_two_daemons_is_refused_not_overwritten_nor_reused(d
     b = daemon_factory("node-b", **{"shared.dir": str(a.shared)})
     a.start()
     b.start()
-    with Client(JOB, socket=a.socket) as ca, Client(JOB, socket=b.socket) as cb:
+    with Client(JOB, socket=a.socket, attempt="one") as ca, Client(JOB, socket=b.socket, attempt="one") as cb:
         ca.save(1, state_of(1)).wait("shared", timeout=30)
         h = cb.save(1, state_of(2))
         with pytest.raises(SaveFailed, match="different checkpoint"):
             h.wait("shared", timeout=30)
         assert filecmp.cmp(data_file(a.local, 1), data_file(a.shared, 1), shallow=False)
         assert not filecmp.cmp(data_file(b.local, 1), data_file(a.shared, 1), shallow=False)
-        assert [i.drain_state for i in cb.list()] == ["failed"]
-        assert same_state(cb.load(1), state_of(2))  # b's only copy stays
+        assert [(i.drain_state, i.attempt) for i in cb.list()] == [("failed", "one")]
+        assert same_state(cb.load(1), state_of(2))  # b's only copy stays (committed on b's local tier)
+    # Another attempt saving a step committed on the shared tier: refused there as a straggler.
+    with Client(JOB, socket=b.socket, attempt="two") as cb:
+        h = cb.save(2, state_of(2))
+        h.wait("shared", timeout=30)
+    with Client(JOB, socket=a.socket, attempt="three") as ca:
+        h = ca.save(2, state_of(3))
+        with pytest.raises(SaveFailed, match="committed .* by attempt 'two'"):
+            h.wait("shared", timeout=30)
+    assert filecmp.cmp(data_file(b.local, 2), data_file(a.shared, 2), shallow=False)
 
 
 def test_rate_limiter_sleeps_off_its_debt() -> None:

@@ -522,7 +522,9 @@ def test_two_ranks_save_concurrently_and_latest_waits_for_both(daemon):
         assert sorted(infos) == [1, 2, 3]
         assert [infos[s].complete for s in (1, 2, 3)] == [False, True, True]
 
-        clients[1].save(1, states[1]).wait("local", timeout=30)
+        # Rank 0's part of step 1 left the local tier (keep_last) after it drained, so the step's
+        # parts come together, and it is committed, on the shared tier.
+        clients[1].save(1, states[1]).wait("shared", timeout=30)
         assert clients[0].latest() == 3  # step 1 is complete now, but not the newest
         assert_same(clients[1].load(1), states[1])
     finally:

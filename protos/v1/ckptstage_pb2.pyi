@@ -37,20 +37,22 @@ class RetentionOverrides(_message.Message):
     def __init__(self, local_keep_last: _Optional[int] = ..., shared_keep_last: _Optional[int] = ..., shared_keep_every: _Optional[int] = ..., keep_best_metric: _Optional[str] = ..., keep_best_mode: _Optional[str] = ..., keep_best_n: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("job", "rank", "world_size", "pid", "hostname", "retention")
+    __slots__ = ("job", "rank", "world_size", "pid", "hostname", "retention", "attempt")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     RETENTION_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     world_size: int
     pid: int
     hostname: str
     retention: RetentionOverrides
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., retention: _Optional[_Union[RetentionOverrides, _Mapping]] = ...) -> None: ...
+    attempt: str
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., retention: _Optional[_Union[RetentionOverrides, _Mapping]] = ..., attempt: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "chunk_bytes", "daemon_version")
@@ -208,7 +210,7 @@ class WaitSaveResponse(_message.Message):
     def __init__(self, done: _Optional[bool] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("job", "step", "world_size", "ranks_local", "ranks_shared", "bytes", "created", "complete", "pinned", "drain_state", "metrics")
+    __slots__ = ("job", "step", "world_size", "ranks_local", "ranks_shared", "bytes", "created", "complete", "pinned", "drain_state", "metrics", "attempt", "committed_local", "committed_shared", "ranks_missing")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +229,10 @@ class CheckpointInfo(_message.Message):
     PINNED_FIELD_NUMBER: _ClassVar[int]
     DRAIN_STATE_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_SHARED_FIELD_NUMBER: _ClassVar[int]
+    RANKS_MISSING_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     world_size: int
@@ -238,7 +244,11 @@ class CheckpointInfo(_message.Message):
     pinned: bool
     drain_state: str
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks_local: _Optional[_Iterable[int]] = ..., ranks_shared: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., created: _Optional[float] = ..., complete: _Optional[bool] = ..., pinned: _Optional[bool] = ..., drain_state: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    attempt: str
+    committed_local: bool
+    committed_shared: bool
+    ranks_missing: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks_local: _Optional[_Iterable[int]] = ..., ranks_shared: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., created: _Optional[float] = ..., complete: _Optional[bool] = ..., pinned: _Optional[bool] = ..., drain_state: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., attempt: _Optional[str] = ..., committed_local: _Optional[bool] = ..., committed_shared: _Optional[bool] = ..., ranks_missing: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("job",)
@@ -269,16 +279,26 @@ class QuarantinedCopy(_message.Message):
     def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., path: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class LocateRequest(_message.Message):
-    __slots__ = ("job", "step", "latest", "rank")
+    __slots__ = ("job", "step", "latest", "rank", "all_ranks")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    ALL_RANKS_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     latest: bool
     rank: int
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., rank: _Optional[int] = ...) -> None: ...
+    all_ranks: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., rank: _Optional[int] = ..., all_ranks: _Optional[bool] = ...) -> None: ...
+
+class RankParts(_message.Message):
+    __slots__ = ("rank", "locations")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    locations: _containers.RepeatedCompositeFieldContainer[PartLocation]
+    def __init__(self, rank: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[PartLocation, _Mapping]]] = ...) -> None: ...
 
 class PartLocation(_message.Message):
     __slots__ = ("tier", "dir")
@@ -289,14 +309,40 @@ class PartLocation(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., dir: _Optional[str] = ...) -> None: ...
 
 class LocateResponse(_message.Message):
-    __slots__ = ("step", "world_size", "locations")
+    __slots__ = ("step", "world_size", "locations", "attempt", "parts")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     step: int
     world_size: int
     locations: _containers.RepeatedCompositeFieldContainer[PartLocation]
-    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[PartLocation, _Mapping]]] = ...) -> None: ...
+    attempt: str
+    parts: _containers.RepeatedCompositeFieldContainer[RankParts]
+    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[PartLocation, _Mapping]]] = ..., attempt: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[RankParts, _Mapping]]] = ...) -> None: ...
+
+class WaitStepRequest(_message.Message):
+    __slots__ = ("job", "step", "tier", "timeout_s")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    tier: Tier
+    timeout_s: float
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class WaitStepResponse(_message.Message):
+    __slots__ = ("done", "attempt", "world_size")
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    done: bool
+    attempt: str
+    world_size: int
+    def __init__(self, done: _Optional[bool] = ..., attempt: _Optional[str] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class ReportCorruptRequest(_message.Message):
     __slots__ = ("job", "step", "rank", "tier", "detail")

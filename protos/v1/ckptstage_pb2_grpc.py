@@ -84,6 +84,11 @@ class CheckpointerStub:
                 request_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.WaitSaveRequest.SerializeToString,
                 response_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.WaitSaveResponse.FromString,
                 _registered_method=True)
+        self.WaitStep = channel.unary_unary(
+                '/ckptstage.v1.Checkpointer/WaitStep',
+                request_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.WaitStepRequest.SerializeToString,
+                response_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.WaitStepResponse.FromString,
+                _registered_method=True)
         self.ListCheckpoints = channel.unary_unary(
                 '/ckptstage.v1.Checkpointer/ListCheckpoints',
                 request_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ListRequest.SerializeToString,
@@ -198,6 +203,14 @@ class CheckpointerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WaitStep(self, request, context):
+        """Blocks until a whole step (every rank's part of one attempt) is committed
+        on a tier, or the deadline passes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListCheckpoints(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -300,6 +313,11 @@ def add_CheckpointerServicer_to_server(servicer, server):
                     servicer.WaitSave,
                     request_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.WaitSaveRequest.FromString,
                     response_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.WaitSaveResponse.SerializeToString,
+            ),
+            'WaitStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitStep,
+                    request_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.WaitStepRequest.FromString,
+                    response_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.WaitStepResponse.SerializeToString,
             ),
             'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
                     servicer.ListCheckpoints,
@@ -612,6 +630,33 @@ class Checkpointer:
             '/ckptstage.v1.Checkpointer/WaitSave',
             ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.WaitSaveRequest.SerializeToString,
             ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.WaitSaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptstage.v1.Checkpointer/WaitStep',
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.WaitStepRequest.SerializeToString,
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.WaitStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

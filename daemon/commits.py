@@ -1,0 +1,231 @@
+"""Commit records: one commit per step, across ranks and nodes.
+
+A step is complete when every rank's part of ONE attempt (one run of the job,
+agreed by all its ranks) is committed. On each tier the step's commit record,
+``<tier>/<job>/step-N/commit.json`` (:class:`layout.CommitRecord`), is
+written last and atomically once that is so, and a step exists on a tier if
+and only if its record is there with every part it names
+(:meth:`Checkpoint.complete_on`).
+
+* Local tier: this daemon is the tier's only writer, so the record is written
+  from the index when the last part of an attempt commits here (a single-node
+  job, or a prefetch), and on restart for a step whose record a crash
+  prevented.
+* Shared tier: written exactly once, by whichever node's drain finishes the
+  set last, with ``link()`` (:func:`fsutil.link_exactly_once`): of two daemons
+  racing, one creates it and the other finds it.
+
+The rules for saving a step again live here too: a step with a commit record
+is never overwritten; an earlier attempt's part of an incomplete step is
+replaced by a later attempt's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ckptstage.daemon import fsutil
+from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
+from ckptstage.daemon.errors import AlreadyExists
+from ckptstage.protos import layout
+
+log = logging.getLogger(__name__)
+
+# How often a step wait looks again (the shared tier is re-read at this pace, see SharedSync).
+POLL_S = 0.25
+
+
+def complete_attempt(parts: list[Part]) -> tuple[str, int, dict[int, Part]] | None:
+    """The attempt of which ``parts`` (one tier's parts of one step) hold every rank, if any.
+
+    Returns (attempt, world size, rank -> part). Parts of different attempts
+    never add up: each attempt must hold ranks 0..world_size-1 by itself.
+    """
+    by_attempt: dict[str, dict[int, Part]] = {}
+    for p in parts:
+        by_attempt.setdefault(p.attempt, {})[p.rank] = p
+    for attempt, ranks in sorted(by_attempt.items()):
+        sizes = {p.world_size for p in ranks.values()}
+        if len(sizes) == 1:
+            world = sizes.pop()
+            if all(r in ranks for r in range(world)):
+                return attempt, world, {r: ranks[r] for r in range(world)}
+    return None
+
+
+class Commits:
+    """Writes commit records, and judges whether a (job, step, rank) may be saved again."""
+
+    def __init__(self, catalog: Catalog, local_dir: Path, shared_dir: Path | None, owner: str,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.catalog = catalog
+        self.local_dir = local_dir
+        self.shared_dir = shared_dir
+        self.owner = owner
+        self.clock = clock
+
+    # --- saving a step again ----------------------------------------------------------
+
+    def check_begin(self, job: str, step: int, rank: int, attempt: str) -> None:
+        """Refuses a save of (job, step, rank) that would overwrite a committed step or the same attempt's part.
+
+        Allowed: a step nobody saved, or one whose only parts for this rank
+        belong to another attempt and that has no commit record on any tier
+        (a crashed run's leftovers: they are replaced at commit).
+        """
+        ckpt = self.catalog.get(job, step)
+        if ckpt is None:
+            return
+        if ckpt.records:
+            record = next(iter(ckpt.records.values()))
+            raise AlreadyExists(f"step {step} of job {job!r} is committed (attempt {record.attempt!r}, "
+                                f"{record.world_size} ranks); rank {rank} cannot save it again: save a new step")
+        for tier, part in sorted(ckpt.parts.get(rank, {}).items()):
+            if part.attempt == attempt:
+                raise AlreadyExists(f"step {step} of job {job!r} rank {rank} is already committed on the "
+                                    f"{tier.value} tier by this attempt ({attempt!r}); save a new step")
+
+    def replacer(self, tier_dir: Path, job: str, step: int, attempt: str) -> Callable[[Path], bool]:
+        """The ``replace`` policy of a :class:`fsutil.PartWriter` committing a part of ``attempt``.
+
+        A part already at the destination may be replaced only when it
+        belongs to another attempt and the step has no commit record, neither
+        on that tier's disk nor in the index (any tier).
+        """
+        def may_replace(final: Path) -> bool:
+            if (final.parent / layout.COMMIT_FILE).exists():
+                return False
+            ckpt = self.catalog.get(job, step)
+            if ckpt is not None and ckpt.records:
+                return False
+            try:
+                theirs: str | None = layout.manifest_attempt(layout.read_manifest(final))
+            except layout.ManifestError:
+                theirs = None  # an unreadable part of a step nobody committed: nothing to keep
+            if theirs == attempt:
+                return False
+            log.info("replacing %s (attempt %r) by attempt %r's part: the step has no commit record", final,
+                     theirs, attempt)
+            return True
+
+        return may_replace
+
+    # --- writing records ------------------------------------------------------------------
+
+    def seal_local(self, job: str, step: int) -> layout.CommitRecord | None:
+        """Writes the local record when every rank's part of one attempt is committed on the local tier.
+
+        Judged from the index: this daemon is the local tier's only writer.
+        Returns the record on the tier (new or already there), or None.
+        """
+        ckpt = self.catalog.get(job, step)
+        if ckpt is None:
+            return None
+        if TierName.LOCAL in ckpt.records:
+            return ckpt.records[TierName.LOCAL]
+        found = complete_attempt(ckpt.on_tier(TierName.LOCAL))
+        if found is None:
+            return None
+        return self._publish(TierName.LOCAL, self.local_dir, job, step, *found)
+
+    def seal_shared(self, job: str, step: int) -> layout.CommitRecord | None:
+        """After a part of (job, step) reached the shared tier: re-read that step there, and write
+        its record if every part of one attempt is there and no record is (exactly once across nodes).
+
+        Runs on a drain thread; raises OSError when the shared tier fails.
+        """
+        assert self.shared_dir is not None
+        self.catalog.sync_job(TierName.SHARED, self.shared_dir, job, step)
+        ckpt = self.catalog.get(job, step)
+        if ckpt is None or TierName.SHARED in ckpt.records:
+            return ckpt.records.get(TierName.SHARED) if ckpt else None
+        if (layout.commit_path(self.shared_dir, job, step)).exists():
+            return None  # there, but not trusted (logged by the catalogue): never written over
+        found = complete_attempt(ckpt.on_tier(TierName.SHARED))
+        if found is None:
+            return None
+        attempt, world, parts = found
+        # The index trusts parts by name and inode; a record is forever, so read the manifests themselves.
+        fresh: dict[int, Part] = {}
+        for rank, part in parts.items():
+            again = Part.from_disk(layout.PartRef(job, step, rank, part.path, part.ino), TierName.SHARED)
+            if again.attempt != attempt or again.digest != part.digest:
+                log.info("shared %s step %d rank %d changed under the index; not sealing yet", job, step, rank)
+                self.catalog.sync_job(TierName.SHARED, self.shared_dir, job, step)
+                return None
+            fresh[rank] = again
+        return self._publish(TierName.SHARED, self.shared_dir, job, step, attempt, world, fresh)
+
+    def seal_all(self, tier: TierName) -> int:
+        """Writes every record a crash prevented (restart is recovery); returns how many were written."""
+        written = 0
+        for job in self.catalog.jobs():
+            for ckpt in self.catalog.checkpoints(job):
+                if tier in ckpt.records or complete_attempt(ckpt.on_tier(tier)) is None:
+                    continue
+                tier_dir = self.local_dir if tier == TierName.LOCAL else self.shared_dir
+                if tier_dir is not None and layout.commit_path(tier_dir, job, ckpt.step).exists():
+                    continue  # there but not trusted: left for a person to look at
+                sealed = self.seal_local(job, ckpt.step) if tier == TierName.LOCAL else \
+                    self.seal_shared(job, ckpt.step)
+                if sealed is not None:
+                    written += 1
+                    log.info("wrote the missing %s commit record of %s step %d (attempt %r)", tier.value, job,
+                             ckpt.step, sealed.attempt)
+        return written
+
+    def _publish(self, tier: TierName, tier_dir: Path, job: str, step: int, attempt: str, world: int,
+                 parts: dict[int, Part]) -> layout.CommitRecord | None:
+        record = layout.CommitRecord(job, step, attempt, world, self.clock(), {
+            r: layout.CommittedPart(p.nbytes, p.digest) for r, p in parts.items()})
+        final = layout.commit_path(tier_dir, job, step)
+        if fsutil.link_exactly_once(tier_dir, self.owner, final, layout.commit_record_bytes(record)):
+            self.catalog.set_record(tier, record, _ino(final))
+            log.info("committed %s step %d on the %s tier: %d ranks of attempt %r", job, step, tier.value, world,
+                     attempt)
+            return record
+        # Another writer (another node's drain, or a racing commit here) created it first.
+        try:
+            theirs = layout.read_commit_record(final.parent)
+        except layout.ManifestError as e:
+            log.error("the %s commit record %s is not trusted: %s", tier.value, final, e)
+            return None
+        if theirs is None:
+            return None
+        if theirs.attempt != attempt:
+            log.warning("%s step %d is committed on the %s tier by attempt %r; the parts of attempt %r there "
+                        "are stragglers", job, step, tier.value, theirs.attempt, attempt)
+        self.catalog.set_record(tier, theirs, _ino(final))
+        return theirs
+
+    # --- waiting for a step ---------------------------------------------------------------
+
+    def wait_step(self, job: str, step: int, tier: TierName | None, timeout: float,
+                  refresh: Callable[[str, int, float], object] | None = None) -> Checkpoint | None:
+        """The step once it is complete on ``tier`` (None: any tier); None at the timeout.
+
+        ``refresh(job, step, wait_s)`` is called every :data:`POLL_S` while
+        waiting on the shared tier, to notice records other nodes' daemons
+        write; it waits at most ``wait_s`` (see :class:`SharedSync`).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            if refresh is not None and tier != TierName.LOCAL:
+                refresh(job, step, max(0.0, deadline - time.monotonic()))
+            ckpt = self.catalog.get(job, step)
+            if ckpt is not None and (ckpt.complete if tier is None else ckpt.complete_on(tier)):
+                return ckpt
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            time.sleep(min(POLL_S, left))
+
+
+def _ino(path: Path) -> int:
+    try:
+        return path.stat().st_ino
+    except OSError:
+        return 0

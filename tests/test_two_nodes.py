@@ -1,0 +1,153 @@
+"""Several nodes, one shared tier: one commit per step, and every node sees the same thing.
+
+Real daemons, each with its own local tier, all on the SAME shared
+directory, as on a cluster: two nodes run two ranks each of a four-rank job,
+their drains race to write the step's shared commit record, and a third
+node that never saw the job answers for it from the shared tier within 2 s.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+from ckptstage.client import Client
+from ckptstage.protos import layout
+from ckptstage.protos.v1 import ckptstage_pb2 as pb
+from support import wait_until
+
+JOB = "twonodes"
+WORLD = 4
+STALENESS_S = 2.0
+
+
+def state_of(step: int, rank: int) -> dict[str, Any]:
+    return {"w": torch.full((1024,), float(step * 10 + rank)), "step": step}
+
+
+def save_everywhere(clients: list[Client], step: int) -> None:
+    """Every rank saves ``step`` at once (a barrier, as a training step ends) and waits for the shared tier."""
+    barrier = threading.Barrier(len(clients))
+    errors: list[BaseException] = []
+
+    def run(c: Client) -> None:
+        try:
+            barrier.wait(timeout=10)
+            c.save(step, state_of(step, c.rank)).wait("shared", timeout=60)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert not errors, errors
+
+
+def latest(d: Any) -> pb.LocateResponse:
+    with d.connection() as conn:
+        return conn.call("Locate", pb.LocateRequest(job=JOB, latest=True, all_ranks=True))
+
+
+def test_two_nodes_commit_each_step_once_and_every_node_agrees(daemon_factory: Any) -> None:
+    a = daemon_factory("node-a", **{"local.keep_last": 5, "shared.keep_last": 5})
+    assert a.shared is not None
+    b = daemon_factory("node-b", **{"shared.dir": str(a.shared), "local.keep_last": 5, "shared.keep_last": 5})
+    a.start()
+    b.start()
+    clients = [Client(JOB, socket=(a if r < 2 else b).socket, rank=r, world_size=WORLD, attempt="run-7")
+               for r in range(WORLD)]
+    try:
+        for step in (10, 20):
+            save_everywhere(clients, step)
+            # Neither node holds every rank: no local record; exactly one shared record, written by one node.
+            for d in (a, b):
+                assert not layout.commit_path(d.local, JOB, step).exists()
+            record = layout.read_commit_record(layout.step_dir(a.shared, JOB, step))
+            assert record is not None and (record.attempt, sorted(record.parts)) == ("run-7", [0, 1, 2, 3])
+            logs = a.log.read_text() + b.log.read_text()
+            assert logs.count(f"committed {JOB} step {step} on the shared tier") == 1
+        assert not [p for p in (a.shared / layout.TMP_DIR).rglob("commit.json*")]  # no temporaries left
+        # Both nodes agree on the newest step and on where every rank's part lies.
+        for d in (a, b):
+            resp = wait_until(lambda d=d: (r := latest(d)).step == 20 and r, STALENESS_S, "latest on both nodes")
+            assert (resp.attempt, resp.world_size, len(resp.parts)) == ("run-7", WORLD, WORLD)
+            local_ranks = {0, 1} if d is a else {2, 3}
+            for part in resp.parts:
+                tiers = [loc.tier for loc in part.locations]
+                assert tiers == ([pb.LOCAL, pb.SHARED] if part.rank in local_ranks else [pb.SHARED])
+
+        # A third node that never saw the job answers from the shared tier within 2 s of starting.
+        c = daemon_factory("node-c", **{"shared.dir": str(a.shared)}).start()
+        t0 = time.monotonic()
+        resp = wait_until(lambda: (r := latest(c)).step == 20 and r, STALENESS_S, "the new node to see step 20")
+        assert time.monotonic() - t0 < STALENESS_S
+        assert [list(p.locations) for p in resp.parts] == [
+            [pb.PartLocation(tier=pb.SHARED, dir=str(layout.part_dir(a.shared, JOB, 20, r)))] for r in range(WORLD)]
+        with c.connection() as conn:
+            listed = {i.step: i for i in conn.call("ListCheckpoints", pb.ListRequest(job=JOB)).checkpoints}
+            assert [(s, i.committed_shared, i.committed_local, i.attempt) for s, i in sorted(listed.items())] == \
+                [(10, True, False, "run-7"), (20, True, False, "run-7")]
+            # A step wait that starts before the step exists sees it once other nodes commit it.
+            waiter = conn.start("WaitStep", pb.WaitStepRequest(job=JOB, step=30, tier=pb.SHARED, timeout_s=25),
+                                timeout=30)
+            save_everywhere(clients, 30)
+            committed = time.monotonic()
+            done = waiter()
+            assert (done.done, done.attempt, done.world_size) == (True, "run-7", WORLD)
+            wait_until(lambda: latest(c).step == 30, STALENESS_S, "the new node to see step 30")
+            assert time.monotonic() - committed < STALENESS_S
+            # Prefetch stages every rank onto the new node; the step then exists on its local tier too.
+            fetched = conn.call("Prefetch", pb.PrefetchRequest(job=JOB, latest=True), timeout=60)
+            assert (fetched.step, fetched.parts) == (30, WORLD)
+            here = layout.read_commit_record(layout.step_dir(c.local, JOB, 30))
+            there = layout.read_commit_record(layout.step_dir(a.shared, JOB, 30))
+            assert here is not None and there is not None
+            assert (here.attempt, here.world_size, here.parts) == (there.attempt, there.world_size, there.parts)
+        with Client(JOB, socket=c.socket, rank=3, world_size=WORLD, attempt="run-8") as reader:
+            assert reader.latest() == 30
+            assert torch.equal(reader.load(30)["w"], state_of(30, 3)["w"])
+    finally:
+        for cl in clients:
+            cl.close()
+
+
+def test_a_rank_that_never_saves_leaves_the_step_incomplete_on_every_node(daemon_factory: Any) -> None:
+    a = daemon_factory("node-a")
+    assert a.shared is not None
+    b = daemon_factory("node-b", **{"shared.dir": str(a.shared)})
+    a.start()
+    b.start()
+    clients = [Client(JOB, socket=(a if r < 2 else b).socket, rank=r, world_size=WORLD, attempt="one")
+               for r in range(WORLD)]
+    try:
+        save_everywhere(clients, 1)
+        save_everywhere(clients[:3], 2)  # rank 3 dies before it saves step 2
+        time.sleep(STALENESS_S)
+        for d in (a, b):
+            assert latest(d).step == 1
+            with d.connection() as conn:
+                info = {i.step: i for i in conn.call("ListCheckpoints", pb.ListRequest(job=JOB)).checkpoints}[2]
+                assert (info.complete, list(info.ranks_missing), info.attempt) == (False, [3], "one")
+        for tier in (a.local, b.local, a.shared):
+            assert not layout.commit_path(tier, JOB, 2).exists()
+    finally:
+        for cl in clients:
+            cl.close()
+    # The restarted run (a new attempt) saves step 2 again: its parts replace the stale ones.
+    again = [Client(JOB, socket=(a if r < 2 else b).socket, rank=r, world_size=WORLD, attempt="two")
+             for r in range(WORLD)]
+    try:
+        save_everywhere(again, 2)
+        for d in (a, b):
+            resp = wait_until(lambda d=d: (r := latest(d)).step == 2 and r, STALENESS_S, "step 2 complete")
+            assert resp.attempt == "two"
+        for r in range(WORLD):
+            assert layout.read_manifest(layout.part_dir(a.shared, JOB, 2, r))["attempt"] == "two"
+        assert torch.equal(again[0].load(2)["w"], state_of(2, 0)["w"])
+    finally:
+        for cl in again:
+            cl.close()
