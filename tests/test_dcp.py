@@ -10,6 +10,7 @@ on 2 cores.
 
 from __future__ import annotations
 
+import concurrent.futures
 import fractions
 import io
 import os
@@ -195,7 +196,7 @@ def test_dcp_checkpoint_is_the_universal_format(daemon: Any, sock: str) -> None:
 
 def test_plain_api_save_loads_through_reader(sock: str) -> None:
     model, opt = plain_model(1)
-    state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 12, "rng": torch.get_rng_state(),
+    state: dict[str, Any] = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 12, "rng": torch.get_rng_state(),
              "hist": (torch.arange(3), "x")}  # a tuple holding a tensor is one value to DCP
     with Client("j", socket=sock) as client:
         client.save(12, state).wait("local", timeout=60)
@@ -300,7 +301,7 @@ def test_bad_key_and_shape_name_the_key(sock: str) -> None:
         dcp.load({"model": {"w": torch.zeros(3, 2)}, "lr": 0.0},
                  storage_reader=Reader("j", 1, socket=sock), planner=LoadPlanner())
     # The same checkpoint still loads.
-    into = {"model": {"w": torch.zeros(2, 3)}, "lr": 0.0}
+    into: dict[str, Any] = {"model": {"w": torch.zeros(2, 3)}, "lr": 0.0}
     dcp.load(into, storage_reader=Reader("j", 1, socket=sock), planner=LoadPlanner())
     assert into["lr"] == 0.1 and into["model"]["w"].sum() == 6
 
@@ -328,6 +329,7 @@ def test_async_save_single_process(sock: str) -> None:
     saved = clone(sd)
     writer = Writer("j", 9, socket=sock)
     fut = dcp.async_save(sd, storage_writer=writer, planner=SavePlanner())
+    assert isinstance(fut, concurrent.futures.Future)  # not DCP's AsyncSaveResponse: stage() returned the state
     with torch.no_grad():  # the copy is done when async_save returns: training may go on
         for p in model.parameters():
             p.zero_()
@@ -347,7 +349,7 @@ def rank_save(ctx: RankContext, job: str, step: int, how: str) -> dict[str, Any]
     model, opt = fsdp_model(seed=1)
     train(model, opt, seed=ctx.rank, steps=2)
     msd, osd = get_state_dict(model, opt)
-    sd = {"model": msd, "optim": osd, "meta": {"step": step, "world": ctx.world_size}}
+    sd: dict[str, Any] = {"model": msd, "optim": osd, "meta": {"step": step, "world": ctx.world_size}}
     full = full_state(model, opt)
     out: dict[str, Any] = {"full": full if ctx.rank == 0 else None}
     if how == "dcp":
@@ -366,9 +368,10 @@ def rank_save(ctx: RankContext, job: str, step: int, how: str) -> dict[str, Any]
         sys.addaudithook(hook)
         writer = Writer(job, step)
         fut = dcp.async_save(sd, storage_writer=writer, planner=SavePlanner())
+        assert isinstance(fut, concurrent.futures.Future)
         with torch.no_grad():  # staged: the saved bytes no longer depend on these tensors
             for p in model.parameters():
-                p.to_local().zero_()
+                p.to_local().zero_()  # type: ignore[attr-defined]
         md = fut.result(timeout=120)
         out["result"] = type(md).__name__
         out["keys"] = sorted(md.state_dict_metadata)
@@ -390,7 +393,7 @@ def rank_load(ctx: RankContext, job: str, step: int | None, how: str) -> dict[st
 
     model, opt = fsdp_model(seed=7)
     msd, osd = get_state_dict(model, opt)
-    sd = {"model": msd, "optim": osd, "meta": {"step": -1, "world": -1}}
+    sd: dict[str, Any] = {"model": msd, "optim": osd, "meta": {"step": -1, "world": -1}}
     loaded = None
     if how == "dcp":
         reader = Reader(job, step)
@@ -446,3 +449,35 @@ def test_fsdp2_plain_api_save_loads_through_reader(daemon: Any) -> None:
         assert_same(saved[0]["full"], got[0]["full"])
         assert got[0]["meta"] == {"step": 70, "world": 2}
 
+
+
+@pytest.mark.slow
+def test_two_nodes_save_completes_on_the_shared_tier(daemon_factory: Any, tmp_path: Any) -> None:
+    """Ranks on two daemons (two nodes, one shared tier): dcp.save returns once the step is complete
+    there, and a fresh node that never saw the job loads it through the Reader."""
+    shared = tmp_path / "shared-tier"
+    a = daemon_factory("a", **{"shared.dir": str(shared)}).start()
+    b = daemon_factory("b", **{"shared.dir": str(shared)}).start()
+    saved = run_ranks(rank_save, 2, [str(a.socket), str(b.socket)], args=("two-nodes", 80, "dcp"))
+    assert (shared / "two-nodes" / layout.step_dirname(80) / layout.COMMIT_FILE).is_file()  # before save returned
+    fresh = daemon_factory("c", **{"shared.dir": str(shared)}).start()
+    got = run_ranks(rank_load, 1, str(fresh.socket), args=("two-nodes", None, "dcp"))
+    assert got[0]["loaded"] == 80
+    assert_same(saved[0]["full"], got[0]["full"])
+
+
+def test_writer_refuses_the_process_executor(sock: str) -> None:
+    import pickle
+
+    with pytest.raises(TypeError, match="thread executor"):
+        pickle.dumps(Writer("j", 1, socket=sock))
+
+
+def test_empty_and_scalar_states(sock: str) -> None:
+    dcp.save({}, storage_writer=Writer("j", 1, socket=sock))
+    dcp.load({}, storage_reader=Reader("j", 1, socket=sock))
+    sd = {"zero_d": torch.tensor(3.5), "empty": torch.zeros(0, 4), "flag": True}
+    dcp.save(sd, storage_writer=Writer("j", 2, socket=sock), planner=SavePlanner())
+    into = {"zero_d": torch.tensor(0.0), "empty": torch.ones(0, 4), "flag": False}
+    dcp.load(into, storage_reader=Reader("j", 2, socket=sock), planner=LoadPlanner())
+    assert_same(sd, into)
