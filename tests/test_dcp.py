@@ -481,3 +481,15 @@ def test_empty_and_scalar_states(sock: str) -> None:
     into = {"zero_d": torch.tensor(0.0), "empty": torch.ones(0, 4), "flag": False}
     dcp.load(into, storage_reader=Reader("j", 2, socket=sock), planner=LoadPlanner())
     assert_same(sd, into)
+
+
+def test_consolidate_reads_a_dcp_step(sock: str, tmp_path: Any) -> None:
+    from safetensors.torch import load_file
+
+    from ckptstage.client.consolidate import consolidate
+
+    model, _ = plain_model(1)
+    dcp.save({"model": model.state_dict(), "step": 3}, storage_writer=Writer("j", 1, socket=sock),
+             planner=SavePlanner())
+    consolidate("j", 1, out=tmp_path / "hf", prefix="model.", socket=sock)
+    assert_same(clone(model.state_dict()), load_file(tmp_path / "hf" / "model.safetensors"))
