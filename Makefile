@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/ckptstage demo
 
 test: $(STAMP)
-	$(PY) -m mypy client daemon protos/layout.py protos/paths.py
+	$(PY) -m mypy client daemon dcp protos/layout.py protos/paths.py
 	$(PY) -m pytest -q
 
 protos: $(STAMP)
@@ -32,7 +32,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_save.py
 
 lint: $(STAMP)
-	$(PY) -m mypy client daemon protos/layout.py
+	$(PY) -m mypy client daemon dcp protos/layout.py protos/paths.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -24,7 +24,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 import torch
 
-from ckptstage.client import dist, errors, reshard, rpc, tree
+from ckptstage.client import dist, errors, reshard, rpc, steps, tree
 from ckptstage.client.fileplan import FilePlan, PlanCache, build_manifest
 from ckptstage.client.restore import read_part
 from ckptstage.client.rpc import Connection
@@ -245,19 +245,23 @@ class Client:
             return [int(resp.step)]
         return sorted((c.step for c in self.list() if c.complete), reverse=True)[:most]
 
-    def wait_step(self, step: int, tier: str = "local", timeout: float | None = None) -> None:
+    def wait_step(self, step: int, tier: str = "local", timeout: float | None = None,
+                  collective: bool | None = None) -> None:
         """Returns once every rank's part of ``step`` (one attempt) is committed on ``tier``.
 
         ``"shared"``: the step's commit record is on the shared tier (written
         by whichever node's drain finished last). ``"local"``: every part is
-        on its node's local tier; when a process group spans the job this is
-        collective (each rank waits for its own part, then they agree), else
-        it asks this node's daemon, which can tell only for a job whose ranks
-        all run on this node. Raises :class:`SaveFailed` if a rank's part
-        failed, :class:`TimeoutError` after ``timeout`` seconds.
+        on its node's local tier. Collective (``collective=None``: when a
+        process group spans the job), every rank waits for its own part, then
+        they agree; otherwise this node's daemon answers, and it can tell
+        "local" only for a job whose ranks all run on this node (it waits for
+        the step's local commit record). Raises :class:`SaveFailed` if a
+        rank's part failed, :class:`TimeoutError` after ``timeout`` seconds.
         """
         _tier_code(tier)
-        if tier == "local" and dist.initialized() and torch.distributed.get_world_size() == self.world_size:
+        if collective is None:
+            collective = dist.initialized() and torch.distributed.get_world_size() == self.world_size
+        if tier == "local" and collective:
             handle = self._recent.get(step)
             failure = None
             try:
@@ -275,6 +279,7 @@ class Client:
         self._wait_step(step, tier, timeout)
 
     def _wait_step(self, step: int, tier: str, timeout: float | None) -> None:
+        """Asks this node's daemon until the step's commit record is on ``tier``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = 25.0 if deadline is None else min(25.0, deadline - time.monotonic())
@@ -312,42 +317,36 @@ class Client:
         asked again.
         """
         target = tree.flatten_state(into) if into is not None else None
-        req = pb.LocateRequest(job=self.job, rank=self.rank, latest=step is None, step=step or 0, all_ranks=True)
         for attempt in (1, 2):
-            resp = self._conn.call("Locate", req)
-            req = pb.LocateRequest(job=self.job, rank=self.rank, step=resp.step, all_ranks=True)  # now pinned down
-            tree_rank = self.rank if resp.world_size == self.world_size else 0
-            parts = {p.rank: [(loc.tier, Path(loc.dir)) for loc in p.locations] for p in resp.parts}
-            if tree_rank == self.rank:
-                parts.setdefault(self.rank, [(loc.tier, Path(loc.dir)) for loc in resp.locations])
-            if tree_rank not in parts:
-                raise errors.CheckpointNotFound(f"{self.job} step {resp.step}: the daemon did not say where rank "
+            located = steps.locate(self._conn, self.job, step, self.rank)
+            step = located.step  # pinned down: a retry reads the same step
+            tree_rank = located.tree_rank(self.rank, self.world_size)
+            if tree_rank not in located.parts:
+                raise errors.CheckpointNotFound(f"{self.job} step {step}: the daemon did not say where rank "
                                                 f"{tree_rank}'s part is")
             try:
-                if (target is not None and target.sharded) or _is_sharded(parts[tree_rank]):
-                    return self._load_sharded(resp.step, parts, tree_rank, target)
+                if (target is not None and target.sharded) or _is_sharded(located.parts[tree_rank]):
+                    with steps.OpenStep(self._conn, located) as opened:
+                        return opened.view.load(tree_rank, target)
+            except layout.ChecksumMismatch as e:
+                raise errors.CorruptCheckpoint(f"no copy of {self.job} step {step} verifies: {e}") from e
             except FileNotFoundError:
                 if attempt == 2:
                     raise
                 continue  # retention removed a copy while it was read: ask again
-            state, moved = self._load_part(resp.step, tree_rank, parts[tree_rank], into)
+            state, moved = self._load_part(step, tree_rank, located.parts[tree_rank], into)
             if not moved or attempt == 2:
                 return state
         raise AssertionError("unreachable")
 
-    def _load_sharded(self, step: int, parts: Mapping[int, Sequence[tuple[int, Path]]], tree_rank: int,
-                      target: tree.Flat | None) -> Any:
-        def report(rank: int, copy: int, detail: str) -> None:
-            self._conn.call("ReportCorrupt", pb.ReportCorruptRequest(
-                job=self.job, step=step, rank=rank, tier=parts[rank][copy][0], detail=detail))
+    def open_step(self, step: int | None = None) -> steps.OpenStep:
+        """Every rank's part of ``step`` (newest complete when None), open for verified reads of any box.
 
-        view = reshard.StepView.open({r: [d for _, d in locs] for r, locs in parts.items()}, report)
-        try:
-            return view.load(tree_rank, target)
-        except layout.ChecksumMismatch as e:
-            raise errors.CorruptCheckpoint(f"no copy of {self.job} step {step} verifies: {e}") from e
-        finally:
-            view.close()
+        For tools that read a step their own way (the DCP reader, consolidation):
+        ``opened.view`` is a :class:`~ckptstage.client.reshard.StepView`. Close it
+        (or use ``with``).
+        """
+        return steps.open_step(self._conn, self.job, step, self.rank)
 
     def _load_part(self, step: int, rank: int, locations: Sequence[tuple[int, Path]], into: Any) -> tuple[Any, bool]:
         """One rank's whole part, from its first copy that verifies; (state, whether a copy vanished meanwhile)."""

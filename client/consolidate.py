@@ -44,11 +44,10 @@ from typing import Any, Literal
 
 import torch
 
-from ckptstage.client import errors, reshard, shards
+from ckptstage.client import errors, reshard, shards, steps
 from ckptstage.client.fileplan import _ST_CODES, _padded_header
 from ckptstage.client.rpc import Connection
 from ckptstage.protos import layout
-from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -130,14 +129,8 @@ def consolidate(job: str, step: int | None = None, *, out: str | os.PathLike[str
         raise errors.InvalidRequest(str(e)) from None
     out_dir = Path(out)
     _check_out(out_dir, overwrite)
-    with Connection(socket) as conn:
-        found, parts = _locate(conn, job, step)
-
-        def report(rank: int, copy: int, detail: str) -> None:
-            conn.call("ReportCorrupt", pb.ReportCorruptRequest(job=job, step=found, rank=rank,
-                                                               tier=parts[rank][copy][0], detail=detail))
-
-        view = reshard.StepView.open({r: [d for _, d in locs] for r, locs in parts.items()}, report)
+    with Connection(socket) as conn, steps.open_step(conn, job, step) as opened:
+        view, found = opened.view, opened.located.step
         try:
             tensors, aliases = _select(view, prefix, job, found)
             shards_ = _plan_shards(tensors, shard_limit)
@@ -147,29 +140,10 @@ def consolidate(job: str, step: int | None = None, *, out: str | os.PathLike[str
                                                                         "ckptstage.step": str(found)}, bar)
         except layout.ChecksumMismatch as e:
             raise errors.CorruptCheckpoint(f"no copy of {job} step {found} verifies: {e}") from e
-        finally:
-            view.close()
     return Consolidated(job, found, out_dir, files, len(tensors), sum(t.nbytes for t in tensors), aliases)
 
 
 # --- finding and choosing ------------------------------------------------------------------
-
-
-def _locate(conn: Connection, job: str, step: int | None) -> tuple[int, dict[int, list[tuple[int, Path]]]]:
-    """The step and every rank's part copies (tier, dir), best first.
-
-    Asks for all ranks at once; a daemon that answers only the asked rank
-    is asked rank by rank, for the step its first answer pinned down.
-    """
-    resp = conn.call("Locate", pb.LocateRequest(job=job, rank=0, latest=step is None, step=step or 0,
-                                                all_ranks=True))
-    parts = {p.rank: [(loc.tier, Path(loc.dir)) for loc in p.locations] for p in resp.parts}
-    parts.setdefault(0, [(loc.tier, Path(loc.dir)) for loc in resp.locations])
-    for rank in range(resp.world_size):
-        if not parts.get(rank):
-            one = conn.call("Locate", pb.LocateRequest(job=job, rank=rank, step=resp.step))
-            parts[rank] = [(loc.tier, Path(loc.dir)) for loc in one.locations]
-    return int(resp.step), parts
 
 
 def _select(view: reshard.StepView, prefix: str, job: str, step: int) -> tuple[list[_Tensor], dict[str, str]]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,13 +22,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ckptstage.client import Client, errors, reshard
+from ckptstage.client import Client, errors, reshard, steps
 from ckptstage.dcp import metadata as step_metadata
 from ckptstage.dcp import values
 from ckptstage.dcp.metadata import StepIndex, TensorRef
 from ckptstage.dcp.writer import parse_step
 from ckptstage.protos import layout
-from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
 
 class Reader(StorageReader):
@@ -49,6 +47,7 @@ class Reader(StorageReader):
         self.loaded_step: int | None = None  # the step read_metadata found
         self._client: Client | None = None
         self._view: reshard.StepView | None = None
+        self._opened: steps.OpenStep | None = None
         self._index: StepIndex | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -72,15 +71,11 @@ class Reader(StorageReader):
         step = self.step if self.step is not None else client.latest()
         if step is None:
             raise errors.CheckpointNotFound(f"job {self.job!r} has no complete step to load")
-        found, world_size, parts = _locate(client, step)
-        self.loaded_step = found
-
-        def report(rank: int, copy: int, detail: str) -> None:
-            client._conn.call("ReportCorrupt", pb.ReportCorruptRequest(
-                job=self.job, step=found, rank=rank, tier=parts[rank][copy][0], detail=detail))
-
-        self._view = reshard.StepView.open({r: [d for _, d in locs] for r, locs in parts.items()}, report)
-        tree_rank = client.rank if world_size == client.world_size and client.rank in parts else 0
+        self._opened = client.open_step(step)
+        located = self._opened.located
+        self.loaded_step = located.step
+        self._view = self._opened.view
+        tree_rank = located.tree_rank(client.rank, client.world_size)
         md, self._index = step_metadata.build(self._view, tree_rank)
         return md
 
@@ -167,19 +162,7 @@ class Reader(StorageReader):
         return value
 
     def _close_view(self) -> None:
-        if self._view is not None:
-            self._view.close()
-            self._view = None
-
-
-def _locate(client: Client, step: int) -> tuple[int, int, dict[int, list[tuple[int, Path]]]]:
-    """(step, its world size, every rank's part copies as (tier, dir), best first)."""
-    conn = client._conn
-    resp = conn.call("Locate", pb.LocateRequest(job=client.job, rank=0, step=step, all_ranks=True))
-    parts = {p.rank: [(loc.tier, Path(loc.dir)) for loc in p.locations] for p in resp.parts}
-    parts.setdefault(0, [(loc.tier, Path(loc.dir)) for loc in resp.locations])
-    for rank in range(resp.world_size):
-        if not parts.get(rank):
-            one = conn.call("Locate", pb.LocateRequest(job=client.job, rank=rank, step=resp.step))
-            parts[rank] = [(loc.tier, Path(loc.dir)) for loc in one.locations]
-    return int(resp.step), int(resp.world_size), parts
+        if self._opened is not None:
+            self._opened.close()
+            self._opened = None
+        self._view = None

@@ -147,9 +147,8 @@ class Writer(StorageWriter, AsyncStager):
                 client.wait_step(self.step, "shared", self.timeout)
             else:
                 # All parts are on this node: its daemon writes the step's local commit record.
-                # Only the coordinator runs finish(), so this must not be Client.wait_step's
-                # collective form.
-                client._wait_step(self.step, "local", self.timeout)
+                # Only the coordinator runs finish(): not the collective form.
+                client.wait_step(self.step, "local", self.timeout, collective=False)
         finally:
             self.close()
 

@@ -1,0 +1,69 @@
+"""Finding a complete step and opening all of its parts: what every multi-part reader starts with.
+
+``Client.load`` of a sharded state, ``ckptstage consolidate`` and the DCP
+reader all need the same thing: the daemon's answer to where every rank's
+part of one step lies (best copy first), and a :class:`reshard.StepView`
+over them whose verification failures are reported to the daemon.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptstage.client import reshard
+from ckptstage.client.rpc import Connection
+from ckptstage.protos.v1 import ckptstage_pb2 as pb
+
+
+@dataclass(frozen=True)
+class LocatedStep:
+    """A complete step as the daemon answered it: every rank's part copies, best first."""
+
+    job: str
+    step: int
+    world_size: int
+    attempt: str
+    parts: dict[int, list[tuple[int, Path]]]  # rank -> [(tier code, part dir)]
+
+    def tree_rank(self, rank: int, world_size: int) -> int:
+        """Whose plain values a reader gets: its own rank's at the saving world size, else rank 0's."""
+        return rank if world_size == self.world_size and rank in self.parts else 0
+
+
+def locate(conn: Connection, job: str, step: int | None, rank: int = 0) -> LocatedStep:
+    """Where every part of ``step`` (the newest complete one when None) lies; raises CheckpointNotFound."""
+    resp = conn.call("Locate", pb.LocateRequest(job=job, rank=rank, latest=step is None, step=step or 0,
+                                                all_ranks=True))
+    parts = {p.rank: [(loc.tier, Path(loc.dir)) for loc in p.locations] for p in resp.parts}
+    return LocatedStep(job, int(resp.step), int(resp.world_size), resp.attempt, parts)
+
+
+class OpenStep:
+    """A located step with every part open for verified reads; close it (or use ``with``)."""
+
+    def __init__(self, conn: Connection, located: LocatedStep) -> None:
+        self.located = located
+        self._conn = conn
+        self.view = reshard.StepView.open({r: [d for _, d in locs] for r, locs in located.parts.items()},
+                                          self._report)
+
+    def _report(self, rank: int, copy: int, detail: str) -> None:
+        """A copy failed verification: the daemon re-reads it and quarantines it only if its own read fails."""
+        located = self.located
+        self._conn.call("ReportCorrupt", pb.ReportCorruptRequest(
+            job=located.job, step=located.step, rank=rank, tier=located.parts[rank][copy][0], detail=detail))
+
+    def close(self) -> None:
+        self.view.close()
+
+    def __enter__(self) -> OpenStep:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def open_step(conn: Connection, job: str, step: int | None, rank: int = 0) -> OpenStep:
+    return OpenStep(conn, locate(conn, job, step, rank))
