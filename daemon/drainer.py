@@ -102,6 +102,8 @@ class _Stopping(Exception):
     """The drainer is stopping; the copy is abandoned (its temporary removed) and resumes on restart."""
 
 
+# Bytes the drainer reads, checks and writes at a time (whole digest blocks).
+_PIECE_BYTES = 64 << 20
 # How many drained parts ``wait_part`` remembers after their copies are gone (deleted by retention).
 _REMEMBER_DRAINED = 100_000
 
@@ -514,13 +516,16 @@ class Drainer:
                     part.metrics, layout.manifest_attempt(theirs), digest, _ino(final))
 
     def _copy_file(self, src: Path, dst: Path, entry: layout.FileEntry, rate_limited: bool) -> None:
-        """Reads chunk i+1 while chunk i is written: one check per chunk, one write, one read.
+        """Reads piece i+1 while piece i is written: one read, one check per digest block, one write.
 
-        Two page-aligned buffers; the destination takes aligned chunks with
+        Pieces are whole digest blocks, about :data:`_PIECE_BYTES` each; two
+        page-aligned buffers; the destination takes aligned pieces with
         O_DIRECT where the file system allows (see :class:`fsutil.DataFile`).
-        Every chunk is checked against the local manifest before it is written.
+        Every block is checked against the local manifest before it is written.
         """
-        bufs = [mmap.mmap(-1, entry.chunk_bytes) for _ in range(2)]
+        block = entry.chunk_bytes
+        blocks_per_piece = max(1, _PIECE_BYTES // block)
+        bufs = [mmap.mmap(-1, block * blocks_per_piece) for _ in range(2)]
         out = fsutil.DataFile(dst, entry.size, direct_io=True)
         try:
             with open(src, "rb", buffering=0) as fin, ThreadPoolExecutor(1, "drain-write", initializer=fsutil.lower_thread_priority,
@@ -528,16 +533,20 @@ class Drainer:
                 os.posix_fadvise(fin.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 pending: Future[None] | None = None
                 total = 0
-                for i, expected in enumerate(entry.digests):
+                for k, first in enumerate(range(0, len(entry.digests), blocks_per_piece)):
                     if self._stop.is_set():
                         raise _Stopping()
-                    piece = memoryview(bufs[i % 2])[:entry.chunk_bytes]
+                    expected = entry.digests[first:first + blocks_per_piece]
+                    piece = memoryview(bufs[k % 2])[:block * len(expected)]
                     n = fin.readinto(piece)
                     piece = piece[:n]
-                    if layout.chunk_digest(piece) != expected:
-                        raise CorruptSource(f"{src} chunk {i}: checksum differs from its manifest")
-                    if rate_limited:
-                        self._limiter.acquire(n)
+                    for j, digest in enumerate(expected):
+                        data = piece[j * block:(j + 1) * block]
+                        if layout.chunk_digest(data) != digest:
+                            raise CorruptSource(f"{src} block {first + j} (bytes {(first + j) * block}..): "
+                                                "checksum differs from its manifest")
+                        if rate_limited:  # per block: a whole piece's credit at once would overshoot the cap
+                            self._limiter.acquire(len(data))
                     if pending is not None:
                         pending.result()  # the other buffer is free again
                     pending = writer.submit(out.write, piece, total)

@@ -286,8 +286,9 @@ class Save:
         self.file: DataFile | None = None
         try:
             self.n_chunks = layout.chunk_count(spec.data_bytes, chunk_bytes)
-            # Digests of written chunks, by index: memory follows the bytes written, not the size declared.
-            self.digests: dict[int, str] = {}
+            # Digests of written chunks (one per digest block), by chunk index: memory follows the bytes
+            # written, not the size declared.
+            self.digests: dict[int, list[str]] = {}
             self.scheduled = 0  # chunks handed to the writer pool
             self.inflight = 0   # chunk writes running now; the fd closes only when none are
             self.frontier = 0   # chunks [0, frontier) written; their arena space is free
@@ -396,13 +397,13 @@ class Persister:
         start, stop = save.chunk_span(i)
         a = (save.stream_base + start) % save.arena.size
         with save.arena.view[a:a + (stop - start)] as piece:
-            digest = layout.chunk_digest(piece)
+            digests = layout.block_digests(piece, layout.digest_block_bytes(save.chunk_bytes))
             assert save.file is not None, "a chunk write after the data file closed"
             save.file.write(piece, start)
         with save.lock:
             # The digest is published only after the write: frontier == n_chunks
             # then means every byte is in the file.
-            save.digests[i] = digest
+            save.digests[i] = digests
             while save.frontier < save.n_chunks and save.frontier in save.digests:
                 save.frontier += 1
             complete = save.finished and save.frontier == save.n_chunks and save.error is None
@@ -424,8 +425,8 @@ class Persister:
             manifest["created"] = time.time()
             manifest["metrics"] = save.spec.metrics
             manifest["files"] = {layout.DATA_FILE: layout.FileEntry(
-                save.spec.data_bytes, save.chunk_bytes,
-                tuple(save.digests.get(i, "") for i in range(save.n_chunks))).to_json()}
+                save.spec.data_bytes, layout.digest_block_bytes(save.chunk_bytes),
+                tuple(d for i in range(save.n_chunks) for d in save.digests[i])).to_json()}
             save.committed_path = save.writer.commit(manifest)
         except Exception as e:  # noqa: BLE001 - whatever it was, the save fails and its temporary goes
             # Raised here, anything but an OSError would end in the pool's unread future: the save

@@ -42,6 +42,11 @@ TMP_DIR = ".tmp"
 # parallel and a reader can verify while it copies, without a second pass.
 DEFAULT_CHUNK_BYTES = 64 << 20
 CHECKSUM = "xxh3_64"
+# The checksum granularity on disk: one digest per block of this many bytes (per chunk when the
+# daemon's chunks are smaller or not a multiple of it). A reader that wants part of a file (one
+# rank's box of another rank's fragment) reads and verifies only the blocks that hold it; larger
+# blocks would make it read up to a whole block per fragment it touches.
+DIGEST_BLOCK_BYTES = 1 << 20
 # Largest manifest accepted, on the wire and on disk: the layout of ~100k tensors and their plain values.
 MAX_MANIFEST_BYTES = 64 << 20
 # Deepest nesting of containers in a saved state (real ones are under 10 deep), and the largest str or
@@ -264,6 +269,17 @@ def _entries(path: str | Path) -> list[os.DirEntry[str]]:
 def chunk_digest(data: Any) -> str:
     """xxh3_64 of one chunk (any buffer), as 16 hex digits."""
     return xxhash.xxh3_64_hexdigest(data)
+
+
+def digest_block_bytes(chunk_bytes: int) -> int:
+    """The digest block for a daemon writing chunks of ``chunk_bytes``: blocks never straddle a chunk."""
+    return DIGEST_BLOCK_BYTES if chunk_bytes % DIGEST_BLOCK_BYTES == 0 else chunk_bytes
+
+
+def block_digests(data: Any, block: int) -> list[str]:
+    """The digests of ``data`` (any buffer) cut into blocks of ``block`` bytes; one digest when empty."""
+    view = memoryview(data).cast("B")
+    return [chunk_digest(view[i:i + block]) for i in range(0, max(len(view), 1), block)]
 
 
 def chunk_count(size: int, chunk_bytes: int) -> int:
