@@ -191,7 +191,11 @@ class StepView:
             fqns.append(fqn)
             if "global_shape" in raw:
                 src = Source(rank, entry, tuple(int(o) for o in raw["global_offset"]))
-                self.fragments.setdefault(fqn, []).append(src)
+                known = self.fragments.setdefault(fqn, [])
+                # The same box stored by several ranks (replicas a mesh does not call Replicate, e.g. a
+                # module on a sub-mesh): any one copy serves.
+                if not any(k.origin == src.origin and k.entry.shape == entry.shape for k in known):
+                    known.append(src)
             else:
                 self.plain[rank].setdefault(fqn, Source(rank, entry, (0,) * len(entry.shape)))
         self.plain_index[rank] = fqns

@@ -31,13 +31,6 @@ from test_sharded import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-# Remove once fixed: emb and odd are FSDP-sharded over the dp sub-mesh only, so both tp ranks of a dp row
-# store the same fragment, and the reader refuses the step ("fragments cover 1728 of the 864 elements").
-SUBMESH_DUPLICATES = pytest.mark.xfail(
-    strict=False, raises=(AssertionError, ValueError),
-    reason="duplicate fragments of DTensors on a sub-mesh (dp only, under FSDP x TP) make the step unreadable")
-
-
 @pytest.fixture(scope="module")
 def ckpt_2d(nodes: SimpleNamespace) -> SimpleNamespace:
     """State of a 2x2 (dp x tp) mesh saved by 4 ranks on two nodes."""
@@ -58,8 +51,9 @@ def test_2d_replicate_is_stored_once(ckpt_2d: SimpleNamespace, nodes: SimpleName
     # fc2.bias is (Shard(0) over dp, Replicate over tp): stored by tp coordinate 0 of each dp row only.
     bias = fragments(parts, lambda f: "fc2.bias" in f and "exp_avg" not in f)
     assert sorted((r[0], r[2][0]) for r in bias) == [(0, 0), (2, DIM // 2)], f"fc2.bias fragments: {bias}"
-    # Every tensor of the full 2x2 mesh is covered exactly once (TP's strided FSDP shards included).
-    for name in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
+    # Every tensor is covered exactly once: TP's strided FSDP shards, and the modules FSDP shards over the
+    # dp sub-mesh only (emb, odd), which every tp slice holds alike: one slice stores them.
+    for name in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "emb.weight", "odd.weight"):
         for kind in ("", "exp_avg", "exp_avg_sq"):
             frs = fragments(parts, lambda f, n=name, k=kind: n in f and (k in f if k else "exp_avg" not in f)
                             and not (k == "exp_avg" and "exp_avg_sq" in f))
@@ -69,7 +63,6 @@ def test_2d_replicate_is_stored_once(ckpt_2d: SimpleNamespace, nodes: SimpleName
                                                   f"{math.prod(frs[0][1])}: {frs}"
 
 
-@SUBMESH_DUPLICATES
 @pytest.mark.parametrize(("layout", "mesh_shape"), [("2d", (1, 4)), ("fsdp", (3,))], ids=["2d-1x4", "fsdp-3"])
 def test_2d_loads_at_another_mesh(ckpt_2d: SimpleNamespace, nodes: SimpleNamespace, layout: str,
                                   mesh_shape: tuple[int, ...]) -> None:
@@ -88,7 +81,6 @@ def test_2d_loads_at_another_mesh(ckpt_2d: SimpleNamespace, nodes: SimpleNamespa
         torch.testing.assert_close(r["out"], ckpt_2d.out)  # TP sums partial products in another order
 
 
-@SUBMESH_DUPLICATES
 def test_2d_single_process_load_gives_full_tensors(ckpt_2d: SimpleNamespace, nodes: SimpleNamespace) -> None:
     from ckptstage.client import Client
 
