@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ckptstage.client import Client, errors, reshard, steps
+from ckptstage.client import errors, reshard, steps
+from ckptstage.dcp import clients
 from ckptstage.dcp import metadata as step_metadata
 from ckptstage.dcp import values
 from ckptstage.dcp.metadata import StepIndex, TensorRef
@@ -35,9 +36,9 @@ class Reader(StorageReader):
 
     ``dcp.load(sd, storage_reader=Reader(job))``. Any world size and mesh
     can read any other's step; a step saved with ``Client.save`` loads too,
-    its keys flattened as DCP flattens a state dict. The ``Client`` is
-    created in ``read_metadata`` (collective with a process group) and
-    closed when ``read_data`` ends.
+    its keys flattened as DCP flattens a state dict. The process's ``Client``
+    for the job (:mod:`ckptstage.dcp.clients`) is made in ``read_metadata``
+    (collective with a process group) on first use.
     """
 
     def __init__(self, job: str, step: int | None = None, *, socket: str | os.PathLike[str] | None = None) -> None:
@@ -45,7 +46,6 @@ class Reader(StorageReader):
         self.step = None if step is None else parse_step(step)
         self.socket = socket
         self.loaded_step: int | None = None  # the step read_metadata found
-        self._client: Client | None = None
         self._view: reshard.StepView | None = None
         self._opened: steps.OpenStep | None = None
         self._index: StepIndex | None = None
@@ -65,9 +65,7 @@ class Reader(StorageReader):
         round of collectives that only some ranks might enter.)
         """
         self._close_view()
-        if self._client is None:
-            self._client = Client(self.job, socket=self.socket)
-        client = self._client
+        client = clients.session(self.job, self.socket).client
         step = self.step if self.step is not None else client.latest()
         if step is None:
             raise errors.CheckpointNotFound(f"job {self.job!r} has no complete step to load")
@@ -107,9 +105,6 @@ class Reader(StorageReader):
 
     def close(self) -> None:
         self._close_view()
-        if self._client is not None:
-            self._client.close()
-            self._client = None
 
     # --- internals --------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptstage.client import Client, SaveHandle, shards, tree
-from ckptstage.dcp import values
+from ckptstage.dcp import clients, values
 from ckptstage.dcp.planners import SavePlanner
 
 log = logging.getLogger(__name__)
@@ -70,8 +70,9 @@ class Writer(StorageWriter, AsyncStager):
     run on one node, on the shared tier when they span nodes. With
     ``dcp.async_save`` the writer is its own stager (see the module
     docstring). ``timeout`` bounds each wait for a commit (seconds; None:
-    no bound). The ``Client`` is created at the first collective point
-    (``set_up_storage_writer`` or ``stage``) and closed when the save ends.
+    no bound). The process's ``Client`` for the job (see
+    :mod:`ckptstage.dcp.clients`) is made at the first collective point
+    (``set_up_storage_writer`` or ``stage``) and kept for the next checkpoint.
     """
 
     _synchronize_after_execute = False  # stage() returns once the copy is done: nothing to synchronize
@@ -83,8 +84,7 @@ class Writer(StorageWriter, AsyncStager):
         self.socket = socket
         self.timeout = timeout
         self.is_coordinator = False
-        self._client: Client | None = None
-        self._multi_node = False
+        self._session: clients.Session | None = None
         self._local_items: list[WriteItem] = []
         self._staged: _Staged | None = None
 
@@ -114,23 +114,18 @@ class Writer(StorageWriter, AsyncStager):
         """Saves this rank's items (unless ``stage`` did) and waits until its part is committed locally."""
         client = self._ensure_client()
         staged, self._staged = self._staged, None
-        try:
-            if staged is not None:
-                handle = staged.handle
-                unstaged = [it for it in plan.items if _item_key(it) not in staged.keys]
-                if unstaged:
-                    raise ValueError(f"async_save: {len(unstaged)} item(s) of the plan, e.g. "
-                                     f"{unstaged[0].index.fqn!r}, are not what Writer.stage() saved; a planner "
-                                     "that changes the items needs async_stager=DefaultStager(...)")
-            else:
-                flat = build_flat(self._local_items, plan.items, lambda it: _resolve(planner, it))
-                handle = client.save_flat(self.step, flat)
-            handle.wait("local", self.timeout)
-            results = [_result(it, client.rank) for it in plan.items]
-        except BaseException:
-            self._close_unless_coordinator()
-            raise
-        self._close_unless_coordinator()
+        if staged is not None:
+            handle = staged.handle
+            unstaged = [it for it in plan.items if _item_key(it) not in staged.keys]
+            if unstaged:
+                raise ValueError(f"async_save: {len(unstaged)} item(s) of the plan, e.g. "
+                                 f"{unstaged[0].index.fqn!r}, are not what Writer.stage() saved; a planner "
+                                 "that changes the items needs async_stager=DefaultStager(...)")
+        else:
+            flat = build_flat(self._local_items, plan.items, lambda it: _resolve(planner, it))
+            handle = client.save_flat(self.step, flat)
+        handle.wait("local", self.timeout)
+        results = [_result(it, client.rank) for it in plan.items]
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -142,15 +137,13 @@ class Writer(StorageWriter, AsyncStager):
         parts' manifests (see :mod:`ckptstage.dcp.metadata`).
         """
         client = self._ensure_client()
-        try:
-            if self._multi_node:
-                client.wait_step(self.step, "shared", self.timeout)
-            else:
-                # All parts are on this node: its daemon writes the step's local commit record.
-                # Only the coordinator runs finish(): not the collective form.
-                client.wait_step(self.step, "local", self.timeout, collective=False)
-        finally:
-            self.close()
+        assert self._session is not None
+        if self._session.multi_node:
+            client.wait_step(self.step, "shared", self.timeout)
+        else:
+            # All parts are on this node: its daemon writes the step's local commit record.
+            # Only the coordinator runs finish(): not the collective form.
+            client.wait_step(self.step, "local", self.timeout, collective=False)
 
     # --- AsyncStager ------------------------------------------------------------------
 
@@ -178,10 +171,8 @@ class Writer(StorageWriter, AsyncStager):
         """Nothing to wait for: ``stage`` returns once the copy is done."""
 
     def close(self) -> None:
-        """Ends the session with the daemon (what it already holds is still committed)."""
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        """Lets go of the process's client (it stays open for the next checkpoint; see clients.close_all)."""
+        self._session = None
 
     def __getstate__(self) -> Any:
         raise TypeError("a ckptstage Writer cannot be sent to another process (AsyncCheckpointerType.PROCESS): "
@@ -190,15 +181,10 @@ class Writer(StorageWriter, AsyncStager):
     # --- internals --------------------------------------------------------------------
 
     def _ensure_client(self) -> Client:
-        """The Client, created on first use (collective with a process group: the attempt is agreed)."""
-        if self._client is None:
-            self._client = Client(self.job, socket=self.socket)
-            self._multi_node = _spans_nodes(self._client, self.socket)
-        return self._client
-
-    def _close_unless_coordinator(self) -> None:
-        if not self.is_coordinator:
-            self.close()  # the coordinator's finish() still needs it
+        """The process's Client for the job (made on first use: collective with a process group)."""
+        if self._session is None:
+            self._session = clients.session(self.job, self.socket)
+        return self._session.client
 
 
 def build_flat(tree_items: Iterable[WriteItem], stored: Iterable[WriteItem],
@@ -279,16 +265,6 @@ def _item_key(item: WriteItem) -> tuple[str, tuple[int, ...] | None]:
 def _result(item: WriteItem, rank: int) -> WriteResult:
     size = item.tensor_storage_size() if item.type != WriteItemType.BYTE_IO else 0
     return WriteResult(index=item.index, size_in_bytes=size or 0, storage_data={"rank": rank})
-
-
-def _spans_nodes(client: Client, socket: str | os.PathLike[str] | None) -> bool:
-    """Whether the job's ranks talk to more than one daemon (collective with a process group)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != client.world_size:
-        return False
-    me = (socketlib.gethostname(), os.fspath(socket) if socket is not None else os.environ.get("CKPTSTAGE_SOCKET", ""))
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, me)
-    return len(set(every)) > 1
 
 
 def _numel(sizes: tuple[int, ...]) -> int:
