@@ -23,6 +23,7 @@ replaced by a later attempt's.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -204,15 +205,19 @@ class Commits:
     # --- waiting for a step ---------------------------------------------------------------
 
     def wait_step(self, job: str, step: int, tier: TierName | None, timeout: float,
-                  refresh: Callable[[str, int, float], object] | None = None) -> Checkpoint | None:
-        """The step once it is complete on ``tier`` (None: any tier); None at the timeout.
+                  refresh: Callable[[str, int, float], object] | None = None,
+                  stop: threading.Event | None = None) -> Checkpoint | None:
+        """The step once it is complete on ``tier`` (None: any tier); None at the timeout or once ``stop`` is set.
 
         ``refresh(job, step, wait_s)`` is called every :data:`POLL_S` while
         waiting on the shared tier, to notice records other nodes' daemons
-        write; it waits at most ``wait_s`` (see :class:`SharedSync`).
+        write; it waits at most ``wait_s`` (see :class:`SharedSync`). ``stop``
+        (the daemon shutting down) ends the wait: the thread that runs it must
+        not hold the process's exit.
         """
         deadline = time.monotonic() + timeout
-        while True:
+        stop = stop or threading.Event()
+        while not stop.is_set():
             if refresh is not None and tier != TierName.LOCAL:
                 refresh(job, step, max(0.0, deadline - time.monotonic()))
             ckpt = self.catalog.get(job, step)
@@ -221,7 +226,8 @@ class Commits:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            time.sleep(min(POLL_S, left))
+            stop.wait(min(POLL_S, left))
+        return None
 
 
 def _ino(path: Path) -> int:

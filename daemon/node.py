@@ -349,7 +349,7 @@ class Node:
             raise InvalidRequest("this daemon has no shared tier ([shared] dir is not set)")
         sync = self.shared_sync
         refresh = (lambda j, s, wait: sync.fresh(j, s, max_age_s=0.25, wait_s=wait)) if sync is not None else None
-        return self.commits.wait_step(job, step, tier, timeout, refresh)
+        return self.commits.wait_step(job, step, tier, timeout, refresh, stop=self._stopping)
 
     def report_corrupt(self, job: str, step: int, rank: int, tier: TierName, detail: str) -> None:
         """A reader found a copy that fails verification: the daemon re-reads it and hides it only if its

@@ -186,3 +186,26 @@ def test_wait_step_times_out_for_an_incomplete_step_within_its_timeout(daemon_fa
         assert not resp.done
         wait_until(lambda: "drained commitjob step 4 rank 0" in d.log.read_text(), 10, "the drain")
         assert not record_on(d.shared, 4)
+
+
+def test_sigterm_ends_a_wait_step_in_flight_and_the_daemon_exits_promptly(daemon: Any) -> None:
+    """A WaitStep that would wait 25 s must not hold the daemon's exit (its thread ends with the daemon)."""
+    import threading
+
+    outcome: list[BaseException | pb.WaitStepResponse] = []
+
+    def wait() -> None:
+        try:
+            with daemon.connection() as conn:
+                outcome.append(conn.call("WaitStep", pb.WaitStepRequest(job=JOB, step=7, timeout_s=25), timeout=30))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            outcome.append(e)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.5)  # the call is in the daemon's wait loop
+    t0 = time.monotonic()
+    assert daemon.kill(signal.SIGTERM) == 0
+    assert time.monotonic() - t0 < 10, "the daemon took longer than 10 s to exit with a WaitStep in flight"
+    waiter.join(10)
+    assert outcome and not (isinstance(outcome[0], pb.WaitStepResponse) and outcome[0].done)
