@@ -293,8 +293,9 @@ class Drainer:
         """True once the part is on the shared tier; raises if it never can be."""
         key = (job, step, rank)
         with self._cond:
-            self._cond.wait_for(lambda: key in self._done or key in self._failed or key not in self._parts,
-                                timeout)
+            # The daemon stopping ends the wait too (stop() notifies): its thread must not hold the exit.
+            self._cond.wait_for(lambda: key in self._done or key in self._failed or key not in self._parts
+                                or self._stop.is_set(), timeout)
             if key in self._done or self._on_shared(key) or self.catalog.was_drained(*key):
                 return True
             if key in self._failed:
@@ -312,7 +313,7 @@ class Drainer:
             return len(mine), len(failed)
 
         with self._cond:
-            self._cond.wait_for(lambda: counts()[0] == 0, timeout)
+            self._cond.wait_for(lambda: counts()[0] == 0 or self._stop.is_set(), timeout)
             return counts()
 
     # --- copies ----------------------------------------------------------------------------
