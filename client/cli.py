@@ -20,7 +20,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
@@ -95,17 +95,32 @@ def cmd_ls(conn: Connection, args: argparse.Namespace) -> int:
             return f"no checkpoints for job {args.job!r}"
         rows = []
         for c in resp.checkpoints:
-            tiers = [name for name, ranks in (("local", c.ranks_local), ("shared", c.ranks_shared))
-                     if len(ranks) == c.world_size]
-            partial = [f"{name}:{len(ranks)}/{c.world_size}" for name, ranks in
-                       (("local", c.ranks_local), ("shared", c.ranks_shared)) if 0 < len(ranks) < c.world_size]
+            # A tier holds the step when its commit record is there; else how many of its ranks' parts.
+            tiers = [name for name, committed in (("local", c.committed_local), ("shared", c.committed_shared))
+                     if committed]
+            partial = [f"{name}:{len(ranks)}/{c.world_size}" for name, ranks, committed in
+                       (("local", c.ranks_local, c.committed_local), ("shared", c.ranks_shared, c.committed_shared))
+                       if ranks and not committed]
+            complete = "yes" if c.complete else "no" + (f" (missing ranks {_ranges(c.ranks_missing)})"
+                                                       if c.ranks_missing else "")
             rows.append([str(c.step), ",".join(tiers + partial) or "-", _size(c.bytes), _when(c.created),
-                         "yes" if c.complete else "no", c.drain_state, "pinned" if c.pinned else "",
+                         complete, c.attempt[:12] or "-", c.drain_state, "pinned" if c.pinned else "",
                          " ".join(f"{k}={v:g}" for k, v in sorted(c.metrics.items()))])
-        return _table(rows, ["STEP", "TIERS", "SIZE", "CREATED", "COMPLETE", "DRAIN", "PIN", "METRICS"])
+        return _table(rows, ["STEP", "TIERS", "SIZE", "CREATED", "COMPLETE", "ATTEMPT", "DRAIN", "PIN", "METRICS"])
 
     _emit(args, resp, text)
     return 0
+
+
+def _ranges(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` as ``0-2,5,7-8``: a 1,000-rank job's missing ranks on one line."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def cmd_gc(conn: Connection, args: argparse.Namespace) -> int:

@@ -35,6 +35,16 @@ def test_status_and_ls_json(daemon):
     assert human.splitlines()[1].split()[:2] == ["5", "local,shared"]
 
 
+def test_ls_names_the_missing_ranks_of_an_incomplete_step(daemon):
+    with Client("cli-gaps", socket=daemon.socket, rank=1, world_size=4, attempt="run-a") as c:
+        c.save(9, {"w": torch.ones(10)}).wait("local", timeout=30)
+    row = ckptstage("ls", "cli-gaps", socket=daemon.socket).stdout.splitlines()[1]
+    assert row.split()[0] == "9" and row.split()[1].startswith("local:1/4"), row  # one part of four, no record
+    assert "no (missing ranks 0,2-3)" in row and "run-a" in row, row
+    (ck,) = json.loads(ckptstage("ls", "cli-gaps", "--json", socket=daemon.socket).stdout)["checkpoints"]
+    assert ck["complete"] is False and ck["ranks_missing"] == [0, 2, 3] and ck["attempt"] == "run-a"
+
+
 def test_pin_gc_and_drain_commands(daemon):
     with Client("cli-gc", socket=daemon.socket) as c:
         for step in (1, 2, 3, 4):
