@@ -6,9 +6,11 @@ shard, or the whole tensor), filled from every stored fragment that overlaps
 it, reading only the byte range of each fragment that holds the overlap.
 Plain (non-DTensor) tensors and values come from one part: the caller's own
 rank at the same world size, rank 0's at another (DCP's rule for replicated
-state). Reads are verified chunk by chunk against the manifest; a chunk that
-a read only partly needs is read whole (it is the unit of verification) and
-kept for the next fragment in it. A copy that fails verification is reported
+state). Reads are verified against the manifest's digest blocks (1 MiB); a
+block that a read only partly needs is read whole (it is the unit of
+verification) and kept for the next fragment in it. Boxes are read in row
+pieces of a few MiB on a few threads, so one large part, or one large
+tensor, is read in parallel too. A copy that fails verification is reported
 and the part's next copy (normally the shared tier's) is read instead.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,14 +34,22 @@ from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
 
-_READERS = 4       # parts read in parallel
-_CACHED_CHUNKS = 2  # verified chunks kept per part for the next fragment in them
+_READERS = 4          # reads in flight (a cold disk wants more than the 2 cores); GIL released in preadv
+_CACHED_BLOCKS = 2    # partly used verified blocks each reading thread keeps for the next fragment in them
+_SPAN = 16 << 20      # the largest single read of whole blocks
+_PIECE = 32 << 20     # a box is read in row pieces of about this size, so one tensor spreads over the readers
 
 Report = Callable[[int, int, str], None]  # (rank, index of the copy, what failed)
 
 
 class PartReader:
-    """Verified reads of byte ranges of one part's data file, from its best copy that verifies."""
+    """Verified reads of byte ranges of one part's data file, from its best copy that verifies.
+
+    Thread-safe: several threads read one part at once (positional reads on
+    one descriptor), each with its own cache of partly used blocks; a copy
+    that fails verification is abandoned for the next by whichever thread
+    finds it, and the others follow on their next read.
+    """
 
     def __init__(self, rank: int, dirs: list[Path], report: Report | None = None) -> None:
         if not dirs:
@@ -46,10 +57,12 @@ class PartReader:
         self.rank = rank
         self.dirs = dirs
         self._report = report
+        self._lock = threading.Lock()
         self._copy = -1
         self._fd = -1
+        self._fds: list[int] = []  # closed only at close(): another thread may still read an abandoned copy
+        self._local = threading.local()
         self.bytes_read = 0
-        self._cache: OrderedDict[int, bytearray] = OrderedDict()
         self.manifest: dict[str, Any] = {}
         self._next_copy(None)
 
@@ -64,81 +77,102 @@ class PartReader:
                 entry = layout.manifest_files(manifest)[layout.DATA_FILE]
                 fd = os.open(self.dirs[self._copy] / layout.DATA_FILE, os.O_RDONLY)
             except (layout.ManifestError, KeyError, OSError) as e:
-                failure = self._failed(e)
+                failure = self._failed(self._copy, e)
                 continue
+            self._fds.append(fd)
             if self.manifest and layout.manifest_files(self.manifest)[layout.DATA_FILE] != entry:
-                os.close(fd)
                 failure = layout.ManifestError(f"{self.dirs[self._copy]}: this copy's data differs from the first's")
                 continue
-            self.close()
             self._fd, self.manifest, self.file = fd, self.manifest or manifest, entry
-            self._cache.clear()
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             return
 
-    def _failed(self, e: BaseException) -> BaseException:
+    def _failed(self, copy: int, e: BaseException) -> BaseException:
         if isinstance(e, KeyError):
-            e = layout.ManifestError(f"{self.dirs[self._copy]}: manifest lists no {layout.DATA_FILE}")
+            e = layout.ManifestError(f"{self.dirs[copy]}: manifest lists no {layout.DATA_FILE}")
         if self._report is not None and layout.is_verification_failure(e):
-            self._report(self.rank, self._copy, str(e))
-        log.warning("rank %d part at %s: %s", self.rank, self.dirs[self._copy], e)
+            self._report(self.rank, copy, str(e))
+        log.warning("rank %d part at %s: %s", self.rank, self.dirs[copy], e)
         return e
 
     def drop_cache(self) -> None:
-        self._cache.clear()
+        """Forgets this thread's partly used blocks."""
+        self._cache().clear()
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+        self._fd = -1
 
     def read(self, offset: int, dest: memoryview) -> None:
-        """Fills ``dest`` with the file's bytes at ``offset``, every chunk they touch verified."""
+        """Fills ``dest`` with the file's bytes at ``offset``, every block they touch verified."""
         while True:
+            with self._lock:
+                copy, fd = self._copy, self._fd
             try:
-                self._read(offset, dest)
+                self._read(copy, fd, offset, dest)
                 return
             except layout.ChecksumMismatch as e:
-                self._next_copy(self._failed(e))
+                with self._lock:
+                    if self._copy == copy:  # else another thread has moved on already
+                        self._next_copy(self._failed(copy, e))
+                self.drop_cache()
 
-    def _read(self, offset: int, dest: memoryview) -> None:
-        cb, end, pos = self.file.chunk_bytes, offset + len(dest), offset
+    def _cache(self) -> OrderedDict[tuple[int, int], bytearray]:
+        cache = getattr(self._local, "cache", None)
+        if cache is None:
+            cache = self._local.cache = OrderedDict()
+        return cache
+
+    def _read(self, copy: int, fd: int, offset: int, dest: memoryview) -> None:
+        bs, end, pos = self.file.chunk_bytes, offset + len(dest), offset
         while pos < end:
-            c = pos // cb
-            c0, c1 = c * cb, min((c + 1) * cb, self.file.size)
-            stop = min(end, c1)
-            if pos == c0 and stop == c1 and c not in self._cache:
-                self._pread_verified(c, dest[pos - offset:stop - offset])  # the whole chunk, straight in
-            else:
-                chunk = self._chunk(c)
-                dest[pos - offset:stop - offset] = memoryview(chunk)[pos - c0:stop - c0]
+            b0 = pos // bs * bs
+            if pos == b0 and end - pos >= min(bs, self.file.size - b0):
+                # Whole blocks, straight into dest: one read of up to _SPAN bytes, then a digest per block.
+                n = min(end, self.file.size) - pos
+                n = min(max(bs, _SPAN // bs * bs), n if end >= self.file.size else n // bs * bs)
+                self._pread_verified(copy, fd, pos, dest[pos - offset:pos - offset + n])
+                pos += n
+                continue
+            stop = min(end, b0 + bs)
+            block = self._block(copy, fd, pos // bs)
+            dest[pos - offset:stop - offset] = memoryview(block)[pos - b0:stop - b0]
             pos = stop
 
-    def _chunk(self, c: int) -> bytearray:
-        buf = self._cache.get(c)
+    def _block(self, copy: int, fd: int, b: int) -> bytearray:
+        cache = self._cache()
+        buf = cache.get((copy, b))
         if buf is None:
-            cb = self.file.chunk_bytes
-            buf = bytearray(min(cb, self.file.size - c * cb))
-            self._pread_verified(c, memoryview(buf))
-            self._cache[c] = buf
-            while len(self._cache) > _CACHED_CHUNKS:
-                self._cache.popitem(last=False)
+            bs = self.file.chunk_bytes
+            buf = bytearray(min(bs, self.file.size - b * bs))
+            self._pread_verified(copy, fd, b * bs, memoryview(buf))
+            cache[(copy, b)] = buf
+            while len(cache) > _CACHED_BLOCKS:
+                cache.popitem(last=False)
         else:
-            self._cache.move_to_end(c)
+            cache.move_to_end((copy, b))
         return buf
 
-    def _pread_verified(self, c: int, view: memoryview) -> None:
-        path = self.dirs[self._copy] / layout.DATA_FILE
+    def _pread_verified(self, copy: int, fd: int, offset: int, view: memoryview) -> None:
+        """Reads whole blocks at ``offset`` (block-aligned) into ``view`` and checks each one's digest."""
+        path = self.dirs[copy] / layout.DATA_FILE
         got = 0
         while got < len(view):
-            n = os.preadv(self._fd, [view[got:]], c * self.file.chunk_bytes + got)
+            n = os.preadv(fd, [view[got:]], offset + got)
             if n <= 0:
-                raise layout.ChecksumMismatch(path, f"unexpected end of file in chunk {c}")
+                raise layout.ChecksumMismatch(path, f"unexpected end of file at byte {offset + got}")
             got += n
-        self.bytes_read += got
-        digest = layout.chunk_digest(view)
-        if digest != self.file.digests[c]:
-            raise layout.ChecksumMismatch(path, f"chunk {c} (bytes {c * self.file.chunk_bytes}..) "
-                                                f"{layout.CHECKSUM} {digest} != {self.file.digests[c]}")
+        with self._lock:
+            self.bytes_read += got
+        bs = self.file.chunk_bytes
+        for at in range(0, len(view), bs):
+            b = (offset + at) // bs
+            digest = layout.chunk_digest(view[at:at + bs])
+            if digest != self.file.digests[b]:
+                raise layout.ChecksumMismatch(path, f"block {b} (bytes {b * bs}..) "
+                                                    f"{layout.CHECKSUM} {digest} != {self.file.digests[b]}")
 
 
 @dataclass(frozen=True)
@@ -305,17 +339,21 @@ class StepView:
         return result
 
     def _run(self, tasks: list[_Task]) -> None:
+        """Reads every task: in row pieces of about :data:`_PIECE` bytes, each part's in file order,
+        spread over :data:`_READERS` threads (a part's pieces too, so one large part reads in parallel)."""
         by_rank: dict[int, list[_Task]] = defaultdict(list)
         for task in tasks:
-            by_rank[task.source.rank].append(task)
-        for group in by_rank.values():
-            group.sort(key=lambda t: t.source.entry.offset)  # file order: each chunk read once
-        if len(by_rank) <= 1:
-            for group in by_rank.values():
+            by_rank[task.source.rank].extend(_split(task))
+        groups: list[list[_Task]] = []
+        for rank_tasks in by_rank.values():
+            rank_tasks.sort(key=lambda t: (t.source.entry.offset, t.box[0]))
+            groups += _runs_of(rank_tasks, _PIECE)
+        if len(groups) <= 1:
+            for group in groups:
                 self._read_group(group)
             return
-        with ThreadPoolExecutor(max_workers=min(_READERS, len(by_rank))) as pool:
-            list(pool.map(self._read_group, by_rank.values()))
+        with ThreadPoolExecutor(max_workers=min(_READERS, len(groups))) as pool:
+            list(pool.map(self._read_group, groups))
 
     def _read_group(self, tasks: list[_Task]) -> None:
         reader = self.readers[tasks[0].source.rank]
@@ -323,19 +361,45 @@ class StepView:
             for task in tasks:
                 _read_task(reader, task)
         finally:
-            reader.drop_cache()  # memory stays bounded by the readers at work, not by the parts of the step
+            reader.drop_cache()  # memory stays bounded by the threads at work, not by the parts of the step
+
+
+def _split(task: _Task) -> list[_Task]:
+    """The task cut along its box's first dimension into pieces of about :data:`_PIECE` bytes."""
+    offsets, sizes = task.box
+    if not sizes or sizes[0] <= 1:
+        return [task]
+    rows = max(1, _PIECE // max(1, _numel(sizes[1:]) * task.out.element_size()))
+    if rows >= sizes[0]:
+        return [task]
+    return [_Task(task.source, ((offsets[0] + i, *offsets[1:]), (min(rows, sizes[0] - i), *sizes[1:])),
+                  task.out, task.out_origin) for i in range(0, sizes[0], rows)]
+
+
+def _runs_of(tasks: list[_Task], size: int) -> list[list[_Task]]:
+    """Consecutive tasks grouped into runs of about ``size`` bytes (small fragments share a group's cache)."""
+    runs: list[list[_Task]] = [[]]
+    held = 0
+    for task in tasks:
+        nbytes = _numel(task.box[1]) * task.out.element_size()
+        if runs[-1] and held + nbytes > size:
+            runs.append([])
+            held = 0
+        runs[-1].append(task)
+        held += nbytes
+    return [r for r in runs if r]
 
 
 def _read_task(reader: PartReader, task: _Task) -> None:
-    entry, box = task.source.entry, task.box
+    entry, box, origin = task.source.entry, task.box, task.source.origin
     dtype = dtype_from_name(entry.dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
     dest = task.out[shards.box_slices(box, task.out_origin)]
-    whole = box == (task.source.origin, entry.shape)
-    if whole and dest.is_contiguous():
-        reader.read(entry.offset, _bytes_of(dest))
+    lo, hi = shards.byte_span(box, origin, entry.shape, itemsize)
+    full_rows = box[1][1:] == entry.shape[1:]  # then the byte span is exactly the box, row-major
+    if full_rows and dest.is_contiguous():
+        reader.read(entry.offset + lo, _bytes_of(dest))
         return
-    lo, hi = shards.byte_span(box, task.source.origin, entry.shape, itemsize)
     buf = torch.empty((hi - lo) // itemsize, dtype=dtype)
     reader.read(entry.offset + lo, _bytes_of(buf))
     strides = [1] * len(entry.shape)
