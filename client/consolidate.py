@@ -32,6 +32,7 @@ is renamed into place last. An output directory that already holds
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -46,6 +47,7 @@ import torch
 
 from ckptstage.client import errors, reshard, shards, steps
 from ckptstage.client.fileplan import _ST_CODES, _padded_header
+from ckptstage.client.restore import bytes_of
 from ckptstage.client.rpc import Connection
 from ckptstage.protos import layout
 
@@ -90,7 +92,7 @@ class _Tensor:
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def parse_size(value: str | int) -> int:
@@ -275,7 +277,7 @@ def _write_file(view: reshard.StepView, path: Path, tensors: list[_Tensor], meta
         _write_out(f, memoryview(header))
         for t in order:
             for slab in _slabs(view, t):
-                _write_out(f, _bytes_of(slab))
+                _write_out(f, bytes_of(slab))
                 bar.update(slab.numel() * slab.element_size())
         os.fsync(f.fileno())
 
@@ -382,17 +384,6 @@ def _progress(mode: Progress, total: int, what: str) -> _Bar:
     if mode not in ("auto", "bar", "lines", "none"):
         raise ValueError(f"progress must be 'auto', 'bar', 'lines' or 'none', not {mode!r}")
     return _Bar(mode, total, what)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 __all__ = ["Consolidated", "ConsolidateError", "INDEX_NAME", "SLAB_BYTES", "WEIGHTS_NAME", "consolidate",

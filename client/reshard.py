@@ -17,6 +17,7 @@ and the part's next copy (normally the shared tier's) is read instead.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from collections import OrderedDict, defaultdict
@@ -30,6 +31,7 @@ import torch
 
 from ckptstage.client import shards, tree
 from ckptstage.client.fileplan import dtype_from_name
+from ckptstage.client.restore import bytes_of
 from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
@@ -332,10 +334,10 @@ class StepView:
             part = shards.overlap(box, (src.origin, src.entry.shape))
             if part is not None:
                 tasks.append(_Task(src, part, out, box[0]))
-                covered += _numel(part[1])
-        if covered != _numel(box[1]):
+                covered += math.prod(part[1])
+        if covered != math.prod(box[1]):
             raise layout.ManifestError(f"key {fqn!r}: the checkpoint's fragments cover {covered} of the "
-                                       f"{_numel(box[1])} elements of box {box} (a part is missing or overlaps)")
+                                       f"{math.prod(box[1])} elements of box {box} (a part is missing or overlaps)")
         return result
 
     def _run(self, tasks: list[_Task]) -> None:
@@ -369,7 +371,7 @@ def _split(task: _Task) -> list[_Task]:
     offsets, sizes = task.box
     if not sizes or sizes[0] <= 1:
         return [task]
-    rows = max(1, _PIECE // max(1, _numel(sizes[1:]) * task.out.element_size()))
+    rows = max(1, _PIECE // max(1, math.prod(sizes[1:]) * task.out.element_size()))
     if rows >= sizes[0]:
         return [task]
     return [_Task(task.source, ((offsets[0] + i, *offsets[1:]), (min(rows, sizes[0] - i), *sizes[1:])),
@@ -381,7 +383,7 @@ def _runs_of(tasks: list[_Task], size: int) -> list[list[_Task]]:
     runs: list[list[_Task]] = [[]]
     held = 0
     for task in tasks:
-        nbytes = _numel(task.box[1]) * task.out.element_size()
+        nbytes = math.prod(task.box[1]) * task.out.element_size()
         if runs[-1] and held + nbytes > size:
             runs.append([])
             held = 0
@@ -398,10 +400,10 @@ def _read_task(reader: PartReader, task: _Task) -> None:
     lo, hi = shards.byte_span(box, origin, entry.shape, itemsize)
     full_rows = box[1][1:] == entry.shape[1:]  # then the byte span is exactly the box, row-major
     if full_rows and dest.is_contiguous():
-        reader.read(entry.offset + lo, _bytes_of(dest))
+        reader.read(entry.offset + lo, bytes_of(dest))
         return
     buf = torch.empty((hi - lo) // itemsize, dtype=dtype)
-    reader.read(entry.offset + lo, _bytes_of(buf))
+    reader.read(entry.offset + lo, bytes_of(buf))
     strides = [1] * len(entry.shape)
     for d in range(len(entry.shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * entry.shape[d + 1]
@@ -446,14 +448,3 @@ def _sharded_nodes(node: Any) -> list[dict[str, Any]]:
 
 def has_sharded(manifest: dict[str, Any]) -> bool:
     return any("global_shape" in t for t in manifest["tensors"]) or bool(_sharded_nodes(manifest["tree"]))
-
-
-def _numel(sizes: tuple[int, ...]) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]

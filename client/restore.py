@@ -126,14 +126,14 @@ def _destination(t: layout.TensorEntry, target: torch.Tensor | None,
         pad = -raw.data_ptr() % _PAGE
         window = raw[pad:pad + end - base]
         dest = window[t.offset - base:t.offset - base + t.nbytes].view(dtype).view(t.shape)
-        span = _Span(t.offset, _bytes_of(dest), memoryview(window.numpy()), base)  # type: ignore[arg-type]
+        span = _Span(t.offset, bytes_of(dest), memoryview(window.numpy()), base)  # type: ignore[arg-type]
         return dest, span
     dest = torch.empty(t.shape, dtype=dtype)
     return dest, _span_of(t, dest)
 
 
 def _span_of(t: layout.TensorEntry, dest: torch.Tensor) -> _Span | None:
-    return _Span(t.offset, _bytes_of(dest)) if t.nbytes else None
+    return _Span(t.offset, bytes_of(dest)) if t.nbytes else None
 
 
 def _finish(dest: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
@@ -143,7 +143,8 @@ def _finish(dest: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
     return target
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
+def bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable in place (what a read fills)."""
     return memoryview(t.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 

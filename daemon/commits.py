@@ -184,7 +184,7 @@ class Commits:
             r: layout.CommittedPart(p.nbytes, p.digest) for r, p in parts.items()})
         final = layout.commit_path(tier_dir, job, step)
         if fsutil.link_exactly_once(tier_dir, self.owner, final, layout.commit_record_bytes(record)):
-            self.catalog.set_record(tier, record, _ino(final))
+            self.catalog.set_record(tier, record, fsutil.inode(final))
             log.info("committed %s step %d on the %s tier: %d ranks of attempt %r", job, step, tier.value, world,
                      attempt)
             return record
@@ -199,7 +199,7 @@ class Commits:
         if theirs.attempt != attempt:
             log.warning("%s step %d is committed on the %s tier by attempt %r; the parts of attempt %r there "
                         "are stragglers", job, step, tier.value, theirs.attempt, attempt)
-        self.catalog.set_record(tier, theirs, _ino(final))
+        self.catalog.set_record(tier, theirs, fsutil.inode(final))
         return theirs
 
     # --- waiting for a step ---------------------------------------------------------------
@@ -228,10 +228,3 @@ class Commits:
                 return None
             stop.wait(min(POLL_S, left))
         return None
-
-
-def _ino(path: Path) -> int:
-    try:
-        return path.stat().st_ino
-    except OSError:
-        return 0

@@ -514,7 +514,7 @@ class Drainer:
             raise Conflict(f"{final} already holds a different checkpoint under the same job, step and rank; "
                            "move it away (or use a new job name) to drain this one")
         return Part(part.job, part.step, part.rank, part.world_size, tier, final, part.nbytes, part.created,
-                    part.metrics, layout.manifest_attempt(theirs), digest, _ino(final))
+                    part.metrics, layout.manifest_attempt(theirs), digest, fsutil.inode(final))
 
     def _copy_file(self, src: Path, dst: Path, entry: layout.FileEntry, rate_limited: bool) -> None:
         """Reads piece i+1 while piece i is written: one read, one check per digest block, one write.
@@ -567,10 +567,3 @@ def _record_on(step_path: Path) -> layout.CommitRecord | None:
         return layout.read_commit_record(step_path)
     except layout.ManifestError:
         return None
-
-
-def _ino(path: Path) -> int:
-    try:
-        return path.stat().st_ino
-    except OSError:
-        return 0

@@ -30,6 +30,14 @@ PRIVATE_FILE = 0o600
 PRIVATE_DIR = 0o700
 
 
+def inode(path: Path) -> int:
+    """The inode number of ``path``, 0 when it is gone: what tells a replaced file or directory from the old one."""
+    try:
+        return path.stat().st_ino
+    except OSError:
+        return 0
+
+
 def fsync_dir(path: Path) -> None:
     """Makes a directory's entries (creations, renames, unlinks) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

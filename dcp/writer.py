@@ -18,6 +18,7 @@ for the commits.
 from __future__ import annotations
 
 import io
+import math
 import logging
 import os
 import socket as socketlib
@@ -210,7 +211,7 @@ def build_flat(tree_items: Iterable[WriteItem], stored: Iterable[WriteItem],
         if item.index.fqn not in nodes:
             raise ValueError(f"DCP key {item.index.fqn!r} is in this rank's final plan but not in its local plan")
         sizes = tuple(int(s) for s in td.chunk.sizes)
-        if _numel(sizes) == 0:
+        if math.prod(sizes) == 0:
             continue  # an empty shard holds no bytes
         t = resolve(item)
         if not isinstance(t, torch.Tensor):
@@ -265,13 +266,6 @@ def _item_key(item: WriteItem) -> tuple[str, tuple[int, ...] | None]:
 def _result(item: WriteItem, rank: int) -> WriteResult:
     size = item.tensor_storage_size() if item.type != WriteItemType.BYTE_IO else 0
     return WriteResult(index=item.index, size_in_bytes=size or 0, storage_data={"rank": rank})
-
-
-def _numel(sizes: tuple[int, ...]) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
 
 
 __all__ = ["Writer", "build_flat", "parse_step"]
