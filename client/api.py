@@ -63,6 +63,7 @@ class SaveHandle:
         self.step = step
         self._client = client
         self._snapshot = threading.Event()
+        self._copied = threading.Event()  # every byte is in the arena (FinishSave may still be on its way)
         self._urgent = threading.Event()  # someone waits for the snapshot: copy with every core
         self._error: BaseException | None = None
         self.save_id: str | None = None
@@ -81,6 +82,17 @@ class SaveHandle:
         self._urgent.set()
         if not self._snapshot.wait(timeout):
             raise TimeoutError(f"snapshot of step {self.step} not done after {timeout}s")
+        if self._error is not None:
+            raise self._error
+
+    def wait_copied(self, timeout: float | None = None) -> None:
+        """Returns once every byte of the state is in the daemon's shared memory: the tensors may be
+        mutated again, but until :meth:`wait_snapshot` returns the checkpoint still needs this process
+        (the daemon has not been told the copy is complete). For a caller that waits for the commit
+        anyway, e.g. the DCP writer's stager, whose background save follows."""
+        self._urgent.set()
+        if not self._copied.wait(timeout):
+            raise TimeoutError(f"copy of step {self.step} not done after {timeout}s")
         if self._error is not None:
             raise self._error
 
@@ -109,6 +121,7 @@ class SaveHandle:
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
         self.blocked_s = time.perf_counter() - self._t0
+        self._copied.set()
         self._snapshot.set()
 
 
@@ -514,6 +527,7 @@ class Client:
         except BaseException as e:
             self._abort(begin, e)
             raise
+        job.handle._copied.set()
         resp = begin()
         # The snapshot is done only once the daemon has the whole save: from
         # then on the checkpoint no longer depends on this process (a trainer

@@ -164,7 +164,7 @@ class Writer(StorageWriter, AsyncStager):
         mine = _lowest_rank_items(items, client.rank)
         flat = build_flat(items, mine, lambda it: _resolve(planner, it))
         handle = client.save_flat(self.step, flat)
-        handle.wait_snapshot()
+        handle.wait_copied()  # the trainer may go on; write_data() waits for the commit in the background
         self._staged = _Staged(handle, {_item_key(it) for it in items})
         return state_dict
 
