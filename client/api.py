@@ -331,14 +331,17 @@ class Client:
         """
         target = tree.flatten_state(into) if into is not None else None
         for attempt in (1, 2):
-            located = steps.locate(self._conn, self.job, step, self.rank)
+            located = steps.locate(self._conn, self.job, step, self.rank, all_ranks=False)
             step = located.step  # pinned down: a retry reads the same step
             tree_rank = located.tree_rank(self.rank, self.world_size)
+            if tree_rank != self.rank:
+                located = steps.locate(self._conn, self.job, step, tree_rank, all_ranks=False)
             if tree_rank not in located.parts:
                 raise errors.CheckpointNotFound(f"{self.job} step {step}: the daemon did not say where rank "
                                                 f"{tree_rank}'s part is")
             try:
                 if (target is not None and target.sharded) or _is_sharded(located.parts[tree_rank]):
+                    located = steps.locate(self._conn, self.job, step, self.rank)  # every part, now
                     with steps.OpenStep(self._conn, located) as opened:
                         return opened.view.load(tree_rank, target)
             except layout.ChecksumMismatch as e:

@@ -29,14 +29,17 @@ class LocatedStep:
 
     def tree_rank(self, rank: int, world_size: int) -> int:
         """Whose plain values a reader gets: its own rank's at the saving world size, else rank 0's."""
-        return rank if world_size == self.world_size and rank in self.parts else 0
+        return rank if world_size == self.world_size else 0
 
 
-def locate(conn: Connection, job: str, step: int | None, rank: int = 0) -> LocatedStep:
-    """Where every part of ``step`` (the newest complete one when None) lies; raises CheckpointNotFound."""
+def locate(conn: Connection, job: str, step: int | None, rank: int = 0, all_ranks: bool = True) -> LocatedStep:
+    """Where the parts of ``step`` (the newest complete one when None) lie: every rank's, or only
+    ``rank``'s (a whole-part load need not hear of a thousand others); raises CheckpointNotFound."""
     resp = conn.call("Locate", pb.LocateRequest(job=job, rank=rank, latest=step is None, step=step or 0,
-                                                all_ranks=True))
+                                                all_ranks=all_ranks))
     parts = {p.rank: [(loc.tier, Path(loc.dir)) for loc in p.locations] for p in resp.parts}
+    if not all_ranks and resp.locations:
+        parts[rank] = [(loc.tier, Path(loc.dir)) for loc in resp.locations]
     return LocatedStep(job, int(resp.step), int(resp.world_size), resp.attempt, parts)
 
 
