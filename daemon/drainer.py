@@ -102,6 +102,11 @@ class _Stopping(Exception):
     """The drainer is stopping; the copy is abandoned (its temporary removed) and resumes on restart."""
 
 
+def _created(manifest: dict[str, object]) -> float:
+    value = manifest.get("created", 0.0)
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
 # Bytes the drainer reads, checks and writes at a time (whole digest blocks).
 _PIECE_BYTES = 64 << 20
 # How many drained parts ``wait_part`` remembers after their copies are gone (deleted by retention).
@@ -491,14 +496,20 @@ class Drainer:
 
     @staticmethod
     def _replaceable(final: Path, manifest: dict[str, object]) -> bool:
-        """Whether the part at ``final`` is another attempt's, in a step with no commit record there."""
+        """Whether the part at ``final`` is an earlier attempt's, in a step with no commit record there.
+
+        Earlier, not merely other: a crashed attempt's part whose drain resumes
+        after the restart must never replace the part its successor already
+        drained (the successor's local copy counts as drained and may go).
+        """
         if (final.parent / layout.COMMIT_FILE).exists():
             return False
         try:
-            theirs = layout.manifest_attempt(layout.read_manifest(final))
+            theirs = layout.read_manifest(final)
         except layout.ManifestError:
             return False  # judged by _reuse: a Conflict, never silently replaced
-        return theirs != layout.manifest_attempt(manifest)
+        return (layout.manifest_attempt(theirs) != layout.manifest_attempt(manifest)
+                and _created(theirs) < _created(manifest))
 
     @staticmethod
     def _reuse(final: Path, manifest: dict[str, object], part: Part, tier: TierName) -> Part:

@@ -151,3 +151,23 @@ def test_a_rank_that_never_saves_leaves_the_step_incomplete_on_every_node(daemon
     finally:
         for cl in again:
             cl.close()
+
+
+def test_a_crashed_attempts_late_drain_never_replaces_its_successors_part(daemon_factory: Any, tmp_path: Any) -> None:
+    """Attempt 'old' committed rank 0 of step 5 on node A, which could not drain it then; attempt 'new'
+    saved and drained the same part from node B. When A's drain resumes, it must not overwrite B's part."""
+    shared = tmp_path / "shared-tier"
+    a = daemon_factory("node-a", **{"shared.dir": ""}).start()  # no shared tier yet: nothing drains
+    with Client(JOB, socket=a.socket, rank=0, world_size=2, attempt="old") as c:
+        c.save(5, state_of(5, 0)).wait("local", timeout=30)
+    time.sleep(0.05)  # 'new' is strictly later
+    b = daemon_factory("node-b", **{"shared.dir": str(shared)}).start()
+    with Client(JOB, socket=b.socket, rank=0, world_size=2, attempt="new") as c:
+        c.save(5, {"w": torch.full((1024,), -1.0), "step": 5}).wait("shared", timeout=30)
+    part = layout.part_dir(shared, JOB, 5, 0)
+    assert layout.manifest_attempt(layout.read_manifest(part)) == "new"
+    a.stop()
+    a.write_config(**{"shared.dir": str(shared)})
+    a.start()
+    wait_until(lambda: "not draining" in a.log.read_text(), 20, "node A to give up draining the older part")
+    assert layout.manifest_attempt(layout.read_manifest(part)) == "new"
