@@ -282,8 +282,8 @@ class Client:
                     handle.wait(tier, timeout)
                 else:
                     self._wait_step(step, tier, timeout)
-            except (errors.CkptStageError, TimeoutError) as e:
-                failure = f"rank {self.rank}: {e}"
+            except Exception as e:  # noqa: BLE001 - every rank must reach the gather, whatever went wrong here
+                failure = f"rank {self.rank}: {type(e).__name__}: {e}"
             failures = [f for f in dist.gather(failure) if f]
             if failures:
                 raise errors.SaveFailed(f"step {step} of {self.job!r} is not complete on {tier}: "
@@ -343,8 +343,10 @@ class Client:
                 if (target is not None and target.sharded) or _is_sharded(located.parts[tree_rank]):
                     located = steps.locate(self._conn, self.job, step, self.rank)  # every part, now
                     with steps.OpenStep(self._conn, located) as opened:
-                        return opened.view.load(tree_rank, target)
-            except layout.ChecksumMismatch as e:
+                        return opened.view.load(tree_rank, target, union=located.world_size != self.world_size)
+            except layout.ManifestError as e:
+                if not layout.is_verification_failure(e):
+                    raise  # this process's own trouble (see above): nothing is known about the copies
                 raise errors.CorruptCheckpoint(f"no copy of {self.job} step {step} verifies: {e}") from e
             except FileNotFoundError:
                 if attempt == 2:

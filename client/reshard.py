@@ -16,6 +16,7 @@ and the part's next copy (normally the shared tier's) is read instead.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -62,6 +63,7 @@ class PartReader:
         self._lock = threading.Lock()
         self._copy = -1
         self._fd = -1
+        self._exhausted: BaseException | None = None  # every copy failed: what the last one did
         self._fds: list[int] = []  # closed only at close(): another thread may still read an abandoned copy
         self._local = threading.local()
         self.bytes_read = 0
@@ -73,7 +75,8 @@ class PartReader:
         while True:
             self._copy += 1
             if self._copy >= len(self.dirs):
-                raise failure if failure is not None else layout.ManifestError(f"rank {self.rank}: no copy")
+                self._exhausted = failure or layout.ManifestError(f"rank {self.rank}: no copy to read")
+                raise self._exhausted
             try:
                 manifest = layout.read_manifest(self.dirs[self._copy])
                 entry = layout.manifest_files(manifest)[layout.DATA_FILE]
@@ -84,6 +87,10 @@ class PartReader:
             self._fds.append(fd)
             if self.manifest and layout.manifest_files(self.manifest)[layout.DATA_FILE] != entry:
                 failure = layout.ManifestError(f"{self.dirs[self._copy]}: this copy's data differs from the first's")
+                continue
+            if len(entry.digests) != layout.chunk_count(entry.size, entry.chunk_bytes):
+                failure = self._failed(self._copy, layout.ChecksumMismatch(
+                    self.dirs[self._copy] / layout.DATA_FILE, "the manifest's digest list does not cover the file"))
                 continue
             self._fd, self.manifest, self.file = fd, self.manifest or manifest, entry
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -111,13 +118,15 @@ class PartReader:
         """Fills ``dest`` with the file's bytes at ``offset``, every block they touch verified."""
         while True:
             with self._lock:
+                if self._exhausted is not None:  # another thread found the last copy bad
+                    raise self._exhausted
                 copy, fd = self._copy, self._fd
             try:
                 self._read(copy, fd, offset, dest)
                 return
             except layout.ChecksumMismatch as e:
                 with self._lock:
-                    if self._copy == copy:  # else another thread has moved on already
+                    if self._copy == copy and self._exhausted is None:  # else another thread moved on already
                         self._next_copy(self._failed(copy, e))
                 self.drop_cache()
 
@@ -202,6 +211,8 @@ class StepView:
     fragments: dict[str, list[Source]] = field(default_factory=dict)
     plain: dict[int, dict[str, Source]] = field(default_factory=dict)   # rank -> fqn -> its plain tensor
     plain_index: dict[int, list[str]] = field(default_factory=dict)     # rank -> tensor number -> fqn
+    sources: dict[int, list[Source]] = field(default_factory=dict)      # rank -> tensor number -> where it is
+    ambiguous: set[str] = field(default_factory=set)  # fqns two different tensors share (keys "a.b" and a -> b)
     sharded: dict[str, dict[str, Any]] = field(default_factory=dict)    # fqn -> the "D" node (dtype, shape)
     _names: dict[int, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = field(default_factory=dict)
 
@@ -221,10 +232,12 @@ class StepView:
     def _index(self, rank: int, manifest: dict[str, Any]) -> None:
         fqns: list[str] = []
         self.plain[rank] = {}
+        self.sources[rank] = []
         for raw in manifest["tensors"]:
             entry = layout.TensorEntry.from_json(raw)
             fqn = str(raw.get("fqn", entry.name))
             fqns.append(fqn)
+            self.sources[rank].append(Source(rank, entry, (0,) * len(entry.shape)))
             if "global_shape" in raw:
                 src = Source(rank, entry, tuple(int(o) for o in raw["global_offset"]))
                 known = self.fragments.setdefault(fqn, [])
@@ -232,8 +245,10 @@ class StepView:
                 # module on a sub-mesh): any one copy serves.
                 if not any(k.origin == src.origin and k.entry.shape == entry.shape for k in known):
                     known.append(src)
+            elif fqn in self.plain[rank]:
+                self.ambiguous.add(fqn)  # a tree node finds its tensor by number; by name, it is refused
             else:
-                self.plain[rank].setdefault(fqn, Source(rank, entry, (0,) * len(entry.shape)))
+                self.plain[rank][fqn] = self.sources[rank][-1]
         self.plain_index[rank] = fqns
         for node in _sharded_nodes(manifest["tree"]):
             self.sharded.setdefault(str(node["fqn"]), node)
@@ -265,7 +280,7 @@ class StepView:
     def read_full(self, fqn: str, tree_rank: int = 0) -> torch.Tensor:
         """One whole (unsharded) tensor, assembled from its fragments or ``tree_rank``'s plain copy."""
         dtype, shape = self.names(tree_rank)[fqn]
-        sources = self.fragments.get(fqn) or [self.plain[tree_rank][fqn]]
+        sources = self._by_name(fqn, tree_rank)
         tasks: list[_Task] = []
         out = self._fill(fqn, dtype, shape, sources, _Targets(None), tasks, [])
         self._run(tasks)
@@ -274,33 +289,51 @@ class StepView:
     def read_box(self, fqn: str, box: shards.Box, out: torch.Tensor, tree_rank: int = 0) -> None:
         """Fills ``out`` (a CPU tensor of the box's sizes) with ``box`` of tensor ``fqn``, from every overlapping
         fragment (or ``tree_rank``'s plain copy)."""
-        sources = self.fragments.get(fqn) or [self.plain[tree_rank][fqn]]
+        sources = self._by_name(fqn, tree_rank)
         tasks = [_Task(src, part, out, box[0]) for src in sources
                  if (part := shards.overlap(box, (src.origin, src.entry.shape))) is not None]
         self._run(tasks)
 
-    def load(self, tree_rank: int, into: tree.Flat | None) -> Any:
-        """The state of ``tree_rank``'s tree, sharded tensors filled from every part (into ``into``'s where given)."""
+    def _by_name(self, fqn: str, tree_rank: int) -> list[Source]:
+        if fqn in self.ambiguous:
+            raise ValueError(f"key {fqn!r} names several tensors of the checkpoint once their key paths are joined "
+                             "by dots (e.g. keys 'a.b' and a -> b, or 0 and '0'); rename one to read it by name")
+        return self.fragments.get(fqn) or [self.plain[tree_rank][fqn]]
+
+    def load(self, tree_rank: int, into: tree.Flat | None, union: bool = False) -> Any:
+        """The state of ``tree_rank``'s tree, sharded tensors filled from every part (into ``into``'s where given).
+
+        ``union`` (a load at another world size): sharded tensors that only
+        other ranks' trees name (a pipeline stage's layers) are added where
+        their key paths lead, so the state holds every sharded tensor.
+        """
+        if into is not None and self.ambiguous & set(into.fqns):
+            self._by_name(sorted(self.ambiguous & set(into.fqns))[0], tree_rank)  # raises, naming the key
         wanted = _Targets(into)
         tasks: list[_Task] = []
         done: list[Callable[[], None]] = []
-        fqns = self.plain_index[tree_rank]
 
         def sharded(node: dict[str, Any]) -> Any:
             fqn = str(node["fqn"])
             dtype, shape = dtype_from_name(str(node["dtype"])), tuple(int(n) for n in node["shape"])
             return self._fill(fqn, dtype, shape, self.fragments.get(fqn, []), wanted, tasks, done)
 
-        loaded: dict[int, Any] = {}
+        loaded: dict[Any, Any] = {}
 
-        def plain(i: int) -> Any:
+        def plain(i: int | tuple[int, int]) -> Any:
             if i not in loaded:  # a tensor stored once under several keys (tied weights) is read once
-                src = self.plain[tree_rank][fqns[i]]
+                rank, n = i if isinstance(i, tuple) else (tree_rank, i)  # (rank, n): from a merged subtree
+                src = self.sources[rank][n]  # by number: two tensors may share a joined key path
                 dtype = dtype_from_name(src.entry.dtype)
-                loaded[i] = self._fill(fqns[i], dtype, src.entry.shape, [src], wanted, tasks, done)
+                loaded[i] = self._fill(self.plain_index[rank][n], dtype, src.entry.shape, [src], wanted, tasks, done)
             return loaded[i]
 
-        state = tree.unflatten(self.tree_of(tree_rank), plain, sharded)
+        skeleton = self.tree_of(tree_rank)
+        if union:
+            for rank in self.readers:
+                if rank != tree_rank:
+                    skeleton = _with_sharded_of(skeleton, self.tree_of(rank), rank)
+        state = tree.unflatten(skeleton, plain, sharded)
         missing = wanted.unused()
         if missing:
             raise KeyError(f"the checkpoint has no tensor for key(s) {missing[:10]} of the state to load into "
@@ -429,6 +462,43 @@ class _Targets:
 
     def unused(self) -> list[str]:
         return [fqn for fqn in self._by_fqn if fqn not in self._taken]
+
+
+def _with_sharded_of(mine: Any, theirs: Any, rank: int) -> Any:
+    """``mine`` plus the subtrees of rank ``rank``'s tree ``theirs`` that hold sharded tensors ``mine`` lacks.
+
+    Matched through dict and OrderedDict keys (by their encoded form); a
+    subtree taken from ``theirs`` keeps that rank's plain values, and its
+    plain tensors become ``{"T": (rank, i)}``: tensor ``i`` of that rank's part.
+    """
+    if not (isinstance(mine, dict) and isinstance(theirs, dict)):
+        return mine
+    (tag, items), = mine.items()
+    (their_tag, their_items), = theirs.items()
+    if tag not in ("d", "o") or their_tag not in ("d", "o"):
+        return mine
+    merged = [list(item) for item in items]
+    index = {json.dumps(k, sort_keys=True): i for i, (k, _) in enumerate(merged)}
+    for key, value in their_items:
+        at = index.get(json.dumps(key, sort_keys=True))
+        if at is not None:
+            merged[at][1] = _with_sharded_of(merged[at][1], value, rank)
+        elif _sharded_nodes(value):
+            index[json.dumps(key, sort_keys=True)] = len(merged)
+            merged.append([key, _foreign(value, rank)])
+    return {tag: merged}
+
+
+def _foreign(node: Any, rank: int) -> Any:
+    """A subtree of rank ``rank``'s tree with its tensor numbers qualified by the rank."""
+    (tag, v), = node.items()
+    if tag == "T":
+        return {"T": (rank, v)}
+    if tag in ("l", "t"):
+        return {tag: [_foreign(x, rank) for x in v]}
+    if tag in ("d", "o"):
+        return {tag: [[k, _foreign(x, rank)] for k, x in v]}
+    return node
 
 
 def _sharded_nodes(node: Any) -> list[dict[str, Any]]:

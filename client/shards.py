@@ -10,7 +10,11 @@ consolidated representations of Universal Checkpointing, in one format).
 
 Replicated placements are stored once: a rank writes its local shard only if
 its coordinate is 0 on every mesh dimension where the tensor is replicated;
-the other replicas hold the same bytes. Partial placements (pending
+the other replicas hold the same bytes. A DTensor on a sub-mesh is stored by
+every slice of the root mesh that holds it: the slices may be copies (the
+``dp`` slices of FSDP-only modules under FSDP x TP) or different tensors
+under the same name (pipeline stages), and nothing local tells which, so a
+reader keeps one copy of identical boxes. Partial placements (pending
 reductions) have no bytes of their own and are refused.
 """
 
@@ -65,8 +69,6 @@ def local_fragment(dt: Any, path: str, fqn: str) -> tuple[torch.Tensor, Fragment
         return None  # this rank is not in the tensor's mesh
     if any(c != 0 for c, p in zip(coordinate, placements) if p.is_replicate()):
         return None  # a replica: the coordinate-0 rank of these mesh dimensions stores the same bytes
-    if not _holds_root_first_rank(dt.device_mesh):
-        return None  # a replica along the root mesh's dimensions this sub-mesh leaves out (see below)
     local = dt.to_local()
     if local.numel() == 0:
         return None
@@ -75,21 +77,6 @@ def local_fragment(dt: Any, path: str, fqn: str) -> tuple[torch.Tensor, Fragment
         raise TypeError(f"{path}: DTensor local shard {tuple(local.shape)} is not one box of the global tensor "
                         f"({[tuple(c.sizes) for c in chunks]}); ckptstage stores one box per rank")
     return local, Fragment(fqn, tuple(dt.shape), tuple(int(o) for o in chunks[0].offsets))
-
-
-def _holds_root_first_rank(mesh: Any) -> bool:
-    """Whether this rank's mesh is the slice of its root mesh that holds the root's first rank.
-
-    A DTensor on a sub-mesh (the ``dp`` slice of a ``(dp, tp)`` mesh, for a
-    module only FSDP shards) has one copy per slice: every ``tp`` slice holds
-    the same shards, without any Replicate placement saying so. One slice
-    stores them: the one with the root's first rank.
-    """
-    root_of = getattr(mesh, "_get_root_mesh", None)
-    root = root_of() if callable(root_of) else None
-    if root is None or root is mesh:
-        return True
-    return bool((mesh.mesh == root.mesh.flatten()[0]).any())
 
 
 def local_box(dt: Any) -> Box:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptstage.client import Client, shards, tree
+from ckptstage.client import Client, errors, shards, tree
 from ckptstage.client.reshard import StepView
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
@@ -135,3 +135,68 @@ def test_flipped_byte_falls_back_to_the_shared_copy(daemon: Any, saved: dict[int
     with Client("rs", socket=daemon.socket, rank=0, world_size=1, attempt="b") as c:
         state = c.load(1)
     assert torch.equal(state["w"], _global())
+
+
+def _sharded_flat(frags: dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]],
+                  plain: dict[str, Any]) -> tree.Flat:
+    """A flat state: top-level keys of ``frags`` as sharded tensors (local fragment, global shape, offset),
+    then the plain entries of ``plain``."""
+    flat = tree.flatten_state({**{k: torch.empty(0) for k in frags}, **plain})
+    for i, (key, (local, shape, offset)) in enumerate(frags.items()):
+        assert flat.tree["d"][i][0] == {"s": key} and flat.fqns[i] == key
+        flat.tree["d"][i][1] = {"D": {"fqn": key, "dtype": "float32", "shape": list(shape)}}
+        flat.tensors[i] = local
+        flat.fragments[i] = shards.Fragment(key, shape, offset)
+    return flat
+
+
+def _save_ranks(d: Any, job: str, flats: list[tree.Flat]) -> None:
+    clients = [Client(job, socket=d.socket, rank=r, world_size=len(flats), attempt="a1") for r in range(len(flats))]
+    try:
+        for c, flat in zip(clients, flats):
+            c.save_flat(1, flat).wait("local", timeout=30)
+        clients[0].wait_step(1, "local", timeout=30)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_pipeline_stages_all_come_back_at_another_world_size(daemon: Any) -> None:
+    """Each rank holds other tensors (pipeline stages): a load at world size 1 gets every stage's."""
+    w0, w1 = torch.arange(6.0).reshape(2, 3), -torch.arange(4.0)
+    _save_ranks(daemon, "pp", [
+        _sharded_flat({"layers.0.w": (w0, (2, 3), (0, 0))}, {"stage": 0}),
+        _sharded_flat({"layers.1.w": (w1, (4,), (0,))}, {"stage": 1, "opt": {"step": torch.tensor(7.0)}})])
+    with Client("pp", socket=daemon.socket, rank=0, world_size=1, attempt="b") as c:
+        state = c.load(1)
+    assert torch.equal(state["layers.0.w"], w0) and torch.equal(state["layers.1.w"], w1)
+    assert state["stage"] == 0  # plain values: rank 0's
+    with Client("pp", socket=daemon.socket, rank=1, world_size=2, attempt="b") as c:
+        own = c.load(1)  # at the saving world size a rank gets its own tree
+    assert set(own) == {"layers.1.w", "stage", "opt"} and torch.equal(own["opt"]["step"], torch.tensor(7.0))
+
+
+def test_keys_that_join_to_the_same_name_load_by_position_and_are_refused_by_name(daemon: Any) -> None:
+    t1, t2 = torch.ones(3), torch.full((3,), 2.0)
+    w = torch.arange(4.0)
+    _save_ranks(daemon, "clash", [_sharded_flat({"w": (w, (4,), (0,))}, {"a.b": t1, "a": {"b": t2}})])
+    with Client("clash", socket=daemon.socket, rank=0, world_size=1, attempt="b") as c:
+        state = c.load(1)
+        assert torch.equal(state["a.b"], t1) and torch.equal(state["a"]["b"], t2)
+        with pytest.raises(ValueError, match=r"'a\.b' names several tensors"):
+            c.load(1, into={"w": torch.empty(4), "a.b": torch.empty(3), "a": {"b": torch.empty(3)}})
+
+
+def test_a_corrupt_only_copy_read_by_several_threads_is_a_corrupt_checkpoint(daemon_factory: Any) -> None:
+    d = daemon_factory("solo", **{"shared.dir": ""}).start()  # one copy of every part: nothing to fall back to
+    big = torch.arange(float(ROWS * COLS)).reshape(ROWS, COLS)
+    _save_ranks(d, "solo", [_sharded_flat({"w": (big, (ROWS, COLS), (0, 0))}, {})])
+    with d.connection() as conn:
+        part = Path(conn.call("Locate", pb.LocateRequest(job="solo", step=1)).locations[0].dir)
+    raw = bytearray((part / layout.DATA_FILE).read_bytes())
+    for at in range(len(raw) // 8, len(raw), len(raw) // 8):  # a flipped byte in several blocks
+        raw[at] ^= 0xFF
+    (part / layout.DATA_FILE).write_bytes(bytes(raw))
+    with Client("solo", socket=d.socket, rank=0, world_size=1, attempt="b") as c:
+        with pytest.raises(errors.CorruptCheckpoint, match="verif"):
+            c.load(1)
