@@ -38,14 +38,13 @@ DATA_FILE = "data.safetensors"
 MANIFEST_FILE = "manifest.json"
 COMMIT_FILE = "commit.json"
 TMP_DIR = ".tmp"
-# Checksums are taken per chunk so that writers and readers can hash in
-# parallel and a reader can verify while it copies, without a second pass.
+# The unit the daemon streams and writes a part in (its [persist] chunk_bytes default).
 DEFAULT_CHUNK_BYTES = 64 << 20
 CHECKSUM = "xxh3_64"
 # The checksum granularity on disk: one digest per block of this many bytes (per chunk when the
-# daemon's chunks are smaller or not a multiple of it). A reader that wants part of a file (one
-# rank's box of another rank's fragment) reads and verifies only the blocks that hold it; larger
-# blocks would make it read up to a whole block per fragment it touches.
+# daemon's chunks are smaller or not a multiple of it). Per-block sums let writers and readers hash
+# in parallel and verify while they copy, without a second pass; and a reader that wants part of a
+# file (one rank's box of another rank's fragment) reads and verifies only the blocks that hold it.
 DIGEST_BLOCK_BYTES = 1 << 20
 # Largest manifest accepted, on the wire and on disk: the layout of ~100k tensors and their plain values.
 MAX_MANIFEST_BYTES = 64 << 20
