@@ -80,11 +80,9 @@ class PartReader:
             try:
                 manifest = layout.read_manifest(self.dirs[self._copy])
                 entry = layout.manifest_files(manifest)[layout.DATA_FILE]
-                fd = os.open(self.dirs[self._copy] / layout.DATA_FILE, os.O_RDONLY)
-            except (layout.ManifestError, KeyError, OSError) as e:
+            except (layout.ManifestError, KeyError) as e:
                 failure = self._failed(self._copy, e)
                 continue
-            self._fds.append(fd)
             if self.manifest and layout.manifest_files(self.manifest)[layout.DATA_FILE] != entry:
                 failure = layout.ManifestError(f"{self.dirs[self._copy]}: this copy's data differs from the first's")
                 continue
@@ -92,8 +90,9 @@ class PartReader:
                 failure = self._failed(self._copy, layout.ChecksumMismatch(
                     self.dirs[self._copy] / layout.DATA_FILE, "the manifest's digest list does not cover the file"))
                 continue
-            self._fd, self.manifest, self.file = fd, self.manifest or manifest, entry
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            # The data file is opened at the first read: a rank that reads from two parts of a
+            # thousand-rank step holds two descriptors, not a thousand.
+            self._fd, self.manifest, self.file = -1, self.manifest or manifest, entry
             return
 
     def _failed(self, copy: int, e: BaseException) -> BaseException:
@@ -120,6 +119,8 @@ class PartReader:
             with self._lock:
                 if self._exhausted is not None:  # another thread found the last copy bad
                     raise self._exhausted
+                if self._fd < 0 and not self._open():
+                    continue
                 copy, fd = self._copy, self._fd
             try:
                 self._read(copy, fd, offset, dest)
@@ -129,6 +130,21 @@ class PartReader:
                     if self._copy == copy and self._exhausted is None:  # else another thread moved on already
                         self._next_copy(self._failed(copy, e))
                 self.drop_cache()
+
+    def _open(self) -> bool:
+        """Opens the current copy's data file (under the lock); False when it cannot be and the next copy is due."""
+        path = self.dirs[self._copy] / layout.DATA_FILE
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            failure = layout.ManifestError(f"{path}: cannot open the data file: {e}")
+            failure.__cause__ = e
+            self._next_copy(self._failed(self._copy, failure))
+            return False
+        self._fds.append(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        self._fd = fd
+        return True
 
     def _cache(self) -> OrderedDict[tuple[int, int], bytearray]:
         cache = getattr(self._local, "cache", None)

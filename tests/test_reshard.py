@@ -8,6 +8,7 @@ real FSDP2/TP ranks.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,19 @@ def test_a_dim0_quarter_reads_a_quarter_of_the_bytes(saved: dict[int, list[Path]
             assert view.bytes_read <= nbytes / 4 + (1 << 20), (q, view.bytes_read)
         finally:
             view.close()
+
+
+def test_only_the_parts_a_load_reads_hold_a_descriptor(saved: dict[int, list[Path]]) -> None:
+    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    before = fds()
+    view = StepView.open(saved)  # manifests read, no data file open yet
+    try:
+        assert fds() == before
+        view.read_box("w", ((0, 0), (ROWS // 4, COLS)), torch.empty(ROWS // 4, COLS))  # rank 0's fragment only
+        assert fds() == before + 1
+    finally:
+        view.close()
+    assert fds() == before
 
 
 def test_boxes_across_fragments_and_columns(saved: dict[int, list[Path]]) -> None:
