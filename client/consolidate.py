@@ -259,10 +259,10 @@ def _write_all(view: reshard.StepView, files: list[list[_Tensor]], out: Path, ov
             _unlink(out / INDEX_NAME)  # no index while the files change: the old one would name a mixture
         for temp, name in zip(temps, [*names, INDEX_NAME]):
             os.replace(temp, out / name)  # the index last: it is what says the set is whole
-        _fsync_dir(out)
+        layout.fsync_dir(out)
         for name in stale:  # an earlier output's files that the new index does not name
             _unlink(out / name)
-        _fsync_dir(out)
+        layout.fsync_dir(out)
     except BaseException:
         for temp in temps:
             _unlink(temp)
@@ -337,14 +337,6 @@ def _unlink(path: Path) -> None:
         path.unlink()
     except FileNotFoundError:
         pass
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --- progress ------------------------------------------------------------------------------

@@ -38,13 +38,7 @@ def inode(path: Path) -> int:
         return 0
 
 
-def fsync_dir(path: Path) -> None:
-    """Makes a directory's entries (creations, renames, unlinks) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+fsync_dir = layout.fsync_dir  # shared with the client (consolidate writes files it must make durable)
 
 
 def makedirs_durable(path: Path, within: Path | None = None) -> None:

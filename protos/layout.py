@@ -285,6 +285,15 @@ def chunk_count(size: int, chunk_bytes: int) -> int:
     return max(1, -(-size // chunk_bytes))
 
 
+def fsync_dir(path: Path) -> None:
+    """Makes a directory's entries (creations, renames, unlinks) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def file_digests(path: Path, chunk_bytes: int) -> list[str]:
     """Reads a file once and returns its per-chunk digests."""
     digests = []
