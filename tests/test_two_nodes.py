@@ -171,3 +171,39 @@ def test_a_crashed_attempts_late_drain_never_replaces_its_successors_part(daemon
     a.start()
     wait_until(lambda: "not draining" in a.log.read_text(), 20, "node A to give up draining the older part")
     assert layout.manifest_attempt(layout.read_manifest(part)) == "new"
+
+
+def test_nodes_never_disagree_on_latest_while_a_drain_is_in_flight(daemon_factory: Any) -> None:
+    """Node B drains slowly (a bandwidth cap): while its parts of step 20 are on their way, both nodes answer
+    step 10, and a node answers 20 only once the shared commit record exists; then both agree within 2 s."""
+    a = daemon_factory("node-a")
+    assert a.shared is not None
+    b = daemon_factory("node-b", **{"shared.dir": str(a.shared), "shared.max_bandwidth": "2MiB/s"})
+    a.start()
+    b.start()
+    clients = [Client(JOB, socket=(a if r < 2 else b).socket, rank=r, world_size=WORLD, attempt="run-9")
+               for r in range(WORLD)]
+    big = {"w": torch.zeros(1 << 20)}  # 4 MiB per rank: node B needs about 4 s to drain its two parts
+    try:
+        save_everywhere(clients, 10)
+        handles = [c.save(20, dict(big, step=20)) for c in clients]
+        for h in handles:
+            h.wait("local", timeout=30)
+        record = layout.step_dir(a.shared, JOB, 20) / layout.COMMIT_FILE
+        seen: dict[str, set[int]] = {"a": set(), "b": set()}
+        while not record.exists():
+            for name, d in (("a", a), ("b", b)):
+                step = latest(d).step
+                seen[name].add(step)
+                assert step == 10 or record.exists(), f"node {name} reported step {step} before its record existed"
+            time.sleep(0.05)
+        assert seen["a"] == {10} and seen["b"] == {10}, seen  # the drain was really in flight meanwhile
+        recorded = time.monotonic()
+        for d in (a, b):
+            wait_until(lambda d=d: latest(d).step == 20, STALENESS_S, "both nodes to see step 20")
+        assert time.monotonic() - recorded < STALENESS_S + 0.5
+        for h in handles:
+            h.wait("shared", timeout=30)
+    finally:
+        for cl in clients:
+            cl.close()
