@@ -114,6 +114,10 @@ class SharedSync:
                           "" if step is None else f" step {step}", added, dropped)
             with self._lock:
                 self._synced[key] = max(self._synced.get(key, float("-inf")), sync.started)
+                if step is None:  # the whole job re-read: its older one-step re-reads say nothing more
+                    for old in [k for k, t in self._synced.items() if k[0] == job and k[1] is not None
+                                and t <= sync.started]:
+                        del self._synced[old]
         except OSError as e:
             log.warning("cannot re-read %s on the shared tier %s: %s", job, self.shared_dir, e)
         except Exception:  # noqa: BLE001 - a re-read must always settle, or its key would stay "running"
