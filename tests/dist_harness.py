@@ -227,6 +227,30 @@ def node_sockets(sockets: Sequence[str], ranks_per_node: int) -> Callable[[int],
     return lambda rank: str(sockets[rank // ranks_per_node])
 
 
+# --- state helpers for rank functions -----------------------------------------------------------
+
+
+def detached(obj: Any) -> Any:
+    """``obj`` with every tensor replaced by a detached copy (dicts, lists and tuples rebuilt): a snapshot."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: detached(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(detached(v) for v in obj)
+    return obj
+
+
+def full_state(model: Any, opt: Any) -> dict[str, Any]:
+    """Model and optimizer as full, unsharded CPU tensors and values (collective under FSDP/TP)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    return detached({"model": msd, "optim": osd})
+
+
 # --- the rank process ---------------------------------------------------------------------
 
 

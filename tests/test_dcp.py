@@ -29,7 +29,7 @@ from ckptstage.client import Client
 from ckptstage.dcp import LoadPlanner, Reader, SavePlanner, Writer
 from ckptstage.dcp import values
 from ckptstage.protos import layout
-from dist_harness import RankContext, run_ranks
+from dist_harness import RankContext, detached, full_state, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP warns when no process group exists
 
@@ -82,24 +82,6 @@ def fsdp_model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """Model and optimizer as full CPU tensors and values (collective under FSDP)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-    return clone({"model": msd, "optim": osd})
-
-
-def clone(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: clone(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(clone(v) for v in obj)
-    return obj
-
-
 def assert_same(a: Any, b: Any, path: str = "state") -> None:
     """Bit-exact: same structure, dtypes, shapes and bytes (NaN-safe)."""
     if isinstance(a, torch.Tensor):
@@ -149,7 +131,7 @@ def test_save_and_load_roundtrip_with_values(sock: str) -> None:
     sd = {"model": model.state_dict(), "optim": opt.state_dict(),
           "extra": {"epoch": 3, "name": "run", "pair": (1, "a"), "blob": b"\x00\xff", "none": None,
                     "big": 2**70, "nan": float("nan"), "ints": [1, 2, 3]}}
-    saved = clone(sd)
+    saved = detached(sd)
     md = dcp.save(sd, storage_writer=Writer("j", 10, socket=sock), planner=SavePlanner())
     assert "optim.param_groups.0.lr" in md.state_dict_metadata
 
@@ -172,7 +154,7 @@ def test_dcp_checkpoint_is_the_universal_format(daemon: Any, sock: str) -> None:
     """Tensors are fragments by fqn, the tree a flat dict of D nodes and values: Client.load reads it."""
     model, opt = plain_model(1)
     sd = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 7}
-    saved = clone(sd)
+    saved = detached(sd)
     dcp.save(sd, storage_writer=Writer("j", 5, socket=sock), planner=SavePlanner())
 
     (manifest,) = part_manifests(daemon, "j", 5)
@@ -204,7 +186,7 @@ def test_plain_api_save_loads_through_reader(sock: str) -> None:
     into = {"model": model2.state_dict(), "optim": opt2.state_dict(), "step": 0, "rng": torch.zeros_like(state["rng"]),
             "hist": None}
     dcp.load(into, storage_reader=Reader("j", socket=sock), planner=LoadPlanner())
-    assert_same(clone(state), into)
+    assert_same(detached(state), into)
 
 
 def test_default_planners_work_and_pickles_stay_marked(daemon: Any, sock: str) -> None:
@@ -212,7 +194,7 @@ def test_default_planners_work_and_pickles_stay_marked(daemon: Any, sock: str) -
     which ckptstage's LoadPlanner refuses (naming the key) instead of unpickling."""
     model, opt = plain_model(1)
     sd = {"model": model.state_dict(), "optim": opt.state_dict(), "frac": fractions.Fraction(1, 3)}
-    saved = clone(sd)
+    saved = detached(sd)
     with pytest.raises(_FAILED, match="frac"):
         dcp.save(sd, storage_writer=Writer("j", 1, socket=sock), planner=SavePlanner())
     dcp.save(sd, storage_writer=Writer("j", 2, socket=sock), planner=DefaultSavePlanner())
@@ -326,7 +308,7 @@ def test_checkpoint_id_is_the_step(sock: str) -> None:
 def test_async_save_single_process(sock: str) -> None:
     model, opt = plain_model(1)
     sd = {"model": model.state_dict(), "optim": opt.state_dict()}
-    saved = clone(sd)
+    saved = detached(sd)
     writer = Writer("j", 9, socket=sock)
     fut = dcp.async_save(sd, storage_writer=writer, planner=SavePlanner())
     assert isinstance(fut, concurrent.futures.Future)  # not DCP's AsyncSaveResponse: stage() returned the state
@@ -492,4 +474,4 @@ def test_consolidate_reads_a_dcp_step(sock: str, tmp_path: Any) -> None:
     dcp.save({"model": model.state_dict(), "step": 3}, storage_writer=Writer("j", 1, socket=sock),
              planner=SavePlanner())
     consolidate("j", 1, out=tmp_path / "hf", prefix="model.", socket=sock)
-    assert_same(clone(model.state_dict()), load_file(tmp_path / "hf" / "model.safetensors"))
+    assert_same(detached(model.state_dict()), load_file(tmp_path / "hf" / "model.safetensors"))

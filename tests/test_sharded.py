@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dist_harness import RankContext, RanksFailed, kill_self, node_sockets, run_ranks
+from dist_harness import RankContext, RanksFailed, full_state, kill_self, node_sockets, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -86,24 +86,6 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
     model(torch.randn(4, DIM, generator=g)).square().sum().backward()
     opt.step()
     opt.zero_grad()
-
-
-def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """Model and optimizer as full, unsharded CPU tensors (collective)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-    return {"model": _detach(msd), "optim": _detach(osd)}
-
-
-def _detach(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _detach(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_detach(v) for v in obj)
-    return obj
 
 
 def probe_output(model: nn.Module) -> torch.Tensor:
