@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ckptstage.client import Client
-from ckptstage.client.dist import rank_and_world
+from ckptstage.client.dist import gather, rank_and_world
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,4 @@ def _spans_nodes(client: Client, socket: str | os.PathLike[str] | None) -> bool:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != client.world_size:
         return False
     me = (socketlib.gethostname(), os.fspath(socket) if socket is not None else os.environ.get("CKPTSTAGE_SOCKET", ""))
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, me)
-    return len(set(every)) > 1
+    return len(set(gather(me))) > 1

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptstage.client import Client, SaveHandle, shards, tree
+from ckptstage.client.dist import gather
 from ckptstage.dcp import clients, values
 from ckptstage.dcp.planners import SavePlanner
 
@@ -252,8 +253,7 @@ def _lowest_rank_items(items: list[WriteItem], rank: int) -> list[WriteItem]:
     keys = [_item_key(it) for it in items if it.type != WriteItemType.BYTE_IO]
     if not (dist.is_available() and dist.is_initialized()):
         return items
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, keys)
+    every = gather(keys)
     lower = {k for r in range(rank) for k in every[r]}
     return [it for it in items if it.type != WriteItemType.BYTE_IO and _item_key(it) not in lower]
 
