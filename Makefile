@@ -11,11 +11,11 @@ TORCH_PIN := torch==2.13.0
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[dev]' --config-settings editable_mode=strict
+	$(PY) -m pip install --quiet -e '.[dev,lightning,hf]' -c constraints.txt --config-settings editable_mode=strict
 	touch $(STAMP)
 
 demo: $(STAMP)

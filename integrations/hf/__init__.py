@@ -1,0 +1,1 @@
+"""Hugging Face ``transformers.Trainer`` callback for ckptstage (being written)."""

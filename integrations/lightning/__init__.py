@@ -1,0 +1,1 @@
+"""Lightning ``CheckpointIO`` plug-in for ckptstage (being written)."""
