@@ -19,6 +19,7 @@ from ckptstage.client.errors import (
     InvalidRequest,
     SaveFailed,
     SessionLost,
+    StepPinned,
 )
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AlreadyCommitted", "ArenaFull", "CheckpointInfo", "CheckpointNotFound", "CkptStageError", "Client",
     "CorruptCheckpoint", "DaemonTimeout", "DaemonUnavailable", "InvalidRequest", "SaveFailed", "SaveHandle", "SessionLost",
+    "StepPinned",
 ]
 
 _LAZY = {"Client", "SaveHandle", "CheckpointInfo"}

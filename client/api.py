@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 _TIERS = {"local": pb.LOCAL, "shared": pb.SHARED}
 # After losing its session, how long a save waits for a restarting daemon before it fails.
 _REOPEN_WAIT_S = 10.0
+# A deletion waits for saves and drains of the step still in flight (the daemon bounds each wait to 30 s).
+_DELETE_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -406,6 +408,21 @@ class Client:
 
     def unpin(self, step: int) -> None:
         self._conn.call("SetPin", pb.PinRequest(job=self.job, step=step, pinned=False))
+
+    def delete(self, step: int) -> None:
+        """Removes ``step`` from this node's local tier and from the shared tier.
+
+        Raises :class:`StepPinned` while it is pinned, :class:`CheckpointNotFound`
+        when neither tier has it. A save of the step still in flight on this
+        node is waited for first. Other nodes' local copies of a multi-node
+        step are removed by calling this on each node (it is idempotent per
+        node: a step already gone raises CheckpointNotFound).
+        """
+        try:
+            layout.check_step(step)
+        except layout.InvalidName as e:
+            raise errors.InvalidRequest(str(e)) from None
+        self._conn.call("DeleteStep", pb.DeleteStepRequest(job=self.job, step=step), timeout=_DELETE_TIMEOUT_S)
 
     # --- life cycle ---------------------------------------------------------------------
 

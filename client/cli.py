@@ -5,6 +5,7 @@
     ckptstage gc [--dry-run] [--json]    apply retention now (or show what it would delete)
     ckptstage drain [--wait] [--job J]   drain to the shared tier (--wait: for job epilogues)
     ckptstage pin JOB STEP / unpin JOB STEP
+    ckptstage rm JOB STEP [STEP ...]     delete steps from the local and the shared tier (pinned ones refuse)
     ckptstage prefetch JOB [STEP]        stage a checkpoint from the shared tier onto local SSD
     ckptstage consolidate JOB [STEP] --out DIR [--prefix P] [--max-shard-size 5GB] [--overwrite]
                                          full tensors as Hugging Face style safetensors files
@@ -155,6 +156,30 @@ def cmd_pin(conn: Connection, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rm(conn: Connection, args: argparse.Namespace) -> int:
+    """Deletes each step; goes on past a step that fails and exits 1 if any did."""
+    failed = 0
+    done = []
+    for step in args.steps:
+        try:
+            resp = conn.call("DeleteStep", pb.DeleteStepRequest(job=args.job, step=step), timeout=120)
+        except errors.DaemonUnavailable:
+            raise
+        except errors.CkptStageError as e:
+            print(f"ckptstage: {e}", file=sys.stderr)
+            failed += 1
+            continue
+        tiers = " and ".join(pb.Tier.Name(t).lower() for t in resp.tiers)
+        done.append({"job": args.job, "step": step, "parts_deleted": resp.parts_deleted,
+                     "bytes_deleted": resp.bytes_deleted, "tiers": [pb.Tier.Name(t).lower() for t in resp.tiers]})
+        if not args.json:
+            print(f"{args.job} step {step}: deleted from {tiers} ({resp.parts_deleted} part(s), "
+                  f"{_size(resp.bytes_deleted)})")
+    if args.json:
+        print(json.dumps({"deleted": done, "failed": failed}, indent=2, sort_keys=True))
+    return 1 if failed else 0
+
+
 def cmd_prefetch(conn: Connection, args: argparse.Namespace) -> int:
     req = pb.PrefetchRequest(job=args.job, step=args.step or 0, latest=args.step is None)
     resp = conn.call("Prefetch", req, timeout=3600)
@@ -210,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp = add(name, f"{name} a checkpoint (pinned ones are never deleted by a rule)", json_flag=False)
         sp.add_argument("job")
         sp.add_argument("step", type=int)
+    rm = add("rm", "delete steps from this node's local tier and from the shared tier")
+    rm.add_argument("job")
+    rm.add_argument("steps", type=int, nargs="+", metavar="step")
     pf = add("prefetch", "copy a checkpoint from the shared tier onto local SSD")
     pf.add_argument("job")
     pf.add_argument("step", type=int, nargs="?")
@@ -230,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 COMMANDS: dict[str, Callable[[Connection, argparse.Namespace], int]] = {
     "status": cmd_status, "ls": cmd_ls, "gc": cmd_gc, "drain": cmd_drain, "pin": cmd_pin, "unpin": cmd_pin,
-    "prefetch": cmd_prefetch,
+    "prefetch": cmd_prefetch, "rm": cmd_rm,
 }
 
 

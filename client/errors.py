@@ -29,6 +29,10 @@ class AlreadyCommitted(CkptStageError, FileExistsError):
     """That step of this job and rank is already committed or being saved."""
 
 
+class StepPinned(CkptStageError, PermissionError):
+    """The step is pinned: unpin it before deleting it."""
+
+
 class ArenaFull(CkptStageError, MemoryError):
     """The daemon's shared-memory budget cannot take this session."""
 
@@ -50,6 +54,7 @@ _BY_CODE: dict[grpc.StatusCode, type[CkptStageError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
     grpc.StatusCode.NOT_FOUND: CheckpointNotFound,
     grpc.StatusCode.ALREADY_EXISTS: AlreadyCommitted,
+    grpc.StatusCode.PERMISSION_DENIED: StepPinned,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ArenaFull,
     grpc.StatusCode.ABORTED: SaveFailed,
     grpc.StatusCode.FAILED_PRECONDITION: SessionLost,

@@ -34,6 +34,15 @@ class AlreadyExists(DaemonError):
     """A save for a (job, step, rank) that is already committed or in flight."""
 
 
+class StepPinned(DaemonError):
+    """A pinned step cannot be deleted; the message names the pin and how to lift it."""
+
+    def __init__(self, job: str, step: int) -> None:
+        super().__init__(f"step {step} of job {job!r} is pinned; unpin it first (`ckptstage unpin {job} {step}` "
+                         "or Client.unpin) to delete it")
+        self.job, self.step = job, step
+
+
 class ArenaFull(DaemonError):
     """The global shared-memory budget cannot grant even one chunk."""
 

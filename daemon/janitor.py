@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,15 @@ from ckptstage.daemon.metrics import Metrics
 from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Deleted:
+    """What deleting a step removed."""
+
+    parts: int
+    nbytes: int
+    tiers: tuple[TierName, ...]
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,48 @@ class Janitor:
         if not dry_run and tiers:
             self.metrics.retention_passes.labels(trigger).inc()
         return actions
+
+    def delete_step(self, job: str, step: int, busy_wait_s: float = 30.0) -> Deleted:
+        """Deletes a step from the local tier, then from the shared tier (a user's request, not a rule).
+
+        Per tier as retention deletes: out of the index first, parts, then the
+        commit record, so a deletion cut short never reads as complete. A local
+        part still being copied to the shared tier is waited for (up to
+        ``busy_wait_s``) so that its copy cannot land after the deletion.
+        Raises OSError naming what could not be deleted (the rest is gone).
+        """
+        parts = nbytes = 0
+        tiers = []
+        for tier in (TierName.LOCAL, TierName.SHARED):
+            if tier == TierName.SHARED and self.drainer is None:
+                continue
+            ckpt = self.catalog.get(job, step)
+            if ckpt is None or not (ckpt.on_tier(tier) or tier in ckpt.records):
+                continue
+            with self._locks[tier]:
+                self.catalog.drop_record(tier, job, step)
+                kept = []
+                for part in ckpt.on_tier(tier):
+                    if tier == TierName.LOCAL:
+                        self._wait_not_draining(part, busy_wait_s)
+                    if self._delete_part(part, tier, retention.REQUESTED):
+                        parts, nbytes = parts + 1, nbytes + part.nbytes
+                    else:
+                        kept.append(part)
+                if kept:
+                    raise OSError(f"could not delete {', '.join(str(p.path) for p in kept)} (see the daemon's log); "
+                                  f"{job} step {step} is no longer listed on the {tier.value} tier")
+                if tier in ckpt.records:
+                    self._delete_record(job, step, tier, retention.REQUESTED)
+            tiers.append(tier)
+        log.info("deleted %s step %d on request: %d parts, %d bytes, from %s", job, step, parts, nbytes,
+                 " and ".join(t.value for t in tiers) or "nowhere")
+        return Deleted(parts, nbytes, tuple(tiers))
+
+    def _wait_not_draining(self, part: Part, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.drainer is not None and self.drainer.busy_with(part) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def gc(self, dry_run: bool) -> list[GcAction]:
         return [a for job in self.catalog.jobs() for a in self.apply(job, dry_run, trigger="gc")]

@@ -33,8 +33,9 @@ from ckptstage.daemon.errors import (
     SaveNotFound,
     SessionNotFound,
     ShuttingDown,
+    StepPinned,
 )
-from ckptstage.daemon.janitor import GcAction, Janitor
+from ckptstage.daemon.janitor import Deleted, GcAction, Janitor
 from ckptstage.daemon.job_rules import JobRetention, JobRules
 from ckptstage.daemon.metrics import Metrics, StateProbe
 from ckptstage.daemon.persister import Persister, Save, parse_manifest
@@ -365,6 +366,28 @@ class Node:
         if pinned and self.catalog.get(job, step) is None:
             raise CheckpointNotFound(job, step)
         self.catalog.set_pin(job, step, pinned)
+
+    def delete_step(self, job: str, step: int, settle_wait_s: float = 30.0) -> Deleted:
+        """Deletes a step from the local tier and the shared tier; refuses a pinned one.
+
+        Saves of the step still in flight here are waited for (up to
+        ``settle_wait_s``), so that none commits a part after the deletion.
+        """
+        layout.check_job(job)
+        layout.check_step(step)
+        if self.catalog.get(job, step) is None and self.shared_sync is not None:
+            self.shared_sync.fresh(job, step, max_age_s=0.0)  # a step only the shared tier has, not yet indexed
+        if self.catalog.get(job, step) is None:
+            raise CheckpointNotFound(job, step)
+        if self.catalog.is_pinned(job, step):
+            raise StepPinned(job, step)
+        deadline = time.monotonic() + settle_wait_s
+        while any(s.spec.job == job and s.spec.step == step for s in self._live_saves()):
+            if time.monotonic() > deadline:
+                raise InvalidRequest(f"step {step} of job {job!r} is still being saved; delete it once the save "
+                                     "is committed (SaveHandle.wait)")
+            time.sleep(0.05)
+        return self.janitor.delete_step(job, step)
 
     def prefetch(self, job: str, step: int | None) -> tuple[int, int]:
         """Copies a checkpoint's shared-only parts back onto the local tier; returns (step, parts copied).

@@ -37,7 +37,9 @@ KEEP_REASONS = (
 MAX_BYTES = "max_bytes"
 MIN_FREE_BYTES = "min_free_bytes"
 UNKEPT = "unkept"
-DELETE_REASONS = (KEEP_LAST, MAX_BYTES, MIN_FREE_BYTES, UNKEPT)
+REQUESTED = "requested"   # not a rule: a user deleted the step (Client.delete, ckptstage rm)
+REPLACED = "replaced"     # not a rule: a save with overwrite replaced the step
+DELETE_REASONS = (KEEP_LAST, MAX_BYTES, MIN_FREE_BYTES, UNKEPT, REQUESTED, REPLACED)
 
 
 def _check_count(name: str, value: int | None, minimum: int = 0) -> None:

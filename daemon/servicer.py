@@ -34,6 +34,7 @@ from ckptstage.daemon.errors import (
     SaveNotFound,
     SessionNotFound,
     ShuttingDown,
+    StepPinned,
 )
 from ckptstage.daemon.node import VERSION, Node
 from ckptstage.daemon.sessions import Session, SessionInfo
@@ -51,6 +52,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (SaveNotFound, grpc.StatusCode.FAILED_PRECONDITION),
     (CheckpointNotFound, grpc.StatusCode.NOT_FOUND),
     (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
+    (StepPinned, grpc.StatusCode.PERMISSION_DENIED),
     (ArenaFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (SaveFailed, grpc.StatusCode.ABORTED),
     (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
@@ -292,6 +294,13 @@ class Servicer(pb_grpc.CheckpointerServicer):
     async def SetPin(self, request: pb.PinRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
         await self._run(self.node.set_pin, request.job, request.step, request.pinned)
         return pb.Empty()
+
+    @_mapped
+    async def DeleteStep(self, request: pb.DeleteStepRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DeleteStepResponse:
+        deleted = await self._wait(self.node.delete_step, request.job, request.step)
+        return pb.DeleteStepResponse(parts_deleted=deleted.parts, bytes_deleted=deleted.nbytes,
+                                     tiers=[_TIER_PB[t] for t in deleted.tiers])
 
     @_mapped
     async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:

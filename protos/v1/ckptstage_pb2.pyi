@@ -125,7 +125,7 @@ class CloseSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class BeginSaveRequest(_message.Message):
-    __slots__ = ("session_id", "step", "manifest_json", "data_bytes", "metrics", "stream_base")
+    __slots__ = ("session_id", "step", "manifest_json", "data_bytes", "metrics", "stream_base", "overwrite")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -139,13 +139,15 @@ class BeginSaveRequest(_message.Message):
     DATA_BYTES_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     STREAM_BASE_FIELD_NUMBER: _ClassVar[int]
+    OVERWRITE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: int
     manifest_json: bytes
     data_bytes: int
     metrics: _containers.ScalarMap[str, float]
     stream_base: int
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., manifest_json: _Optional[bytes] = ..., data_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., stream_base: _Optional[int] = ...) -> None: ...
+    overwrite: bool
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., manifest_json: _Optional[bytes] = ..., data_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., stream_base: _Optional[int] = ..., overwrite: _Optional[bool] = ...) -> None: ...
 
 class BeginSaveResponse(_message.Message):
     __slots__ = ("save_id", "stream_base", "released")
@@ -367,6 +369,24 @@ class PinRequest(_message.Message):
     step: int
     pinned: bool
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class DeleteStepRequest(_message.Message):
+    __slots__ = ("job", "step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class DeleteStepResponse(_message.Message):
+    __slots__ = ("parts_deleted", "bytes_deleted", "tiers")
+    PARTS_DELETED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DELETED_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    parts_deleted: int
+    bytes_deleted: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, parts_deleted: _Optional[int] = ..., bytes_deleted: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("job", "wait", "timeout_s")

@@ -109,6 +109,11 @@ class CheckpointerStub:
                 request_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PinRequest.SerializeToString,
                 response_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.Empty.FromString,
                 _registered_method=True)
+        self.DeleteStep = channel.unary_unary(
+                '/ckptstage.v1.Checkpointer/DeleteStep',
+                request_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.DeleteStepRequest.SerializeToString,
+                response_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.DeleteStepResponse.FromString,
+                _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/ckptstage.v1.Checkpointer/Drain',
                 request_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.DrainRequest.SerializeToString,
@@ -237,6 +242,14 @@ class CheckpointerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteStep(self, request, context):
+        """Removes a step from this daemon's local tier and from the shared tier.
+        PERMISSION_DENIED while it is pinned; NOT_FOUND if neither tier has it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Drain(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -338,6 +351,11 @@ def add_CheckpointerServicer_to_server(servicer, server):
                     servicer.SetPin,
                     request_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PinRequest.FromString,
                     response_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.Empty.SerializeToString,
+            ),
+            'DeleteStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteStep,
+                    request_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.DeleteStepRequest.FromString,
+                    response_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.DeleteStepResponse.SerializeToString,
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
@@ -765,6 +783,33 @@ class Checkpointer:
             '/ckptstage.v1.Checkpointer/SetPin',
             ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PinRequest.SerializeToString,
             ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptstage.v1.Checkpointer/DeleteStep',
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.DeleteStepRequest.SerializeToString,
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.DeleteStepResponse.FromString,
             options,
             channel_credentials,
             insecure,
