@@ -136,6 +136,7 @@ class _Job:
     tensors: list[torch.Tensor]
     metrics: dict[str, float]
     ready: dict[torch.device, Any]  # CUDA events the copy waits for (see snapshot.ready_events)
+    overwrite: bool = False
 
 
 class Client:
@@ -149,19 +150,35 @@ class Client:
     process group, the constructor is collective). ``arena_bytes``
     pre-allocates the shared-memory arena now rather than at the first save
     (which then pays for it).
+
+    ``world_size=1`` in every process of a larger group declares that only
+    rank 0 saves (data parallelism, where every rank holds the same state):
+    a step is complete with that one part, every process can load it, and a
+    save from another rank of the group is refused.
+
+    ``connect_timeout`` (seconds) is how long the constructor waits for a
+    daemon that is not answering yet (a job prologue that starts it a moment
+    before the trainer); then :class:`DaemonUnavailable` names the socket.
     """
 
     def __init__(self, job: str, socket: str | os.PathLike[str] | None = None, rank: int | None = None,
                  world_size: int | None = None, arena_bytes: int | None = None,
-                 retention: Mapping[str, Any] | None = None, attempt: str | None = None) -> None:
-        rank, world_size = dist.rank_and_world(rank, world_size)
+                 retention: Mapping[str, Any] | None = None, attempt: str | None = None,
+                 connect_timeout: float = 30.0) -> None:
         try:
             self.job = layout.check_job(job)
+            given_rank = rank
+            rank, world_size = dist.rank_and_world(rank, world_size)
             layout.check_rank(rank, world_size)
             self.attempt = dist.agree_attempt(attempt, world_size)
         except (layout.InvalidName, ValueError) as e:
             raise errors.InvalidRequest(str(e)) from None
         self.rank, self.world_size = rank, world_size
+        # A process other than the group's rank 0 under "only rank 0 saves" must not save (see above).
+        group_rank = dist.group_rank()
+        self._not_the_saver = (f"this process is rank {group_rank} of its process group and the client was "
+                               "created with world_size=1 (only rank 0 saves): save from rank 0 only"
+                               if world_size == 1 and given_rank is None and group_rank else None)
         self._retention = dict(retention or {})
         self._conn = Connection(socket)
         self._arena: ArenaMap | None = None
@@ -176,7 +193,7 @@ class Client:
         self._released = 0
         self._released_hint = (0, 0)  # (arena generation, released) as the daemon last announced it
         self._plans = PlanCache()
-        self._open_session()
+        self._open_session(connect_timeout=connect_timeout)
         # The snapshot thread copies with one intra-op thread while the trainer computes (two
         # copy threads beside the trainer's would stall its parallel regions), and with the
         # trainer's own count once the trainer waits for it (see snapshot.CopyThreads).
@@ -193,19 +210,29 @@ class Client:
 
     # --- saving ---------------------------------------------------------------------
 
-    def save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None) -> SaveHandle:
+    def save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None,
+             overwrite: bool = False) -> SaveHandle:
         """Starts a checkpoint of ``state`` and returns at once.
 
         Do not mutate the state's tensors until ``wait_snapshot()`` returns
         (or use :meth:`protect`). Raises ``TypeError`` naming the key path of
         anything that cannot be saved.
+
+        A step that is already committed is refused (:class:`AlreadyCommitted`)
+        unless ``overwrite``: then the new checkpoint replaces it atomically on
+        each tier (the old one stays loadable there until the new one is
+        committed there; a crash in between leaves one of the two, whole).
+        Every rank of the job must save the step with ``overwrite``.
         """
         self._check_open()
-        return self.save_flat(step, tree.flatten_state(state), metrics)
+        return self.save_flat(step, tree.flatten_state(state), metrics, overwrite)
 
-    def save_flat(self, step: int, flat: tree.Flat, metrics: Mapping[str, float] | None = None) -> SaveHandle:
+    def save_flat(self, step: int, flat: tree.Flat, metrics: Mapping[str, float] | None = None,
+                  overwrite: bool = False) -> SaveHandle:
         """:meth:`save` of a state already taken apart (the DCP writer builds its fragments itself)."""
         self._check_open()
+        if self._not_the_saver:
+            raise errors.InvalidRequest(self._not_the_saver)
         try:
             layout.check_step(step)
         except layout.InvalidName as e:
@@ -219,7 +246,7 @@ class Client:
             while len(self._recent) > 64:
                 self._recent.popitem(last=False)
         self._queue.put(_Job(handle, plan, flat.tree, flat.entry_extras(), flat.tensors, clean_metrics,
-                             ready_events(flat.tensors)))
+                             ready_events(flat.tensors), overwrite))
         return handle
 
     def wait_snapshots(self) -> None:
@@ -231,9 +258,15 @@ class Client:
         for h in pending:
             h._snapshot.wait()
 
-    def protect(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Makes ``optimizer.step()`` wait for snapshots still copying; returns the hook handle."""
-        return optimizer.register_step_pre_hook(lambda *_: self.wait_snapshots())
+    def protect(self, optimizer: Any) -> Any:
+        """Makes ``optimizer.step()`` wait for snapshots still copying; returns the hook handle.
+
+        ``optimizer`` is a ``torch.optim.Optimizer`` or a wrapper that forwards
+        ``step`` to one (Accelerate's ``AcceleratedOptimizer``, Lightning's
+        ``LightningOptimizer``, ``ZeroRedundancyOptimizer``, a user's own):
+        the hook goes on the optimizer that updates the tensors.
+        """
+        return _innermost_optimizer(optimizer).register_step_pre_hook(lambda *_: self.wait_snapshots())
 
     # --- reading --------------------------------------------------------------------
 
@@ -451,13 +484,13 @@ class Client:
 
     # --- internals ----------------------------------------------------------------------
 
-    def _open_session(self, wait_for_ready: bool = False) -> None:
-        """Opens the session; ``wait_for_ready`` (after losing one) lets a daemon that is restarting come up."""
+    def _open_session(self, connect_timeout: float = _REOPEN_WAIT_S) -> None:
+        """Opens the session, waiting up to ``connect_timeout`` for a daemon that is (re)starting."""
         o = self._retention
-        resp = self._conn.call("OpenSession", pb.OpenSessionRequest(
+        request = pb.OpenSessionRequest(
             job=self.job, rank=self.rank, world_size=self.world_size, pid=os.getpid(),
-            hostname=socketlib.gethostname(), retention=pb.RetentionOverrides(**o), attempt=self.attempt),
-            timeout=_REOPEN_WAIT_S if wait_for_ready else rpc.DEFAULT_TIMEOUT_S, wait_for_ready=wait_for_ready)
+            hostname=socketlib.gethostname(), retention=pb.RetentionOverrides(**o), attempt=self.attempt)
+        resp = rpc.call_when_up(self._conn, "OpenSession", request, connect_timeout)
         self._session_id = resp.session_id
         self._chunk = resp.chunk_bytes
         # Held open for the life of the session: if this process dies, the
@@ -496,7 +529,7 @@ class Client:
         if self._arena is not None:
             self._arena.close()
             self._arena = None
-        self._open_session(wait_for_ready=True)
+        self._open_session()
 
     def _ensure_arena(self, want: int) -> ArenaMap:
         if self._arena is not None and self._arena.size >= want:
@@ -540,7 +573,7 @@ class Client:
         # needs the answer only to stream (see snapshot.Streamer).
         sent = self._conn.start("BeginSave", pb.BeginSaveRequest(
             session_id=self._session_id, step=job.handle.step, manifest_json=self._manifest_json(job),
-            data_bytes=job.plan.data_bytes, metrics=job.metrics, stream_base=base))
+            data_bytes=job.plan.data_bytes, metrics=job.metrics, stream_base=base, overwrite=job.overwrite))
         begin = _Once(lambda: self._began(job, base, sent()))
         streamer = Streamer(self._conn, arena, base, self._chunk, self._released, begin, job.ready,
                             threads=self._copy_threads, urgent=job.handle._urgent)
@@ -614,6 +647,35 @@ class _Once(Generic[_T]):
         if self._error is not None:
             raise self._error
         return self._result  # type: ignore[return-value]
+
+
+# Attributes through which known wrappers reach the optimizer they forward ``step`` to.
+_WRAPPED_OPTIMIZER_ATTRS = ("optimizer", "_optimizer", "optim", "_optim")
+
+
+def _innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The optimizer at the bottom of ``optimizer``'s wrappers: the one whose ``step`` updates the tensors.
+
+    Wrappers keep the wrapped optimizer in an attribute and forward ``step``
+    to it; some subclass ``torch.optim.Optimizer`` without initializing it
+    (Accelerate's), so being an Optimizer does not end the walk: an object
+    that wraps another optimizer is followed to it (``ZeroRedundancyOptimizer``
+    to its local optimizer, whose ``step`` it calls).
+    """
+    seen = [type(optimizer).__qualname__]
+    current = optimizer
+    while len(seen) <= 8:
+        inner = next((getattr(current, a) for a in _WRAPPED_OPTIMIZER_ATTRS
+                      if isinstance(getattr(current, a, None), torch.optim.Optimizer)), None)
+        if inner is None or inner is current:
+            break
+        current = inner
+        seen.append(type(current).__qualname__)
+    if not isinstance(current, torch.optim.Optimizer) or not hasattr(current, "_optimizer_step_pre_hooks"):
+        raise TypeError(f"protect() needs a torch.optim.Optimizer or a wrapper of one; "
+                        f"{' -> '.join(seen)} is neither (none of its attributes "
+                        f"{', '.join(_WRAPPED_OPTIMIZER_ATTRS)} holds an optimizer): pass the optimizer it wraps")
+    return current
 
 
 def _tier_code(tier: str) -> int:

@@ -32,11 +32,31 @@ def initialized() -> bool:
 
 
 def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """``rank``/``world_size`` as given, else the default process group's, else 0 of 1."""
+    """``rank``/``world_size`` as given, else the default process group's, else 0 of 1.
+
+    ``world_size=1`` in a larger group declares that only one process saves
+    (e.g. DDP, where every rank holds the same state): the client is rank 0 of
+    a one-rank checkpoint world, whatever its rank in the group.
+    """
     if initialized():
-        rank = torch.distributed.get_rank() if rank is None else rank
-        world_size = torch.distributed.get_world_size() if world_size is None else world_size
+        group_world = torch.distributed.get_world_size()
+        world_size = group_world if world_size is None else world_size
+        if rank is None:
+            if world_size == group_world:
+                rank = torch.distributed.get_rank()
+            elif world_size == 1:
+                rank = 0
+            else:
+                raise ValueError(f"world_size={world_size} differs from the process group's ({group_world}): "
+                                 "give rank= too")
     return (0 if rank is None else rank), (1 if world_size is None else world_size)
+
+
+def group_rank() -> int | None:
+    """This process's rank in the default process group, if one is initialized and has several ranks."""
+    if initialized() and torch.distributed.get_world_size() > 1:
+        return int(torch.distributed.get_rank())
+    return None
 
 
 def check_attempt(attempt: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -9,10 +10,12 @@ from typing import Any
 
 import grpc
 
-from ckptstage.client.errors import from_rpc_error
+from ckptstage.client.errors import DaemonTimeout, DaemonUnavailable, from_rpc_error
 from ckptstage.protos import paths
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 from ckptstage.protos.v1 import ckptstage_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
 
 # Unary calls that should answer at once; blocking calls pass their own timeout.
 DEFAULT_TIMEOUT_S = 30.0
@@ -72,3 +75,24 @@ class Connection:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def call_when_up(conn: Connection, method: str, request: Any, wait_s: float) -> Any:
+    """``conn.call``, waiting up to ``wait_s`` for a daemon that is not answering yet (starting, restarting).
+
+    gRPC retries the connection every 100-250 ms meanwhile (see
+    ``_CHANNEL_OPTIONS``); one log line says that the client waits.
+    """
+    try:
+        return conn.call(method, request)
+    except DaemonUnavailable:
+        if wait_s <= 0:
+            raise
+    log.warning("ckptstage: no daemon answering on %s yet; waiting up to %.0fs for it to start", conn.socket, wait_s)
+    try:
+        return conn.call(method, request, timeout=wait_s, wait_for_ready=True)
+    except (DaemonTimeout, DaemonUnavailable) as e:
+        raise DaemonUnavailable(
+            f"no ckptstaged answered on {conn.socket} within {wait_s:g}s ({e}); check that the daemon runs "
+            "(`ckptstage status`, `systemctl status ckptstaged@<instance>`, its log) and that this is its socket "
+            "(Client(socket=...), $CKPTSTAGE_SOCKET, `socket` in its config)") from None

@@ -428,6 +428,8 @@ class RetentionConfig:
     interval_s: float = field(default=60.0, metadata=_kind(_seconds(0.1, 86400)))
     # The largest keep_last a client may request for its own job.
     max_job_keep_last: int = field(default=100, metadata=_kind(_int(1, MAX_KEEP)))
+    # A step whose first part is this old and that still lacks ranks is reported (log, metric).
+    incomplete_after_s: float = field(default=120.0, metadata=_kind(_seconds(1, 86400)))
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ class StateProbe:
     drain_queue: Callable[[], tuple[int, int]]   # (parts, bytes)
     drain_lag_s: Callable[[], float]
     shared_reachable: Callable[[], bool | None]
+    incomplete_steps: Callable[[], int] = lambda: 0
 
 
 class Metrics:
@@ -99,6 +100,9 @@ class _StateCollector(Collector):
                                 value=nbytes)
         yield GaugeMetricFamily("ckptstage_drain_lag_seconds",
                                 "Age of the oldest part not yet on the shared tier.", value=p.drain_lag_s())
+        yield GaugeMetricFamily("ckptstage_incomplete_steps",
+                                "Steps with some ranks' parts committed but not all, for longer than "
+                                "[retention] incomplete_after_s.", value=p.incomplete_steps())
         reachable = p.shared_reachable()
         if reachable is not None:
             yield GaugeMetricFamily("ckptstage_shared_tier_up", "1 when the last shared-tier operation worked.",

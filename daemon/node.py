@@ -35,6 +35,7 @@ from ckptstage.daemon.errors import (
     ShuttingDown,
     StepPinned,
 )
+from ckptstage.daemon.incomplete import IncompleteSteps, why_incomplete
 from ckptstage.daemon.janitor import Deleted, GcAction, Janitor
 from ckptstage.daemon.job_rules import JobRetention, JobRules
 from ckptstage.daemon.metrics import Metrics, StateProbe
@@ -124,6 +125,9 @@ class Node:
             self.shared_sync = SharedSync(self.catalog, config.shared.dir,
                                           watched=lambda: {s.info.job for s in self.sessions.all()})
         self.quarantine = Quarantine(self.catalog, self.metrics)
+        self.incomplete = IncompleteSteps(self.catalog, config.retention.incomplete_after_s,
+                                          busy=lambda job, step: any(s.spec.job == job and s.spec.step == step
+                                                                     for s in self._live_saves()), clock=clock)
         self.janitor = Janitor(config, self.catalog, self.metrics, self.owner, self.drainer, self.job_rules,
                                self._in_flight)
         self.metrics.add_state(self._probe())
@@ -336,7 +340,7 @@ class Node:
         self._fresh(job)
         ckpt = self.catalog.latest_complete(job) if step is None else self.catalog.get(job, step)
         if ckpt is None or not ckpt.complete:
-            raise CheckpointNotFound(job, step, "" if ckpt is None else _why_incomplete(ckpt))
+            raise CheckpointNotFound(job, step, "" if ckpt is None else why_incomplete(ckpt))
         parts = ckpt.committed(rank)
         if not parts and not all_ranks:
             raise CheckpointNotFound(job, ckpt.step, f"no part for rank {rank} (world size {ckpt.world_size})")
@@ -532,6 +536,7 @@ class Node:
             try:
                 for job in self.catalog.jobs():
                     self.apply_retention(job, trigger="timer", shared=False)
+                self.incomplete.report()
             except Exception:  # the timer must outlive one bad pass
                 log.exception("timed local retention pass failed")
 
@@ -597,17 +602,5 @@ class Node:
             tier_used=tier_used, tier_free=tier_free,
             drain_queue=(lambda: d.pending()) if d else (lambda: (0, 0)),
             drain_lag_s=(lambda: d.lag_s()) if d else (lambda: 0.0),
-            shared_reachable=(lambda: d.reachable) if d else (lambda: None))
-
-
-
-
-def _why_incomplete(ckpt: Checkpoint) -> str:
-    """Why a step is not complete, for a person: no record, or the ranks of its attempt that are missing."""
-    missing = ckpt.ranks_missing()
-    if missing:
-        return (f"not complete: ranks {missing[:20]}{'...' if len(missing) > 20 else ''} of attempt "
-                f"{ckpt.attempt!r} (world size {ckpt.world_size}) have no committed part")
-    if ckpt.records:
-        return "not complete: its commit record names parts this daemon cannot read"
-    return f"not complete: no commit record yet (attempt {ckpt.attempt!r})"
+            shared_reachable=(lambda: d.reachable) if d else (lambda: None),
+            incomplete_steps=lambda: len(self.incomplete.stuck()))

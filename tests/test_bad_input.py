@@ -8,7 +8,9 @@ buggy or hostile client would send them.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -191,8 +193,8 @@ def test_arena_budget_exhausted_is_arena_full_naming_sizes(daemon_factory):
 def test_no_daemon_on_the_socket_is_daemon_unavailable_naming_it(tmp_path):
     sock = tmp_path / "nobody-here.sock"
     with pytest.raises(DaemonUnavailable) as info:
-        Client("orphan", socket=sock)
-    assert str(sock) in str(info.value)
+        Client("orphan", socket=sock, connect_timeout=0.5)
+    assert str(sock) in str(info.value) and "check that the daemon runs" in str(info.value)
     assert isinstance(info.value, ConnectionError)
 
     # A stale socket file nobody listens on reads the same.
@@ -203,7 +205,22 @@ def test_no_daemon_on_the_socket_is_daemon_unavailable_naming_it(tmp_path):
     s.bind(str(stale))
     s.close()
     with pytest.raises(DaemonUnavailable, match=str(stale)):
-        Client("orphan", socket=stale)
+        Client("orphan", socket=stale, connect_timeout=0)
+
+
+def test_a_client_waits_for_a_daemon_that_is_starting(daemon_factory, caplog):
+    # The job prologue starts the daemon a moment after the trainer: the client waits (one log line) and works.
+    d = daemon_factory("late")
+    starter = threading.Timer(1.5, d.start, kwargs={"wait": False})
+    starter.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="ckptstage.client.rpc"):
+            with Client("late-job", socket=d.socket, connect_timeout=30) as c:
+                c.save(1, {"w": torch.ones(4)}).wait("local", timeout=30)
+    finally:
+        starter.join()
+    waits = [r.getMessage() for r in caplog.records if "waiting up to 30s" in r.getMessage()]
+    assert len(waits) == 1 and str(d.socket) in waits[0], caplog.text
 
 
 def test_socket_from_the_environment(daemon, monkeypatch):

@@ -491,6 +491,7 @@ OUT_OF_BOUNDS: dict[str, tuple[object, object]] = {
     "persist.nice": (-1, 20),
     "retention.interval_s": (0.09, 86401),
     "retention.max_job_keep_last": (0, 10001),
+    "retention.incomplete_after_s": (0.99, 86401),
 }
 
 
