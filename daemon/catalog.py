@@ -132,11 +132,22 @@ class Checkpoint:
         return [tiers[t] for t in (TierName.LOCAL, TierName.SHARED) if t in tiers]
 
     def stragglers(self) -> list[Part]:
-        """Parts a complete step's record does not name (an earlier attempt's, left by a crashed run)."""
+        """Parts a complete step's record does not name (an earlier attempt's, left by a crashed run).
+
+        Judged per tier: a tier where the step is complete keeps what its own
+        record names (a step replaced on one tier is still the old one on the
+        other until its replacement arrives there).
+        """
         record = self.record
         if record is None:
             return []
-        return [p for tiers in self.parts.values() for p in tiers.values() if not p.matches(record)]
+        out = []
+        for tiers in self.parts.values():
+            for tier, part in tiers.items():
+                mine = self.records[tier] if self.complete_on(tier) else record
+                if not part.matches(mine):
+                    out.append(part)
+        return out
 
     def ranks_on(self, tier: TierName) -> list[int]:
         """Ranks of this step's attempt (:attr:`attempt`) with a part on ``tier``."""

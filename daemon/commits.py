@@ -70,31 +70,40 @@ class Commits:
 
     # --- saving a step again ----------------------------------------------------------
 
-    def check_begin(self, job: str, step: int, rank: int, attempt: str) -> None:
-        """Refuses a save of (job, step, rank) that would overwrite a committed step or the same attempt's part.
+    def check_begin(self, job: str, step: int, rank: int, attempt: str, overwrite: bool = False) -> bool:
+        """Refuses a save of (job, step, rank) that would overwrite a committed step or the same attempt's part;
+        returns whether the save replaces a committed step (see :mod:`ckptstage.daemon.overwrite`).
 
         Allowed: a step nobody saved, or one whose only parts for this rank
         belong to another attempt and that has no commit record on any tier
-        (a crashed run's leftovers: they are replaced at commit).
+        (a crashed run's leftovers: they are replaced at commit). With
+        ``overwrite``, anything: a committed step is replaced whole, a part of
+        an incomplete step in place.
         """
         ckpt = self.catalog.get(job, step)
         if ckpt is None:
-            return
+            return False
         if ckpt.records:
+            if overwrite:
+                return True
             record = next(iter(ckpt.records.values()))
             raise AlreadyExists(f"step {step} of job {job!r} is committed (attempt {record.attempt!r}, "
-                                f"{record.world_size} ranks); rank {rank} cannot save it again: save a new step")
+                                f"{record.world_size} ranks); rank {rank} cannot save it again: save a new step, "
+                                "or save with overwrite=True to replace it")
         for tier, part in sorted(ckpt.parts.get(rank, {}).items()):
-            if part.attempt == attempt:
+            if part.attempt == attempt and not overwrite:
                 raise AlreadyExists(f"step {step} of job {job!r} rank {rank} is already committed on the "
-                                    f"{tier.value} tier by this attempt ({attempt!r}); save a new step")
+                                    f"{tier.value} tier by this attempt ({attempt!r}); save a new step, or save "
+                                    "with overwrite=True to replace it")
+        return False
 
-    def replacer(self, tier_dir: Path, job: str, step: int, attempt: str) -> Callable[[Path], bool]:
+    def replacer(self, tier_dir: Path, job: str, step: int, attempt: str,
+                 overwrite: bool = False) -> Callable[[Path], bool]:
         """The ``replace`` policy of a :class:`fsutil.PartWriter` committing a part of ``attempt``.
 
-        A part already at the destination may be replaced only when it
-        belongs to another attempt and the step has no commit record, neither
-        on that tier's disk nor in the index (any tier).
+        A part already at the destination may be replaced only when the step
+        has no commit record, neither on that tier's disk nor in the index
+        (any tier), and the part belongs to another attempt (or ``overwrite``).
         """
         def may_replace(final: Path) -> bool:
             if (final.parent / layout.COMMIT_FILE).exists():
@@ -106,7 +115,7 @@ class Commits:
                 theirs: str | None = layout.manifest_attempt(layout.read_manifest(final))
             except layout.ManifestError:
                 theirs = None  # an unreadable part of a step nobody committed: nothing to keep
-            if theirs == attempt:
+            if theirs == attempt and not overwrite:
                 return False
             log.info("replacing %s (attempt %r) by attempt %r's part: the step has no commit record", final,
                      theirs, attempt)
@@ -115,6 +124,19 @@ class Commits:
         return may_replace
 
     # --- writing records ------------------------------------------------------------------
+
+    def replacement_record(self, job: str, step: int, attempt: str, world: int,
+                           parts: dict[int, Part]) -> layout.CommitRecord:
+        """The commit record of a replacement of (job, step): its parts, and what it replaces on any tier."""
+        ckpt = self.catalog.get(job, step)
+        old = [ckpt.records[t] for t in (TierName.LOCAL, TierName.SHARED) if ckpt and t in ckpt.records]
+        chain: list[str] = []
+        for fp in [r.fingerprint() for r in old] + [fp for r in old for fp in r.replaces]:
+            if fp not in chain:
+                chain.append(fp)
+        return layout.CommitRecord(job, step, attempt, world, self.clock(), {
+            r: layout.CommittedPart(p.nbytes, p.digest) for r, p in parts.items()},
+            tuple(chain[:layout.MAX_REPLACES]))
 
     def seal_local(self, job: str, step: int) -> layout.CommitRecord | None:
         """Writes the local record when every rank's part of one attempt is committed on the local tier.

@@ -42,11 +42,12 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from ckptstage.daemon import fsutil
+from ckptstage.daemon import fsutil, overwrite
 from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.config import SharedConfig
 from ckptstage.daemon.errors import SaveFailed
 from ckptstage.daemon.metrics import Metrics
+from ckptstage.daemon.overwrite import Swapper
 from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class Drainer:
     def __init__(self, config: SharedConfig, local_dir: Path, owner: str, catalog: Catalog, metrics: Metrics,
                  on_drained: Callable[[Part], None], on_corrupt: Callable[[Part, str], None] | None = None,
                  on_indexed: Callable[[], None] | None = None, nice: int = 0,
-                 on_published: Callable[[Part], None] | None = None) -> None:
+                 on_published: Callable[[Part], None] | None = None, swapper: Swapper | None = None) -> None:
         assert config.dir is not None
         self._nice = nice  # added to the drain threads' niceness ([persist] nice)
         self.config = config
@@ -131,6 +132,7 @@ class Drainer:
         self._on_corrupt = on_corrupt
         self._on_indexed = on_indexed
         self._on_published = on_published  # a part reached the shared tier: re-read its step, seal it
+        self._swapper = swapper or Swapper(catalog, owner)
         self._stop = threading.Event()
         self._limiter = RateLimiter(config.max_bandwidth, sleep=self._stop.wait)
         self._cond = threading.Condition()
@@ -143,6 +145,7 @@ class Drainer:
         self._gate = 0.0                       # monotonic time before which no copy starts (backoff)
         self._tier_failures = 0                # failed attempts since the last success
         self._done: dict[Key, None] = {}      # drained in this daemon's life, oldest first (bounded)
+        self._staged: set[Key] = set()         # copied into a replacement that waits for its other ranks
         self._shared_indexed = False
         self._threads: list[threading.Thread] = []
 
@@ -194,6 +197,8 @@ class Drainer:
     def _index_shared(self, clean: bool) -> bool:
         try:
             fsutil.makedirs_durable(self.shared_dir)
+            if clean:
+                overwrite.recover(self.shared_dir, self.owner)  # before the temporaries go
             removed = fsutil.clean_temporaries(self.shared_dir, self.owner) if clean else 0
             n = self.catalog.load_tier(TierName.SHARED, self.shared_dir)
         except OSError as e:
@@ -231,6 +236,8 @@ class Drainer:
         if self._on_shared(key) or self.catalog.was_drained(*key):
             return
         with self._cond:
+            if key in self._staged:
+                return
             if key in self._parts:
                 self._parts[key] = part  # a later attempt's part may have replaced the queued one
                 return
@@ -246,6 +253,7 @@ class Drainer:
         with self._cond:
             self._done.pop(key, None)
             self._failed.pop(key, None)
+            self._staged.discard(key)
 
     def drop(self, part: Part) -> bool:
         """Takes a local part about to be deleted out of the queue; False while it is being copied.
@@ -288,7 +296,7 @@ class Drainer:
         with self._cond:
             if any(k in self._failed for k in keys):
                 return "failed"
-            if any(k in self._draining for k in keys):
+            if any(k in self._draining or k in self._staged for k in keys):
                 return "draining"
             if any(k in self._parts for k in keys):
                 return "pending"
@@ -299,13 +307,13 @@ class Drainer:
         key = (job, step, rank)
         with self._cond:
             # The daemon stopping ends the wait too (stop() notifies): its thread must not hold the exit.
-            self._cond.wait_for(lambda: key in self._done or key in self._failed or key not in self._parts
-                                or self._stop.is_set(), timeout)
+            self._cond.wait_for(lambda: key in self._done or key in self._failed or
+                                (key not in self._parts and key not in self._staged) or self._stop.is_set(), timeout)
             if key in self._done or self._on_shared(key) or self.catalog.was_drained(*key):
                 return True
             if key in self._failed:
                 raise SaveFailed(f"draining {job} step {step} rank {rank} failed: {self._failed[key]}")
-            if key not in self._parts:
+            if key not in self._parts and key not in self._staged:
                 raise SaveFailed(f"{job} step {step} rank {rank} is neither queued for draining nor on the "
                                  "shared tier (deleted before it drained?)")
             return False
@@ -358,51 +366,94 @@ class Drainer:
     def _drain_one(self, key: Key, part: Part) -> None:
         started = time.monotonic()
         try:
-            shared = self._copy(part, self.shared_dir, TierName.SHARED, rate_limited=True)
+            published = self._publish(part)
         except _Stopping:
             with self._cond:
                 self._draining.discard(key)  # stays queued; resumes after a restart
             return
-        except CorruptSource as e:
-            self._give_up(key, f"local copy is corrupt: {e}")
+        except (CorruptSource, Conflict, OSError, layout.ManifestError) as e:
+            if self._superseded(key, part):
+                # A replacement (save with overwrite) took the part's place while it was copied: its
+                # files changed under the copy. Nothing is wrong with either; the new part is queued.
+                log.info("%s step %d rank %d was replaced while it drained (%s); draining the new part",
+                         *key, e)
+                with self._cond:
+                    self._draining.discard(key)
+                    self._cond.notify_all()
+                return
+            self._failed_drain(key, part, e)
+            return
+        self._published(key, part, published, time.monotonic() - started)
+
+    def _failed_drain(self, key: Key, part: Part, error: Exception) -> None:
+        if isinstance(error, CorruptSource):
+            self._give_up(key, f"local copy is corrupt: {error}")
             if self._on_corrupt is not None:
-                self._on_corrupt(part, str(e))
-            return
-        except Conflict as e:
-            self._give_up(key, str(e))
-            return
-        except (OSError, layout.ManifestError) as e:
-            self._retry(key, part, e)
-            return
-        elapsed = time.monotonic() - started
+                self._on_corrupt(part, str(error))
+        elif isinstance(error, Conflict):
+            self._give_up(key, str(error))
+        else:
+            self._retry(key, part, error)
+
+    def _superseded(self, key: Key, part: Part) -> bool:
+        """Whether another local part (a replacement) took ``part``'s place in the queue since it was taken."""
+        with self._cond:
+            queued = self._parts.get(key)
+        return queued is not None and queued is not part
+
+    def _published(self, key: Key, part: Part, published: list[Part], elapsed: float) -> None:
+        """Books a successful copy: the catalogue, drained marks, waiters, retention.
+
+        A shared part counts as the drain of a local part only while that
+        part is still the one queued: a replacement queued meanwhile (a save
+        with overwrite) must drain in its turn.
+        """
         self.reachable = True
         self.metrics.drain_seconds.observe(elapsed)
         self.metrics.saves_committed.labels("shared").inc()
         self.metrics.bytes_persisted.labels("shared").inc(part.nbytes)
         if elapsed > 0:
             self.metrics.drain_bandwidth.set(part.nbytes / elapsed)
-        self.catalog.add(shared)
-        self.catalog.mark_drained(*key)
-        if self._on_published is not None:
+        superseded = self._superseded(key, part)
+        drained = []
+        for shared in published:
+            self.catalog.add(shared)
+            if (shared.job, shared.step, shared.rank) == key:
+                ours = not superseded
+            else:  # another rank's part of a replacement swapped in by this copy
+                local = self.catalog.parts_of(shared.job, shared.step, shared.rank).get(TierName.LOCAL)
+                ours = local is not None and local.digest == shared.digest
+            if ours:
+                self.catalog.mark_drained(shared.job, shared.step, shared.rank)
+                drained.append(shared)
+        if self._on_published is not None and published:
             try:
                 # Other nodes' ranks of this step, and the step's commit record once all are there.
-                self._on_published(shared)
+                self._on_published(published[0])
             except (OSError, layout.ManifestError) as e:
                 log.warning("cannot re-read %s step %d on the shared tier: %s", part.job, part.step, e)
         with self._cond:
             self._draining.discard(key)
-            self._parts.pop(key, None)
-            self._attempts.pop(key, None)
+            if self._parts.get(key) is part:
+                self._parts.pop(key)
+                self._attempts.pop(key, None)
+                if not published:
+                    self._staged.add(key)  # done once the replacement's other ranks are there (see _publish)
             self._strikes.clear()  # the tier works: every part gets its turn in order again
             self._tier_failures = 0
             self._gate = 0.0
-            self._done[key] = None
-            if len(self._done) > _REMEMBER_DRAINED:
+            for shared in drained:
+                done = (shared.job, shared.step, shared.rank)
+                self._staged.discard(done)
+                self._done[done] = None
+            while len(self._done) > _REMEMBER_DRAINED:
                 del self._done[next(iter(self._done))]
             self._cond.notify_all()
-        log.info("drained %s step %d rank %d to %s (%d bytes, %.2fs)", part.job, part.step, part.rank,
-                 self.shared_dir, part.nbytes, elapsed)
-        self._on_drained(shared)
+        log.info("drained %s step %d rank %d to %s (%d bytes, %.2fs)%s", part.job, part.step, part.rank,
+                 self.shared_dir, part.nbytes, elapsed,
+                 "" if published else "; it replaces the step there once every rank's part has arrived")
+        for shared in drained:
+            self._on_drained(shared)
 
     def _next(self) -> Key | None:
         """Blocks until a part may be copied (queued, not being copied, backoff over); claims it."""
@@ -460,7 +511,43 @@ class Drainer:
         local, shared = tiers.get(TierName.LOCAL), tiers.get(TierName.SHARED)
         return shared is not None and (local is None or local.digest == shared.digest)
 
-    def _copy(self, part: Part, tier_dir: Path, tier: TierName, rate_limited: bool) -> Part:
+    def _publish(self, part: Part) -> list[Part]:
+        """Drains one local part; returns the parts this made committed on the shared tier, in place.
+
+        Usually that is the part itself. A part of a step replaced here (a save
+        with overwrite) whose old version the shared tier still holds goes into
+        the replacement being assembled there instead (:mod:`ckptstage.daemon.overwrite`):
+        [] until every rank's part has arrived, then all of them, swapped in.
+        """
+        record = self._replacement_of(part)
+        if record is None:
+            return [self._copy(part, self.shared_dir, TierName.SHARED, rate_limited=True)]
+        staged = overwrite.staged_part_dir(self.shared_dir, self.owner, part.job, part.step, part.rank)
+        self._copy(part, self.shared_dir, TierName.SHARED, rate_limited=True, final=staged)
+        parts = {p.rank: p for p in overwrite.staged_parts(self.shared_dir, self.owner, part.job, part.step,
+                                                           TierName.SHARED) if p.matches(record)}
+        if set(parts) != set(range(record.world_size)):
+            return []
+        return self._swapper.swap_in(TierName.SHARED, self.shared_dir, record, parts)
+
+    def _replacement_of(self, part: Part) -> layout.CommitRecord | None:
+        """The local commit record that names ``part`` and replaces the step the shared tier holds, if so.
+
+        Only a replacement of exactly the commit there (its fingerprint is in the
+        local record's ``replaces``) may take its place: anything else is a
+        straggler (:class:`Conflict` in :meth:`_copy`), e.g. a crashed run's step
+        that its successor committed again on another node.
+        """
+        there = _record_on(layout.step_dir(self.shared_dir, part.job, part.step))
+        if there is None or part.matches(there):
+            return None
+        local = self.catalog.record(part.job, part.step, TierName.LOCAL)
+        if local is None or not part.matches(local) or there.fingerprint() not in local.replaces:
+            return None
+        return local
+
+    def _copy(self, part: Part, tier_dir: Path, tier: TierName, rate_limited: bool,
+              final: Path | None = None) -> Part:
         """Copies one part to ``tier_dir`` with the commit protocol; returns the committed copy.
 
         A part of another attempt already there is replaced when the step has
@@ -470,7 +557,7 @@ class Drainer:
         """
         manifest = layout.read_manifest(part.path)
         attempt = layout.manifest_attempt(manifest)
-        final = layout.part_dir(tier_dir, part.job, part.step, part.rank)
+        final = final or layout.part_dir(tier_dir, part.job, part.step, part.rank)
         committed = _record_on(final.parent)
         if committed is not None and committed.attempt != attempt:
             raise Conflict(f"{part.job} step {part.step} is committed on {tier_dir} by attempt "
@@ -479,7 +566,7 @@ class Drainer:
         if final.exists() and not self._replaceable(final, manifest):
             return self._reuse(final, manifest, part, tier)
         writer = fsutil.PartWriter(tier_dir, self.owner, part.job, part.step, part.rank,
-                                   replace=lambda f: self._replaceable(f, manifest))
+                                   replace=lambda f: self._replaceable(f, manifest), final=final)
         try:
             for name, entry in layout.manifest_files(manifest).items():
                 self._copy_file(part.path / name, writer.path(name), entry, rate_limited)

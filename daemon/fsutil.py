@@ -150,12 +150,14 @@ class PartWriter:
     """
 
     def __init__(self, tier_dir: Path, owner: str, job: str, step: int, rank: int,
-                 replace: Callable[[Path], bool] | None = None) -> None:
+                 replace: Callable[[Path], bool] | None = None, final: Path | None = None) -> None:
         """``replace(final)``, when given, is asked at commit whether a part already at ``final`` may be
-        replaced (a part of an earlier, incomplete attempt): it is then moved aside first (:func:`remove_part`)."""
+        replaced (a part of an earlier, incomplete attempt): it is then moved aside first (:func:`remove_part`).
+        ``final`` overrides where the part is published (a replacement's staging area, see
+        :mod:`ckptstage.daemon.overwrite`)."""
         self.tier_dir = tier_dir
         self.owner = owner
-        self.final = layout.part_dir(tier_dir, job, step, rank)
+        self.final = final or layout.part_dir(tier_dir, job, step, rank)
         self.replace = replace
         self.manifest_digest = ""  # xxh3-64 of the committed manifest.json file
         self.ino = 0               # of the committed part directory

@@ -22,7 +22,8 @@ from pathlib import Path
 from ckptstage.daemon import arena as arena_mod
 from ckptstage.daemon import fsutil
 from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
-from ckptstage.daemon.commits import Commits
+from ckptstage.daemon import overwrite as overwrite_mod
+from ckptstage.daemon.commits import Commits, complete_attempt
 from ckptstage.daemon.config import Config
 from ckptstage.daemon.drainer import CorruptSource, Drainer
 from ckptstage.daemon.errors import (
@@ -111,6 +112,7 @@ class Node:
                                    config.persist.nice)
         self.commits = Commits(self.catalog, config.local.dir, config.shared.dir if config.shared.enabled else None,
                                self.owner, clock)
+        self.swapper = overwrite_mod.Swapper(self.catalog, self.owner)
         self.drainer: Drainer | None = None
         self.shared_sync: SharedSync | None = None
         if config.shared.enabled:
@@ -121,7 +123,8 @@ class Node:
                                        part.job, part.step, part.rank, TierName.LOCAL, why),
                                    on_indexed=self._on_shared_indexed,
                                    nice=config.persist.nice,
-                                   on_published=lambda part: self.commits.seal_shared(part.job, part.step))
+                                   on_published=lambda part: self.commits.seal_shared(part.job, part.step),
+                                   swapper=self.swapper)
             self.shared_sync = SharedSync(self.catalog, config.shared.dir,
                                           watched=lambda: {s.info.job for s in self.sessions.all()})
         self.quarantine = Quarantine(self.catalog, self.metrics)
@@ -146,6 +149,7 @@ class Node:
         probes, and the reaper of sessions that never attached.
         """
         fsutil.makedirs_durable(self.config.local.dir)
+        overwrite_mod.recover(self.config.local.dir, self.owner)  # before the temporaries go
         removed = fsutil.clean_temporaries(self.config.local.dir, self.owner)
         stale = arena_mod.sweep_stale()
         n_local = self.catalog.load_tier(TierName.LOCAL, self.config.local.dir)
@@ -239,7 +243,7 @@ class Node:
     # --- saves --------------------------------------------------------------------
 
     def begin_save(self, session_id: str, step: int, manifest_json: bytes, data_bytes: int,
-                   metrics: dict[str, float], stream_base: int | None = None) -> Save:
+                   metrics: dict[str, float], stream_base: int | None = None, overwrite: bool = False) -> Save:
         self._check_running()
         session = self.sessions.get(session_id)
         info = session.info
@@ -252,10 +256,16 @@ class Node:
                                  f"{info.attempt!r}")
         if self._in_flight(info.job, step, info.rank):
             raise AlreadyExists(f"step {step} of job {info.job!r} rank {info.rank} is being saved; save a new step")
-        self.commits.check_begin(info.job, step, info.rank, info.attempt)
+        local = self.config.local.dir
+        if self.commits.check_begin(info.job, step, info.rank, info.attempt, overwrite):
+            self._check_replaceable_here(info, step)
+            writer = fsutil.PartWriter(local, self.owner, info.job, step, info.rank, replace=lambda _: True,
+                                       final=overwrite_mod.staged_part_dir(local, self.owner, info.job, step,
+                                                                           info.rank))
+        else:
+            writer = fsutil.PartWriter(local, self.owner, info.job, step, info.rank,
+                                       replace=self.commits.replacer(local, info.job, step, info.attempt, overwrite))
         base = session.stream_base_for_next_save(stream_base)
-        writer = fsutil.PartWriter(self.config.local.dir, self.owner, info.job, step, info.rank,
-                                   replace=self.commits.replacer(self.config.local.dir, info.job, step, info.attempt))
         try:
             save = Save(uuid.uuid4().hex[:16], session.id, spec, session.arena,
                         base, session.chunk_bytes, writer,
@@ -438,8 +448,47 @@ class Node:
 
     # --- internals ---------------------------------------------------------------------
 
+    def _check_replaceable_here(self, info: SessionInfo, step: int) -> None:
+        """A committed step is replaced only by a job whose ranks all save through this daemon (see
+        :mod:`ckptstage.daemon.overwrite`)."""
+        here = {s.info.rank for s in self.sessions.all()
+                if s.info.job == info.job and s.info.attempt == info.attempt and s.info.world_size == info.world_size}
+        missing = sorted(set(range(info.world_size)) - here)
+        if missing:
+            raise InvalidRequest(f"step {step} of job {info.job!r} is committed and can be replaced (overwrite) only "
+                                 f"when every rank saves through this node's daemon; ranks {missing[:20]} of "
+                                 f"{info.world_size} have no session here. Delete the step on every node first, "
+                                 "or save a new step")
+
+    def _on_staged_commit(self, save: Save) -> None:
+        """A part of a replacement is committed in the staging area: swap the step in once every rank's is."""
+        spec = save.spec
+        local = self.config.local.dir
+        attempt = layout.manifest_attempt(spec.manifest)
+        staged = [p for p in overwrite_mod.staged_parts(local, self.owner, spec.job, spec.step, TierName.LOCAL)
+                  if p.attempt == attempt]
+        found = complete_attempt(staged)
+        if found is not None:
+            _, world, parts = found
+            record = self.commits.replacement_record(spec.job, spec.step, attempt, world, parts)
+            for part in self.swapper.swap_in(TierName.LOCAL, local, record, parts):
+                if self.drainer is not None:
+                    self.drainer.forget(part.job, part.step, part.rank)
+                    self.drainer.enqueue(part)
+
     def _on_commit(self, save: Save) -> None:
         assert save.committed_path is not None
+        if overwrite_mod.is_staged(self.config.local.dir, self.owner, save.committed_path):
+            self.metrics.saves_committed.labels("local").inc()
+            self.metrics.bytes_persisted.labels("local").inc(save.spec.data_bytes)
+            try:
+                self._on_staged_commit(save)
+            except OSError as e:
+                save.error = f"cannot put the replacement of step {save.spec.step} in place: {e}"
+                log.error("%s %s", save.spec.job, save.error)
+            self._settle(save)
+            self.apply_retention(save.spec.job, trigger="commit", shared=False)
+            return
         spec = save.spec
         writer = save.writer
         part = Part(spec.job, spec.step, spec.rank, spec.world_size, TierName.LOCAL, save.committed_path,

@@ -227,7 +227,7 @@ class Servicer(pb_grpc.CheckpointerServicer):
 
         def begin() -> pb.BeginSaveResponse:
             save = self.node.begin_save(request.session_id, request.step, request.manifest_json,
-                                        request.data_bytes, dict(request.metrics), proposed)
+                                        request.data_bytes, dict(request.metrics), proposed, request.overwrite)
             released = self.node.sessions.get(request.session_id).released()
             return pb.BeginSaveResponse(save_id=save.id, stream_base=save.stream_base, released=released)
 

@@ -52,6 +52,8 @@ MAX_MANIFEST_BYTES = 64 << 20
 # bytes value kept in the manifest: bigger blobs belong in a tensor (torch.frombuffer).
 MAX_TREE_DEPTH = 100
 MAX_PLAIN_VALUE_BYTES = 16 << 20
+# How many replaced commits of a step a commit record remembers (see CommitRecord.replaces).
+MAX_REPLACES = 16
 
 _JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _ATTEMPT_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -495,12 +497,23 @@ class CommitRecord:
     world_size: int
     created: float
     parts: dict[int, CommittedPart]
+    # Fingerprints (:meth:`fingerprint`) of the commits of this step that this one replaced (save with
+    # overwrite), newest first: a tier holding one of them may have it replaced by this one.
+    replaces: tuple[str, ...] = ()
+
+    def fingerprint(self) -> str:
+        """What identifies the commit across tiers: its attempt and its parts (not when it was written)."""
+        return chunk_digest(json.dumps([self.attempt, self.world_size, sorted(
+            (r, p.nbytes, p.manifest_digest) for r, p in self.parts.items())]).encode())
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "kind": "commit", "job": self.job, "step": self.step, "attempt": self.attempt,
-                "world_size": self.world_size, "created": self.created,
-                "parts": {str(r): {"bytes": p.nbytes, "manifest_xxh3_64": p.manifest_digest}
-                          for r, p in sorted(self.parts.items())}}
+        out = {"format": FORMAT, "kind": "commit", "job": self.job, "step": self.step, "attempt": self.attempt,
+               "world_size": self.world_size, "created": self.created,
+               "parts": {str(r): {"bytes": p.nbytes, "manifest_xxh3_64": p.manifest_digest}
+                         for r, p in sorted(self.parts.items())}}
+        if self.replaces:
+            out["replaces"] = list(self.replaces)
+        return out
 
     @classmethod
     def from_json(cls, obj: Any, where: str) -> CommitRecord:
@@ -536,7 +549,11 @@ class CommitRecord:
                     not re.fullmatch(r"[0-9a-f]{16}", digest):
                 raise bad(f"has a malformed entry for rank {key}: {entry!r:.100}")
             out[int(key)] = CommittedPart(nbytes, digest)
-        return cls(job, step, attempt, world, float(created), out)
+        replaces = get("replaces") or []
+        if not isinstance(replaces, list) or len(replaces) > MAX_REPLACES or \
+                not all(isinstance(r, str) and re.fullmatch(r"[0-9a-f]{16}", r) for r in replaces):
+            raise bad(f"has a malformed replaces list: {replaces!r:.100}")
+        return cls(job, step, attempt, world, float(created), out, tuple(replaces))
 
 
 def commit_record_bytes(record: CommitRecord) -> bytes:

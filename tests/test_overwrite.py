@@ -1,0 +1,167 @@
+"""``save(..., overwrite=True)``: a committed step replaced whole on each tier, never torn, never lost."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from support import drain, wait_until
+
+from ckptstage.client import AlreadyCommitted, Client, InvalidRequest
+from ckptstage.daemon import fsutil, overwrite
+from ckptstage.protos import layout
+
+
+def _state(tag: float, n: int = 4096) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((n,), tag), "b": torch.full((3,), tag)}
+
+
+def _tag(state: dict[str, torch.Tensor]) -> float:
+    values = {float(t.unique().item()) for t in state.values()}
+    assert len(values) == 1, f"a torn state: {values}"
+    return values.pop()
+
+
+def _shared_tag(d, job: str, step: int) -> float:
+    """The step as the shared tier holds it, read by a second daemon that has only that tier."""
+    record = layout.read_commit_record(layout.step_dir(d.shared, job, step))
+    assert record is not None
+    manifests = [layout.read_manifest(layout.part_dir(d.shared, job, step, r)) for r in range(record.world_size)]
+    assert all(layout.manifest_attempt(m) == record.attempt for m in manifests)
+    from ckptstage.client.restore import read_part
+
+    return _tag(read_part(layout.part_dir(d.shared, job, step, 0), None)[1])
+
+
+def test_without_overwrite_a_committed_step_is_refused_naming_the_option(daemon):
+    with Client("ow-refuse", socket=daemon.socket) as c:
+        c.save(1, _state(1.0)).wait("local", timeout=30)
+        with pytest.raises(AlreadyCommitted, match="overwrite=True"):
+            c.save(1, _state(2.0)).wait("local", timeout=30)
+        assert _tag(c.load(1)) == 1.0
+
+
+def test_overwrite_replaces_the_step_on_both_tiers(daemon):
+    with Client("ow-both", socket=daemon.socket) as c:
+        c.save(5, _state(1.0)).wait("shared", timeout=30)
+        old = layout.read_commit_record(layout.step_dir(daemon.shared, "ow-both", 5))
+        c.save(5, _state(2.0), overwrite=True).wait("shared", timeout=30)
+        assert _tag(c.load(5)) == 2.0
+        assert [i.step for i in c.list()] == [5] and c.latest() == 5
+    new = layout.read_commit_record(layout.step_dir(daemon.shared, "ow-both", 5))
+    assert new is not None and old is not None and old.fingerprint() in new.replaces
+    assert _shared_tag(daemon, "ow-both", 5) == 2.0
+    # The old parts are gone from both tiers (nothing left in the staging area either).
+    for tier in (daemon.local, daemon.shared):
+        assert sorted(p.name for p in layout.step_dir(tier, "ow-both", 5).iterdir()) == [
+            "commit.json", "rank-00000"]
+        assert not list((tier / ".tmp").rglob("rank-*"))
+
+
+def test_replacements_faster_than_the_drain_reach_the_shared_tier_as_the_newest(daemon_factory):
+    d = daemon_factory("ow-chain", **{"shared.max_bandwidth": "8MiB/s"}).start()
+    with Client("ow-chain", socket=d.socket) as c:
+        c.save(3, _state(1.0, n=1 << 20)).wait("shared", timeout=60)
+        c.save(3, _state(2.0, n=1 << 20), overwrite=True).wait("local", timeout=30)
+        c.save(3, _state(3.0, n=1 << 20), overwrite=True).wait("shared", timeout=60)
+        assert _tag(c.load(3)) == 3.0
+    drain(d)
+    assert _shared_tag(d, "ow-chain", 3) == 3.0
+
+
+def test_readers_see_the_old_or_the_new_step_whole_while_it_is_replaced(daemon):
+    with Client("ow-read", socket=daemon.socket) as writer, Client("ow-read", socket=daemon.socket) as reader:
+        writer.save(7, _state(1.0, n=4 << 20)).wait("local", timeout=30)
+        seen: list[float] = []
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def read() -> None:
+            while not stop.is_set():
+                try:
+                    seen.append(_tag(reader.load(7)))
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+                    return
+
+        t = threading.Thread(target=read)
+        t.start()
+        try:
+            wait_until(lambda: len(seen) >= 2, 30, "the reader's first loads")
+            writer.save(7, _state(2.0, n=4 << 20), overwrite=True).wait("local", timeout=60)
+            count = len(seen)
+            wait_until(lambda: len(seen) >= count + 2 or errors, 30, "loads after the replacement")
+        finally:
+            stop.set()
+            t.join()
+    assert not errors, errors[0]
+    assert set(seen) <= {1.0, 2.0} and seen[0] == 1.0 and seen[-1] == 2.0
+    assert seen == sorted(seen), "the old step came back after the new one was read"
+
+
+def test_a_multi_rank_step_is_replaced_once_every_rank_has_saved(daemon):
+    c0 = Client("ow-ranks", socket=daemon.socket, rank=0, world_size=2, attempt="run")
+    c1 = Client("ow-ranks", socket=daemon.socket, rank=1, world_size=2, attempt="run")
+    try:
+        for c in (c0, c1):
+            c.save(2, _state(1.0)).wait("local", timeout=30)
+        c0.save(2, _state(2.0), overwrite=True).wait("local", timeout=30)
+        assert _tag(c1.load(2)) == 1.0  # rank 1's replacement has not come: the step is still the old one
+        c1.save(2, _state(2.0), overwrite=True).wait("local", timeout=30)
+        assert _tag(c0.load(2)) == 2.0 and _tag(c1.load(2)) == 2.0
+        c1.close()
+        with pytest.raises(InvalidRequest, match=r"ranks \[1\] of 2 have no session here"):
+            c0.save(2, _state(3.0), overwrite=True).wait("local", timeout=30)
+        assert _tag(c0.load(2)) == 2.0
+    finally:
+        c0.close()
+        c1.close()
+
+
+def test_sigkill_before_the_replacement_is_in_place_leaves_the_old_step(daemon_factory):
+    # The drain is slow: the daemon dies while the replacement is being assembled on the shared tier.
+    d = daemon_factory("ow-kill", **{"shared.max_bandwidth": "2MiB/s"}).start()
+    with Client("ow-kill", socket=d.socket) as c:
+        c.save(4, _state(1.0, n=1 << 20)).wait("local", timeout=30)
+    drain(d, timeout=60)
+    with Client("ow-kill", socket=d.socket) as c:
+        c.save(4, _state(2.0, n=1 << 20), overwrite=True).wait("local", timeout=30)
+    wait_until(lambda: list((d.shared / ".tmp").rglob("data.safetensors")), 20, "the replacement's copy started")
+    d.kill()
+    assert _shared_tag(d, "ow-kill", 4) == 1.0  # the shared tier still has the old step, whole
+    d.start()
+    drain(d, timeout=60)  # the restarted daemon drains the replacement again, and swaps it in
+    assert _shared_tag(d, "ow-kill", 4) == 2.0
+    with Client("ow-kill", socket=d.socket) as c:
+        assert _tag(c.load(4)) == 2.0
+
+
+def _staged_step(tier: Path, owner: str, job: str, step: int, tag: bytes, record: bool) -> Path:
+    sdir = overwrite.staged_step_dir(tier, owner, job, step)
+    (sdir / "rank-00000").mkdir(parents=True)
+    (sdir / "rank-00000" / "marker").write_bytes(tag)
+    if record:
+        rec = layout.CommitRecord(job, step, "new", 1, 1.0, {0: layout.CommittedPart(1, "0" * 16)})
+        (sdir / layout.COMMIT_FILE).write_bytes(layout.commit_record_bytes(rec))
+    return sdir
+
+
+@pytest.mark.parametrize("old_in_place,record,expect", [
+    (False, True, b"new"),   # a crash between the two renames: the replacement goes in
+    (True, True, b"old"),    # a crash before the swap (or after the exchange): the step in place stays
+    (False, False, None),    # never sealed: nothing becomes a step
+])
+def test_recovery_keeps_exactly_one_of_the_two(tmp_path, old_in_place, record, expect):
+    tier, owner, job = tmp_path / "tier", "node-a", "job"
+    _staged_step(tier, owner, job, 9, b"new", record)
+    final = layout.step_dir(tier, job, 9)
+    if old_in_place:
+        (final / "rank-00000").mkdir(parents=True)
+        (final / "rank-00000" / "marker").write_bytes(b"old")
+    overwrite.recover(tier, owner)
+    fsutil.clean_temporaries(tier, owner)
+    marker = final / "rank-00000" / "marker"
+    assert (marker.read_bytes() if marker.exists() else None) == expect
+    assert not (layout.tmp_root(tier, owner)).exists() or not any(layout.tmp_root(tier, owner).iterdir())
