@@ -10,8 +10,10 @@ import torch
 from support import drain, wait_until
 
 from ckptstage.client import AlreadyCommitted, Client, InvalidRequest
+from ckptstage.client.restore import read_part
 from ckptstage.daemon import fsutil, overwrite
 from ckptstage.protos import layout
+from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
 
 def _state(tag: float, n: int = 4096) -> dict[str, torch.Tensor]:
@@ -24,15 +26,13 @@ def _tag(state: dict[str, torch.Tensor]) -> float:
     return values.pop()
 
 
-def _shared_tag(d, job: str, step: int) -> float:
-    """The step as the shared tier holds it, read by a second daemon that has only that tier."""
-    record = layout.read_commit_record(layout.step_dir(d.shared, job, step))
+def _shared_tag(shared: Path, job: str, step: int) -> float:
+    """The step as the shared tier's files hold it: its record names the parts, which verify and agree."""
+    record = layout.read_commit_record(layout.step_dir(shared, job, step))
     assert record is not None
-    manifests = [layout.read_manifest(layout.part_dir(d.shared, job, step, r)) for r in range(record.world_size)]
+    manifests = [layout.read_manifest(layout.part_dir(shared, job, step, r)) for r in range(record.world_size)]
     assert all(layout.manifest_attempt(m) == record.attempt for m in manifests)
-    from ckptstage.client.restore import read_part
-
-    return _tag(read_part(layout.part_dir(d.shared, job, step, 0), None)[1])
+    return _tag(read_part(layout.part_dir(shared, job, step, 0), None)[1])
 
 
 def test_without_overwrite_a_committed_step_is_refused_naming_the_option(daemon):
@@ -52,7 +52,7 @@ def test_overwrite_replaces_the_step_on_both_tiers(daemon):
         assert [i.step for i in c.list()] == [5] and c.latest() == 5
     new = layout.read_commit_record(layout.step_dir(daemon.shared, "ow-both", 5))
     assert new is not None and old is not None and old.fingerprint() in new.replaces
-    assert _shared_tag(daemon, "ow-both", 5) == 2.0
+    assert _shared_tag(daemon.shared, "ow-both", 5) == 2.0
     # The old parts are gone from both tiers (nothing left in the staging area either).
     for tier in (daemon.local, daemon.shared):
         assert sorted(p.name for p in layout.step_dir(tier, "ow-both", 5).iterdir()) == [
@@ -68,7 +68,7 @@ def test_replacements_faster_than_the_drain_reach_the_shared_tier_as_the_newest(
         c.save(3, _state(3.0, n=1 << 20), overwrite=True).wait("shared", timeout=60)
         assert _tag(c.load(3)) == 3.0
     drain(d)
-    assert _shared_tag(d, "ow-chain", 3) == 3.0
+    assert _shared_tag(d.shared, "ow-chain", 3) == 3.0
 
 
 def test_readers_see_the_old_or_the_new_step_whole_while_it_is_replaced(daemon):
@@ -130,10 +130,10 @@ def test_sigkill_before_the_replacement_is_in_place_leaves_the_old_step(daemon_f
         c.save(4, _state(2.0, n=1 << 20), overwrite=True).wait("local", timeout=30)
     wait_until(lambda: list((d.shared / ".tmp").rglob("data.safetensors")), 20, "the replacement's copy started")
     d.kill()
-    assert _shared_tag(d, "ow-kill", 4) == 1.0  # the shared tier still has the old step, whole
+    assert _shared_tag(d.shared, "ow-kill", 4) == 1.0  # the shared tier still has the old step, whole
     d.start()
     drain(d, timeout=60)  # the restarted daemon drains the replacement again, and swaps it in
-    assert _shared_tag(d, "ow-kill", 4) == 2.0
+    assert _shared_tag(d.shared, "ow-kill", 4) == 2.0
     with Client("ow-kill", socket=d.socket) as c:
         assert _tag(c.load(4)) == 2.0
 
@@ -165,3 +165,23 @@ def test_recovery_keeps_exactly_one_of_the_two(tmp_path, old_in_place, record, e
     marker = final / "rank-00000" / "marker"
     assert (marker.read_bytes() if marker.exists() else None) == expect
     assert not (layout.tmp_root(tier, owner)).exists() or not any(layout.tmp_root(tier, owner).iterdir())
+
+
+def test_a_crashed_runs_committed_step_never_replaces_its_successors_on_the_shared_tier(daemon_factory, tmp_path):
+    # Node A commits step 1 locally and dies before draining it; the job restarts on node B, which saves
+    # step 1 again (another attempt) and drains it. When A comes back, its stale step 1 is a straggler:
+    # it never replaces B's on the shared tier (only a record that names B's commit in `replaces` could).
+    shared = tmp_path / "shared"
+    a = daemon_factory("stale-a", **{"shared.dir": str(shared), "shared.max_bandwidth": "1MiB/s"}).start()
+    with Client("stale", socket=a.socket) as c:
+        c.save(1, _state(1.0, n=2 << 20)).wait("local", timeout=30)
+    a.kill()
+    b = daemon_factory("stale-b", **{"shared.dir": str(shared)}).start()
+    with Client("stale", socket=b.socket) as c:
+        c.save(1, _state(2.0)).wait("shared", timeout=30)
+    a.start()
+    with a.connection() as conn:
+        resp = conn.call("Drain", pb.DrainRequest(wait=True, timeout_s=30), timeout=40)
+    assert resp.failed == 1 and resp.pending == 0
+    assert _shared_tag(shared, "stale", 1) == 2.0
+    assert "straggler" in a.log.read_text()
