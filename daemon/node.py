@@ -257,15 +257,17 @@ class Node:
         if self._in_flight(info.job, step, info.rank):
             raise AlreadyExists(f"step {step} of job {info.job!r} rank {info.rank} is being saved; save a new step")
         local = self.config.local.dir
-        if self.commits.check_begin(info.job, step, info.rank, info.attempt, overwrite):
+        staged = self.commits.check_begin(info.job, step, info.rank, info.attempt, overwrite)
+        if staged:
             self._check_replaceable_here(info, step)
+        base = session.stream_base_for_next_save(stream_base)  # may refuse: before any file is created
+        if staged:
             writer = fsutil.PartWriter(local, self.owner, info.job, step, info.rank, replace=lambda _: True,
                                        final=overwrite_mod.staged_part_dir(local, self.owner, info.job, step,
                                                                            info.rank))
         else:
             writer = fsutil.PartWriter(local, self.owner, info.job, step, info.rank,
                                        replace=self.commits.replacer(local, info.job, step, info.attempt, overwrite))
-        base = session.stream_base_for_next_save(stream_base)
         try:
             save = Save(uuid.uuid4().hex[:16], session.id, spec, session.arena,
                         base, session.chunk_bytes, writer,
