@@ -35,6 +35,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Checkpointer"]
 METHODS = [m.name for m in SERVICE.methods]
 NEVER = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 JOB = "fuzzjob"
+KEPT_JOB = "fuzz-untouched"
 pytestmark = pytest.mark.slow
 
 
@@ -54,6 +55,9 @@ def fd_count(pid: int) -> int:
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
     d = DaemonProc(tmp_path_factory.mktemp("fuzz") / "node", **{"arena.max_bytes": "64MiB"}).start()
     with Client(JOB, socket=d.socket) as c:
+        c.save(3, {"w": torch.arange(1000.0)}).wait("local", timeout=30)
+    # A job the fuzz never names: whatever it does to JOB (DeleteStep may delete step 3), this stays.
+    with Client(KEPT_JOB, socket=d.socket) as c:
         c.save(3, {"w": torch.arange(1000.0)}).wait("local", timeout=30)
     assert d.proc is not None
     wait_until(lambda: not d.connection().status().sessions, 10, "the warm-up session to close")
@@ -256,7 +260,7 @@ def test_after_the_fuzz_nothing_is_left_behind(daemon: DaemonProc) -> None:
     pid = daemon.proc.pid
     wait_until(lambda: fd_count(pid) <= Known.baseline_fds + 2, 10,
                f"the daemon's descriptors back to {Known.baseline_fds} (now {fd_count(pid)})")
-    with Client(JOB, socket=daemon.socket) as c:
+    with Client(KEPT_JOB, socket=daemon.socket) as c:
         assert torch.equal(c.load(3)["w"], torch.arange(1000.0))
 
 
