@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.fabric import Fabric
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -133,6 +134,42 @@ def test_save_last_link(daemon: Any, tmp_path: Path) -> None:
     io.teardown()
 
 
+def test_a_step_named_in_another_callbacks_directory_is_kept(daemon: Any, tmp_path: Path) -> None:
+    """Two ModelCheckpoints share step 4; after a restart, one drops its file: the other's file keeps the step."""
+    def callbacks() -> list[Any]:
+        return [ModelCheckpoint(dirpath=tmp_path / "a", every_n_train_steps=2),
+                ModelCheckpoint(dirpath=tmp_path / "b", every_n_train_steps=4, save_top_k=-1)]
+
+    fit(tmp_path, CkptstageCheckpointIO(job="two", socket=daemon.socket), max_steps=4, callbacks=callbacks())
+    kept_by_b = tmp_path / "b" / "epoch=0-step=4.ckpt"
+    assert set(list_pointers(tmp_path / "a").values()) == {Pointer("two", 4)}
+    # A new process: a fresh plug-in that has written nothing to b/ yet. (Resuming from a/'s file would make
+    # Lightning keep that file: it never removes the checkpoint it resumed from.)
+    fit(tmp_path, CkptstageCheckpointIO(job="two", socket=daemon.socket), max_steps=6, callbacks=callbacks(),
+        ckpt_path=str(kept_by_b))
+    assert set(list_pointers(tmp_path / "a").values()) == {Pointer("two", 6)}
+    assert set(list_pointers(tmp_path / "b").values()) == {Pointer("two", 4)}
+    assert set(committed(daemon, "two")) == {4, 6}
+    assert load(kept_by_b, socket=daemon.socket)["global_step"] == 4
+
+
+def test_lightning_temporaries_stay_files(daemon: Any, tmp_path: Path) -> None:
+    """ddp_spawn hands the weights to the main process in a hidden ``.temp.ckpt`` (a bare state_dict), the tuner
+    keeps ``.lr_find_*.ckpt``: written, read and removed as torch files, never as steps."""
+    io = CkptstageCheckpointIO(job="temps", socket=daemon.socket)
+    weights = {"net.weight": torch.randn(3, 3)}
+    temp = tmp_path / ".temp.ckpt"
+    io.save_checkpoint(weights, temp)
+    assert read_pointer(temp) is None
+    assert_same(io.load_checkpoint(temp), weights)
+    io.remove_checkpoint(temp)
+    assert not temp.exists()
+    io.save_checkpoint({"global_step": 3, "state_dict": weights}, tmp_path / ".lr_find_x.ckpt")
+    assert read_pointer(tmp_path / ".lr_find_x.ckpt") is None
+    io.teardown()
+    assert committed(daemon, "temps") == {}
+
+
 def test_resume_from_last_continues_as_an_uninterrupted_run(daemon: Any, tmp_path: Path) -> None:
     """fit to step 4, then a fresh model resumed with ckpt_path="last" to step 8: at its start and at its end
     the weights and the optimizer are bit-identical to one run of 8 steps at steps 4 and 8."""
@@ -221,6 +258,29 @@ def test_write_pointer_makes_a_ckptstage_step_resumable(daemon: Any, tmp_path: P
     io.teardown()
     assert not target.exists()
     assert set(committed(daemon, "other")) == {2, 7}
+
+
+def test_fabric_save_and_load(daemon: Any, tmp_path: Path) -> None:
+    """Fabric hands the plug-in the same kind of dict; its "global_step" names the step."""
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[CkptstageCheckpointIO(job="fabric", socket=daemon.socket)])
+    torch.manual_seed(0)
+    model, opt = fabric.setup(*_model_and_adam())
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    fabric.save(tmp_path / "f.ckpt", {"model": model, "optimizer": opt, "global_step": 1})
+    assert read_pointer(tmp_path / "f.ckpt") == Pointer("fabric", 1)
+    other, other_opt = fabric.setup(*_model_and_adam())
+    state = {"model": other, "optimizer": other_opt, "global_step": 0}
+    assert fabric.load(tmp_path / "f.ckpt", state) == {}
+    assert state["global_step"] == 1
+    assert_same(other.state_dict(), model.state_dict(), "model")
+    assert_same(other_opt.state_dict(), opt.state_dict(), "optimizer")
+    fabric.strategy.teardown()
+
+
+def _model_and_adam() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(8, 2)
+    return model, torch.optim.Adam(model.parameters())
 
 
 def test_ddp_only_rank0_saves_and_both_ranks_resume(daemon: Any, tmp_path: Path) -> None:

@@ -278,6 +278,9 @@ class CkptstageCheckpointIO(CheckpointIO):
         """
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
+        if _is_remote(path) or _is_temporary(path):
+            TorchCheckpointIO().save_checkpoint(checkpoint, path)
+            return
         if self.job is None:
             raise ValueError(f"{type(self).__name__}(job=None) only loads; give it a job to save")
         self._raise_error()
@@ -308,7 +311,7 @@ class CkptstageCheckpointIO(CheckpointIO):
             with self._cond:
                 self._pending[step] = handle
                 self._candidates.add(step)
-                self._dirs.add(target.parent)
+                self._dirs.update(_checkpoint_dirs(checkpoint), [target.parent])
                 if superseded is not None and superseded.job == self.job and superseded.step != step:
                     self._candidates.add(superseded.step)
         finally:
@@ -329,7 +332,7 @@ class CkptstageCheckpointIO(CheckpointIO):
         storage and ``"cpu"``). ``weights_only`` matters only for a
         ``torch.save`` file: a pointer's checkpoint is never unpickled.
         """
-        if _is_remote(path):
+        if _is_remote(path) or _is_temporary(path):
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         p = Path(path)
         if not p.exists():
@@ -352,11 +355,14 @@ class CkptstageCheckpointIO(CheckpointIO):
         if not isinstance(state, dict):
             raise errors.CkptStageError(f"{p} points to step {pointer.step} of job {pointer.job!r}, which holds a "
                                         f"{type(state).__name__}, not a Lightning checkpoint dict")
+        if pointer.job == self.job:
+            with self._cond:
+                self._dirs.update(_checkpoint_dirs(state))  # a resumed run's pointers keep their steps
         return _map_location(state, map_location)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Removes the file at ``path``; its step is deleted once no pointer names it (in the background)."""
-        if _is_remote(path):
+        if _is_remote(path) or _is_temporary(path):
             TorchCheckpointIO().remove_checkpoint(path)
             return
         p = Path(path)
@@ -503,6 +509,22 @@ class CkptstageCheckpointIO(CheckpointIO):
 
 def _is_remote(path: Any) -> bool:
     return "://" in str(path) and not str(path).startswith("file://")
+
+
+def _is_temporary(path: Any) -> bool:
+    """Lightning's own hidden temporaries: ddp_spawn's hand-over of the weights (``.temp.ckpt``, a bare
+    state_dict) and the tuner's ``.lr_find_*.ckpt`` / ``.scale_batch_size_*.ckpt``. They are written,
+    read and removed at once: as files, never as steps (one would replace a real step of its global step)."""
+    return Path(str(path)).name.startswith(".")
+
+
+def _checkpoint_dirs(checkpoint: Mapping[str, Any]) -> list[Path]:
+    """The directories of the checkpoint's ``ModelCheckpoint`` callbacks: their pointers keep steps alive."""
+    callbacks = checkpoint.get("callbacks")
+    if not isinstance(callbacks, Mapping):
+        return []
+    return [Path(v["dirpath"]) for v in callbacks.values()
+            if isinstance(v, Mapping) and isinstance(v.get("dirpath"), str)]
 
 
 def _local_path(path: Any) -> Path:
