@@ -16,6 +16,18 @@ replaced by their index in the tensor list. Encoding, one JSON object per node:
                                    bytes are fragments, found by fqn in every
                                    part of the step (see ckptstage.client.shards)
 
+Other values have nodes of :mod:`ckptstage.client.encodings` (the table is in
+docs/FORMAT.md): numpy arrays (up to 4 KiB inline, larger ones as tensors of
+the tensor list), numpy scalars, numpy ``Generator``/``RandomState``/bit
+generators, ``random.Random``, pathlib paths, Enum members, dataclasses,
+namedtuples, dict subclasses, ``argparse.Namespace``, ``torch.dtype``,
+``torch.device``, ``datetime`` values, sets and frozensets. Each loads back as
+its own type; a class (dataclass, namedtuple, Enum, dict subclass) only if its
+module is already imported in the loading process — nothing is ever imported
+and no ``__init__`` runs — else as :class:`Unresolved` (a dict naming the
+class) or :class:`UnresolvedEnum`. Python's ``random.getstate()`` and numpy's
+``get_state()`` are tuples of these and round-trip as the same tuples.
+
 A tensor that appears more than once — the same view of the same storage,
 e.g. tied embedding and output weights, each ``state_dict()`` key a separate
 ``detach()`` of one parameter — is stored once and referenced by every key,
@@ -26,11 +38,16 @@ that share storage (a slice, a transpose) are stored separately.
 Every tensor also has an *fqn*, its key path joined by dots as
 ``torch.distributed.checkpoint`` names it (``optim.state.0.exp_avg``): it is
 how a sharded checkpoint finds a tensor's fragments across parts and how a
-load matches saved tensors to the caller's.
+load matches saved tensors to the caller's. Dataclass, namedtuple and
+``Namespace`` fields join it by name (``cfg.weight``); a numpy array stored as
+a tensor has its own key path.
 
-Keys are encoded like values but only None, bool, int, float and str are
-allowed. Anything else raises ``TypeError`` naming its key path, e.g.
-``state['optim']['state'][0]['exp_avg']``.
+Keys are encoded like values but only None, bool, int, float, str, Enum
+members and torch dtypes are allowed (an Enum key joins the fqn by its member
+name, a dtype by its name). Anything else raises ``TypeError`` naming its key
+path, e.g. ``state['optim']['state'][0]['exp_avg']``. The limits apply to every
+container: at most ``MAX_TREE_DEPTH`` deep, no reference cycles, plain values
+(and inline arrays) of at most ``MAX_PLAIN_VALUE_BYTES``.
 """
 
 from __future__ import annotations
@@ -43,8 +60,12 @@ from typing import Any
 
 import torch
 
-from ckptstage.client import shards
+from ckptstage.client import encodings, shards
+from ckptstage.client.encodings import Unresolved, UnresolvedEnum
 from ckptstage.protos import layout
+
+__all__ = ["Flat", "Unresolved", "UnresolvedEnum", "children", "flatten", "flatten_state", "key_str",
+           "map_children", "unflatten"]
 
 _KEY_TYPES = (str, int, float, bool, type(None))
 
@@ -76,8 +97,12 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor], list[str]]:
     return flat.tree, flat.tensors, flat.paths
 
 
-def flatten_state(state: Any) -> Flat:
-    """Takes ``state`` apart (see the module docstring); DTensors contribute their stored local fragment."""
+def flatten_state(state: Any, inline_arrays: bool = False) -> Flat:
+    """Takes ``state`` apart (see the module docstring); DTensors contribute their stored local fragment.
+
+    ``inline_arrays``: numpy arrays of any size travel in the tree, never in
+    the tensor list (for a value that must hold no tensor, e.g. DCP's).
+    """
     flat = Flat(None)
     tensors, paths = flat.tensors, flat.paths
     index: dict[tuple[Any, ...], int] = {}  # one entry per distinct view (see the module docstring)
@@ -128,28 +153,85 @@ def flatten_state(state: Any) -> Flat:
         if kind is torch.Size:
             return {"S": list(obj)}
         if kind in (dict, OrderedDict, list, tuple):
-            if id(obj) in seen:
-                raise TypeError(f"{path} contains itself (a reference cycle); cannot checkpoint it")
-            if len(seen) >= layout.MAX_TREE_DEPTH:
-                raise ValueError(f"{path[:200]}... is nested more than {layout.MAX_TREE_DEPTH} containers deep, "
-                                 "the limit for a saved state; flatten it (e.g. join the keys)")
-            inner = seen + (id(obj),)
+            inner = _enter(obj, path, seen)
             if kind in (list, tuple):
                 return {"l" if kind is list else "t": [enc(v, f"{path}[{i}]", inner, keys + (i,))
                                                        for i, v in enumerate(obj)]}
             items = []
             for k, v in obj.items():
-                if type(k) not in _KEY_TYPES:
-                    raise TypeError(f"{path} has a key of unsupported type {type(k).__name__}: {k!r} "
-                                    "(keys may be str, int, float, bool or None)")
-                items.append([enc(k, path, ()), enc(v, f"{path}[{k!r}]", inner, keys + (k,))])
+                if type(k) in _KEY_TYPES:
+                    items.append([enc(k, path, ()), enc(v, f"{path}[{k!r}]", inner, keys + (k,))])
+                else:
+                    items.append([key(k, path), enc(v, f"{path}[{k!r}]", inner, keys + (_segment(k),))])
             return {"d" if kind is dict else "o": items}
-        raise TypeError(f"{path} is a {kind.__module__}.{kind.__qualname__}; ckptstage saves tensors, "
-                        "dict/OrderedDict/list/tuple, and int, float, bool, str, bytes, None — convert it "
-                        "(e.g. to a tensor or a str) or leave it out of the state")
+        return encodings.encode(obj, path, _Walker(walk, obj, path, seen, keys))
 
+    def key(k: Any, path: str) -> Any:
+        if type(k) in _KEY_TYPES or encodings.is_key(k):
+            return enc(k, path, ())
+        raise TypeError(f"{path} has a key of unsupported type {type(k).__name__}: {k!r} "
+                        "(keys may be str, int, float, bool, None, an Enum member or a torch.dtype)")
+
+    walk = _Walk(flat, enc, key, inline_arrays)
     flat.tree = enc(state, "state", ())
     return flat
+
+
+@dataclass(frozen=True)
+class _Walk:
+    """One :func:`flatten_state` call: what its :class:`_Walker` objects share."""
+
+    flat: Flat
+    enc: Callable[..., Any]
+    key: Callable[[Any, str], Any]
+    inline_arrays: bool
+
+
+class _Walker:
+    """What :func:`encodings.encode` may ask of the walk at one value (see ``encodings.Walker``)."""
+
+    def __init__(self, walk: _Walk, obj: Any, path: str, seen: tuple[int, ...], keys: tuple[Any, ...]) -> None:
+        self.walk, self.obj, self.path, self.seen, self.keys = walk, obj, path, seen, keys
+        self.inline_arrays = walk.inline_arrays
+        self.inner: tuple[int, ...] | None = None
+
+    def _inner(self) -> tuple[int, ...]:
+        if self.inner is None:
+            self.inner = _enter(self.obj, self.path, self.seen)
+        return self.inner
+
+    def child(self, value: Any, path: str, segment: Any) -> Any:
+        return self.walk.enc(value, path, self._inner(), self.keys + (_segment(segment),))
+
+    def plain(self, value: Any, path: str, nested: bool = True) -> Any:
+        flat = self.walk.flat
+        before = (len(flat.tensors), len(flat.dtensors))
+        node = self.walk.enc(value, path, self._inner() if nested else self.seen, self.keys)
+        if (len(flat.tensors), len(flat.dtensors)) != before:
+            raise TypeError(f"{path} holds a tensor; a set element, an Enum value or a random state cannot: "
+                            "keep tensors in dicts, lists, tuples, dataclasses or namedtuples")
+        return node
+
+    def key(self, k: Any, path: str) -> Any:
+        return self.walk.key(k, path)
+
+    def tensor(self, t: torch.Tensor) -> Any:
+        return self.walk.enc(t, self.path, self.seen, self.keys)
+
+
+def _segment(k: Any) -> Any:
+    """A key as it joins an fqn (joined with ``str``): itself, or an Enum member's or dtype's name."""
+    return k if type(k) in _KEY_TYPES else encodings.key_segment(k)
+
+
+def _enter(obj: Any, path: str, seen: tuple[int, ...]) -> tuple[int, ...]:
+    """``seen`` with container ``obj`` added; raises on a reference cycle or nesting past the limit."""
+    if id(obj) in seen:
+        raise TypeError(f"{path} contains itself (a reference cycle); cannot checkpoint it")
+    if len(seen) >= layout.MAX_TREE_DEPTH:
+        raise ValueError(f"{path[:200]}... is nested more than {layout.MAX_TREE_DEPTH} containers deep, "
+                         "the limit for a saved state; flatten it (e.g. join the keys)")
+    return seen + (id(obj),)
 
 
 def unflatten(tree: Any, tensor: Callable[[int], Any], dtensor: Callable[[dict[str, Any]], Any] | None = None) -> Any:
@@ -191,9 +273,50 @@ def unflatten(tree: Any, tensor: Callable[[int], Any], dtensor: Callable[[dict[s
             return {dec(k): dec(x) for k, x in v}
         if tag == "o":
             return OrderedDict((dec(k), dec(x)) for k, x in v)
-        raise ValueError(f"unknown tree node {tag!r} in manifest")
+        return encodings.decode(tag, v, dec)
 
     return dec(tree)
+
+
+def children(node: Any) -> list[tuple[str | None, Any]]:
+    """The child nodes of a tree node, each with the fqn segment it adds (None: the node's own key path).
+
+    For code that walks a manifest's tree for tensors (``"T"``, ``"D"``
+    nodes): it reaches them inside every container, dataclasses and
+    namedtuples included.
+    """
+    (tag, v), = node.items()
+    if tag in ("l", "t"):
+        return [(str(i), x) for i, x in enumerate(v)]
+    if tag in ("d", "o"):
+        return [(key_str(k), x) for k, x in v]
+    if tag == "M":
+        return [(key_str(k), x) for k, x in encodings.children(tag, v)]
+    return [(None if k is None else str(k), x) for k, x in encodings.children(tag, v)]
+
+
+def map_children(node: Any, fn: Callable[[Any], Any]) -> Any:
+    """``node`` with each of its :func:`children` replaced by ``fn(child)``."""
+    (tag, v), = node.items()
+    if tag in ("l", "t"):
+        return {tag: [fn(x) for x in v]}
+    if tag in ("d", "o"):
+        return {tag: [[k, fn(x)] for k, x in v]}
+    return encodings.with_children(tag, v, [fn(x) for _, x in encodings.children(tag, v)])
+
+
+def key_str(node: Any) -> str:
+    """A dict key's node as :func:`flatten_state` joins it into an fqn."""
+    (tag, v), = node.items()
+    if tag == "N":
+        return "None"
+    if tag == "b":
+        return str(bool(v))
+    if tag == "f":
+        return str(float.fromhex(v))
+    if tag == "E":
+        return str(v["name"])
+    return str(v)
 
 
 def _view_key(t: torch.Tensor) -> tuple[Any, ...] | None:
