@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import torch
 
-from ckptstage.client import errors, reshard, shards, steps
+from ckptstage.client import errors, reshard, shards, steps, tree
 from ckptstage.client.fileplan import _ST_CODES, _padded_header
 from ckptstage.client.restore import bytes_of
 from ckptstage.client.rpc import Connection
@@ -178,32 +178,19 @@ def _select(view: reshard.StepView, prefix: str, job: str, step: int) -> tuple[l
     return chosen, aliases
 
 
-def _aliases(tree: Any, fqns: Sequence[str]) -> dict[str, str]:
+def _aliases(root: Any, fqns: Sequence[str]) -> dict[str, str]:
     """Keys that name a tensor stored under an earlier key (tied weights): alias fqn -> stored fqn."""
     out: dict[str, str] = {}
-    stack: list[tuple[Any, tuple[str, ...]]] = [(tree, ())]
+    stack: list[tuple[Any, tuple[str, ...]]] = [(root, ())]
     while stack:  # no recursion: trees may nest deeply
         node, keys = stack.pop()
-        (tag, v), = node.items()
-        if tag == "T":
+        if "T" in node:
             fqn = ".".join(keys)
-            if fqn != fqns[v]:
-                out[fqn] = fqns[v]
-        elif tag in ("l", "t"):
-            stack.extend((x, keys + (str(i),)) for i, x in enumerate(v))
-        elif tag in ("d", "o"):
-            stack.extend((x, keys + (_key_str(k),)) for k, x in v)
+            if fqn != fqns[node["T"]]:
+                out[fqn] = fqns[node["T"]]
+        else:
+            stack.extend((x, keys if seg is None else keys + (seg,)) for seg, x in tree.children(node))
     return dict(sorted(out.items()))
-
-
-def _key_str(node: dict[str, Any]) -> str:
-    """A dict key as ``tree.flatten_state`` joins it into an fqn (``str`` of the key)."""
-    (tag, v), = node.items()
-    if tag == "N":
-        return "None"
-    if tag == "f":
-        return str(float.fromhex(v))
-    return str(v)
 
 
 # --- writing -------------------------------------------------------------------------------

@@ -507,14 +507,9 @@ def _with_sharded_of(mine: Any, theirs: Any, rank: int) -> Any:
 
 def _foreign(node: Any, rank: int) -> Any:
     """A subtree of rank ``rank``'s tree with its tensor numbers qualified by the rank."""
-    (tag, v), = node.items()
-    if tag == "T":
-        return {"T": (rank, v)}
-    if tag in ("l", "t"):
-        return {tag: [_foreign(x, rank) for x in v]}
-    if tag in ("d", "o"):
-        return {tag: [[k, _foreign(x, rank)] for k, x in v]}
-    return node
+    if "T" in node:
+        return {"T": (rank, node["T"])}
+    return tree.map_children(node, lambda x: _foreign(x, rank))
 
 
 def _sharded_nodes(node: Any) -> list[dict[str, Any]]:
@@ -522,13 +517,10 @@ def _sharded_nodes(node: Any) -> list[dict[str, Any]]:
     out, stack = [], [node]
     while stack:
         n = stack.pop()
-        (tag, v), = n.items()
-        if tag == "D":
-            out.append(v)
-        elif tag in ("l", "t"):
-            stack.extend(v)
-        elif tag in ("d", "o"):
-            stack.extend(item[1] for item in v)
+        if "D" in n:
+            out.append(n["D"])
+        else:
+            stack.extend(x for _, x in tree.children(n))
     return out
 
 

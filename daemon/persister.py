@@ -52,6 +52,12 @@ MAX_NAME_CHARS = 4096
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _PLAIN_TAGS = {"N": int, "b": bool, "i": int, "f": str, "s": str, "y": str}
 _CONTAINER_TAGS = {"l", "t", "d", "o"}
+# The nodes of client/encodings.py (see docs/FORMAT.md). Containers, one level of nesting each:
+_FIELD_TAGS = {"C", "n", "M", "ns"}    # [{"cls": ...}, [key, node], ...] ("ns": no header)
+_SET_TAGS = {"st", "fs"}               # [node, ...]
+# A node wrapping one node of the same level (a random state, an Enum's value), or a value in a small shape:
+_WRAPPER_TAGS = {"G", "B", "Q", "R"}
+_NAME_TAGS = {"dt", "dv", "da"}        # a str
 _DTYPE_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")
 # Element sizes of the common dtypes, to check nbytes against the shape; other dtypes (sub-byte ones)
 # need at least one bit per element.
@@ -221,8 +227,64 @@ def _check_tree(tree: Any, n_tensors: int) -> None:
             for item in value:
                 if not isinstance(item, list) or len(item) != 2:
                     raise InvalidRequest(f"{where} has an item {_short(item)} that is not a [key, value] pair")
-                key = _plain(item[0], f"{where} (a key)")
+                key = _key(item[0], f"{where} (a key)", stack, path, depth)
                 stack.append((item[1], f"{path}[{key!r}]", depth + 1))
+        elif tag in _FIELD_TAGS or tag in _SET_TAGS:
+            if depth >= layout.MAX_TREE_DEPTH:
+                raise InvalidRequest(f"{where} is nested more than {layout.MAX_TREE_DEPTH} containers deep, "
+                                     "the limit for a saved state")
+            if not isinstance(value, list):
+                raise InvalidRequest(f"{where} = {_short(node)} is not a tree node")
+            if tag in _SET_TAGS:
+                stack.extend((v, f"{path}<item {i}>", depth + 1) for i, v in enumerate(value))
+                continue
+            items = value
+            if tag != "ns":
+                if not value or not isinstance(value[0], dict) or not _is_name(value[0].get("cls")) or \
+                        not set(value[0]) <= {"cls", "factory"} or not _is_name(value[0].get("factory", "")):
+                    raise InvalidRequest(f"{where} = {_short(node)} does not start with its class")
+                items = value[1:]
+            for item in items:
+                if not isinstance(item, list) or len(item) != 2:
+                    raise InvalidRequest(f"{where} has an item {_short(item)} that is not a [key, value] pair")
+                if tag == "M":
+                    key = _key(item[0], f"{where} (a key)", stack, path, depth)
+                    stack.append((item[1], f"{path}[{key!r}]", depth + 1))
+                elif _is_name(item[0]):
+                    stack.append((item[1], f"{path}.{item[0]}", depth + 1))
+                else:
+                    raise InvalidRequest(f"{where} has a field name {_short(item[0])} that is not a str")
+        elif tag in _WRAPPER_TAGS:
+            stack.append((value, path, depth))
+        elif tag == "E":
+            _key(node, where, stack, path, depth)
+        elif tag == "A":  # a numpy array whose bytes are a tensor of the part
+            if not isinstance(value, dict) or set(value) != {"dtype", "v"} or not _is_name(value["dtype"]) or \
+                    not isinstance(value["v"], dict) or set(value["v"]) != {"T"}:
+                raise InvalidRequest(f"{where} = {_short(node)} is not a numpy array node")
+            _check_int(f"{where} (a tensor reference)", value["v"]["T"], n_tensors - 1)
+        elif tag in ("a", "g"):  # a numpy array or scalar, inline
+            if not isinstance(value, dict) or set(value) != ({"dtype", "data", "shape"} if tag == "a" else
+                                                             {"dtype", "data"}) or not _is_name(value["dtype"]):
+                raise InvalidRequest(f"{where} = {_short(node)} is not a numpy value node")
+            if tag == "a":
+                _check_dims(where, value["shape"], node)
+            _plain({"y": value["data"]}, where)
+        elif tag == "p":
+            if not isinstance(value, list) or len(value) != 2 or not _is_name(value[0]):
+                raise InvalidRequest(f"{where} = {_short(node)} is not a path node")
+            _plain({"s": value[1]}, where)
+        elif tag in _NAME_TAGS:
+            if not _is_name(value):
+                raise InvalidRequest(f"{where} = {_short(node)} is not a valid tree node")
+        elif tag == "td":
+            if not isinstance(value, list) or len(value) != 3 or any(type(n) is not int for n in value):
+                raise InvalidRequest(f"{where} = {_short(node)} is not a timedelta node")
+        elif tag in ("ts", "tt"):
+            if not isinstance(value, dict) or not _is_name(value.get("iso")) or \
+                    not set(value) <= {"iso", "tz", "fold"} or value.get("fold", 0) not in (0, 1) or \
+                    not _is_tz(value.get("tz", {"zone": "UTC"})):
+                raise InvalidRequest(f"{where} = {_short(node)} is not a datetime node")
         elif tag == "T":
             _check_int(f"{where} (a tensor reference)", value, n_tensors - 1)
         elif tag == "S":
@@ -235,6 +297,39 @@ def _check_tree(tree: Any, n_tensors: int) -> None:
             _check_dims(where, value.get("shape"), node)
         else:
             _plain(node, where)
+
+
+def _key(node: Any, where: str, stack: list[tuple[Any, str, int]], path: str, depth: int) -> Any:
+    """A dict key's node (a plain value, an Enum member, a torch dtype): its value or name, for paths.
+
+    An Enum member's value is a node of its own, pushed on ``stack``.
+    """
+    if isinstance(node, dict) and len(node) == 1 and "E" in node:
+        value = node["E"]
+        if not isinstance(value, dict) or set(value) != {"cls", "name", "v"} or not _is_name(value["cls"]) or \
+                not (value["name"] is None or _is_name(value["name"])):
+            raise InvalidRequest(f"{where} = {_short(node)} is not an Enum member node")
+        stack.append((value["v"], f"{path}.{value['name']}", depth))
+        return value["name"]
+    if isinstance(node, dict) and len(node) == 1 and "dt" in node:
+        if not _is_name(node["dt"]):
+            raise InvalidRequest(f"{where} = {_short(node)} is not a valid tree node")
+        return node["dt"]
+    return _plain(node, where)
+
+
+def _is_name(value: Any) -> bool:
+    return isinstance(value, str) and len(value) <= MAX_NAME_CHARS
+
+
+def _is_tz(tz: Any) -> bool:
+    if not isinstance(tz, dict):
+        return False
+    if set(tz) == {"zone"}:
+        return _is_name(tz["zone"])
+    offset = tz.get("offset")
+    return set(tz) <= {"offset", "name"} and isinstance(offset, list) and len(offset) == 3 and \
+        all(type(n) is int for n in offset) and _is_name(tz.get("name", ""))
 
 
 def _check_dims(where: str, value: Any, node: Any) -> None:

@@ -37,7 +37,7 @@ class Opaque:
 def node(value: Any, fqn: str) -> Any:
     """The tree node of a plain value; ``TypeError`` naming ``fqn`` if it holds tensors or other objects."""
     try:
-        flat = tree.flatten_state(value)
+        flat = tree.flatten_state(value, inline_arrays=True)
     except (TypeError, ValueError) as e:
         raise type(e)(f"DCP key {fqn!r}: " + str(e).replace("state", "the value", 1)) from None
     if flat.tensors or flat.dtensors:

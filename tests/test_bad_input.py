@@ -89,13 +89,13 @@ class Opaque:
 
 
 BAD_VALUES = [
-    ({"s": {1, 2}}, "state['s']", "set"),
+    ({"s": {1, Opaque()}}, "state['s']<item", "Opaque"),
     ({"model": {"layer": [torch.ones(2), Opaque()]}}, "state['model']['layer'][1]", "Opaque"),
     ({"a": [1, {"f": lambda: 1}]}, "state['a'][1]['f']", "function"),
     ({"emb": torch.eye(3).to_sparse()}, "state['emb']", "sparse"),
     ({"k": {(1, 2): torch.ones(1)}}, "state['k']", "tuple"),
-    ({"optim": {"state": {0: {"m": torch.ones(2), "f": frozenset()}}}}, "state['optim']['state'][0]['f']",
-     "frozenset"),
+    ({"optim": {"state": {0: {"m": torch.ones(2), "f": frozenset({1j})}}}}, "state['optim']['state'][0]['f']",
+     "complex"),
     ({"arr": bytearray(b"x")}, "state['arr']", "bytearray"),
 ]
 

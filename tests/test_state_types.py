@@ -30,12 +30,6 @@ from ckptstage.client.tree import Unresolved, UnresolvedEnum
 from ckptstage.protos import layout
 from safetensors.torch import load_file
 
-# The daemon checks every tree node of a manifest at its door, and until it knows the nodes of
-# client/encodings.py it refuses them (InvalidRequest); reshard/consolidate find tensors inside them once they
-# walk trees with tree.children. strict: these tests fail loudly as soon as both land — then drop the marker.
-NEEDS_DAEMON_NODES = pytest.mark.xfail(strict=True, reason="the daemon's tree check does not know the nodes of "
-                                       "client/encodings.py yet (persister._check_tree)")
-
 # --- classes a trainer's state might hold (module level: importable, so they load back as themselves) ---
 
 
@@ -273,7 +267,6 @@ def test_python_and_numpy_rng_states_continue_the_same_sequence() -> None:
 # --- through a real daemon ---------------------------------------------------------------------
 
 
-@NEEDS_DAEMON_NODES
 def test_every_type_saves_and_loads_through_the_daemon(daemon: Any) -> None:
     hf_rng = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
     state = {**cases(), "hf_rng": hf_rng,
@@ -305,7 +298,6 @@ def test_every_type_saves_and_loads_through_the_daemon(daemon: Any) -> None:
         same(state, filled)
 
 
-@NEEDS_DAEMON_NODES
 def test_a_saved_file_names_the_tensors_of_dataclasses_and_arrays_by_fqn(daemon: Any, tmp_path: Path) -> None:
     state = {"model": {"cfg": Holder(torch.randn(2, 3), Schedule(1, 1.0)), "table": np.arange(2048.0)},
              "when": datetime.datetime(2024, 1, 1), "keys": {Color.RED: torch.ones(2)}}
@@ -336,7 +328,6 @@ def save_sharded_holder(ctx: Any, job: str) -> None:
     assert torch.equal(back["model"].weight.full_tensor(), full) and type(back["model"]) is Holder
 
 
-@NEEDS_DAEMON_NODES
 def test_a_dtensor_inside_a_dataclass_is_found_by_fqn_across_ranks(daemon: Any, tmp_path: Path) -> None:
     harness = pytest.importorskip("dist_harness")
     harness.run_ranks(save_sharded_holder, 2, str(daemon.socket), args=("sharded",), timeout=120)
@@ -352,7 +343,6 @@ def test_a_dtensor_inside_a_dataclass_is_found_by_fqn_across_ranks(daemon: Any, 
     assert done.aliases == {"pair.y": "same"}  # the tied tensor inside the namedtuple, found by its fqn
 
 
-@NEEDS_DAEMON_NODES
 def test_dcp_stores_the_new_types_as_values_and_loads_them_back(daemon: Any) -> None:
     import torch.distributed.checkpoint as dcp
     from ckptstage.dcp import LoadPlanner, Reader, SavePlanner, Writer
@@ -435,7 +425,6 @@ def test_a_changed_dataclass_takes_defaults_for_new_fields_and_falls_back_for_re
     assert type(back) is Unresolved and back["gone"] == 1
 
 
-@NEEDS_DAEMON_NODES
 def test_lightning_attribute_dict_loads_as_itself_and_as_a_named_dict_without_lightning(daemon: Any) -> None:
     from lightning.fabric.utilities.data import AttributeDict
     hp = AttributeDict(lr=0.1, layers=4, sched=AttributeDict(kind="cos"))
