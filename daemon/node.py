@@ -39,8 +39,9 @@ from ckptstage.daemon.errors import (
 from ckptstage.daemon.incomplete import IncompleteSteps, why_incomplete
 from ckptstage.daemon.janitor import Deleted, GcAction, Janitor
 from ckptstage.daemon.job_rules import JobRetention, JobRules
+from ckptstage.daemon.manifest_check import parse_manifest
 from ckptstage.daemon.metrics import Metrics, StateProbe
-from ckptstage.daemon.persister import Persister, Save, parse_manifest
+from ckptstage.daemon.persister import Persister, Save
 from ckptstage.daemon.quarantine import Quarantine
 from ckptstage.daemon.sessions import Session, SessionInfo, SessionTable
 from ckptstage.daemon.sharedsync import SharedSync

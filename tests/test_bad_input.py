@@ -24,7 +24,7 @@ from ckptstage.client import (
     DaemonUnavailable,
     InvalidRequest,
 )
-from ckptstage.daemon import persister
+from ckptstage.daemon import manifest_check
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 from conftest import DaemonProc
@@ -368,7 +368,7 @@ def _f32(shape: list[Any], nbytes: int, name: str = "w", offset: int = 64) -> di
     return {"name": name, "dtype": "float32", "shape": shape, "offset": offset, "nbytes": nbytes}
 
 
-MAX_JSON_DEPTH = persister.MAX_MANIFEST_DEPTH
+MAX_JSON_DEPTH = manifest_check.MAX_MANIFEST_DEPTH
 LIMITS = [
     # label, manifest_json, data_bytes, what the refusal must name (the field or key path, and the limit)
     ("json-depth", b"[" * 200_000 + b"]" * 200_000, 80, f"nested 200000 levels deep.*limit of {MAX_JSON_DEPTH}"),
@@ -377,10 +377,10 @@ LIMITS = [
      rf"tree state(\[0\])+ is nested more than {layout.MAX_TREE_DEPTH} containers"),
     ("tree-depth-at-the-limit", _limits_manifest(tree=_lists(layout.MAX_TREE_DEPTH)), 80, None),
     ("data-bytes-2^64-1", _limits_manifest(), 2**64 - 1,
-     rf"data_bytes = {2**64 - 1} is out of range: an int in \[0, {persister.MAX_PART_BYTES}\]"),
-    ("data-bytes-past-the-part-limit", _limits_manifest(), persister.MAX_PART_BYTES + 1, "data_bytes = .*out of range"),
-    ("tensor-count", _limits_manifest(tensors=[{}] * (persister.MAX_TENSORS + 1)), 80,
-     f"has {persister.MAX_TENSORS + 1} tensors, more than the limit of {persister.MAX_TENSORS}"),
+     rf"data_bytes = {2**64 - 1} is out of range: an int in \[0, {manifest_check.MAX_PART_BYTES}\]"),
+    ("data-bytes-past-the-part-limit", _limits_manifest(), manifest_check.MAX_PART_BYTES + 1, "data_bytes = .*out of range"),
+    ("tensor-count", _limits_manifest(tensors=[{}] * (manifest_check.MAX_TENSORS + 1)), 80,
+     f"has {manifest_check.MAX_TENSORS + 1} tensors, more than the limit of {manifest_check.MAX_TENSORS}"),
     ("dims", _limits_manifest(tensors=[_f32([1] * 65, 4)]), 80, r"tensors\[0\] \('w'\)\.shape = .*at most 64"),
     ("dim-2^64", _limits_manifest(tensors=[_f32([2**64], 16)]), 80,
      rf"tensors\[0\] \('w'\)\.shape\[0\] = {2**64} is out of range"),

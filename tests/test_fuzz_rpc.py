@@ -21,7 +21,7 @@ import torch
 from ckptstage.client import Client
 from ckptstage.client.rpc import Connection
 from ckptstage.client import tree
-from ckptstage.daemon import persister
+from ckptstage.daemon import manifest_check
 from ckptstage.daemon.errors import InvalidRequest
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
@@ -274,12 +274,12 @@ def test_parse_manifest_refuses_clearly_or_accepts_what_a_client_can_load(manife
     """A clear InvalidRequest, or a manifest whose tensors fit the data and whose tree rebuilds."""
     raw = layout.encode_manifest(manifest)
     try:
-        spec = persister.parse_manifest(raw, JOB, manifest.get("step") if isinstance(manifest.get("step"), int)
+        spec = manifest_check.parse_manifest(raw, JOB, manifest.get("step") if isinstance(manifest.get("step"), int)
                                         else 1, 0, 1, data_bytes, {})
     except InvalidRequest as e:
         assert str(e) and "Traceback" not in str(e)
         return
-    assert 0 <= data_bytes <= persister.MAX_PART_BYTES
+    assert 0 <= data_bytes <= manifest_check.MAX_PART_BYTES
     entries = [layout.TensorEntry.from_json(t) for t in spec.manifest["tensors"]]
     layout.validate_tensor_table(entries, spec.manifest["data_start"], data_bytes)
     for t in entries:
