@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import subprocess
 import sys
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_ddp_script import CountingIO, TinyModel, data, flat_weights, trainer_kwargs
@@ -258,6 +262,35 @@ def test_write_pointer_makes_a_ckptstage_step_resumable(daemon: Any, tmp_path: P
     io.teardown()
     assert not target.exists()
     assert set(committed(daemon, "other")) == {2, 7}
+
+
+class HparamModel(TinyModel):
+    """hyper_parameters of the kinds users pass: a Path, an Enum, numpy values, a dtype, a set, an AttributeDict."""
+
+    def __init__(self, data_dir: Path, status: HTTPStatus, scale: Any, table: Any, dtype: torch.dtype,
+                 tags: set[str], nested: AttributeDict, when: datetime.date) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+def test_hyperparameters_of_many_types_round_trip(daemon: Any, tmp_path: Path) -> None:
+    hparams: dict[str, Any] = dict(data_dir=tmp_path / "data", status=HTTPStatus.OK, scale=np.float64(0.5),
+                   table=np.arange(2048, dtype=np.int32).reshape(32, 64), dtype=torch.bfloat16, tags={"a", "b"},
+                   nested=AttributeDict(depth=3, widths=(4, 8)), when=datetime.date(2026, 1, 2))
+    io = CkptstageCheckpointIO(job="hparams", socket=daemon.socket)
+    model = HparamModel(**hparams)
+    trainer = Trainer(**trainer_kwargs(tmp_path, devices=1, max_steps=1), plugins=[io])
+    trainer.fit(model, data(2))
+    trainer.save_checkpoint(tmp_path / "h.ckpt")
+    loaded = io.load_checkpoint(tmp_path / "h.ckpt")["hyper_parameters"]
+    assert set(loaded) == set(hparams) | {"hidden", "lr"}
+    for key, value in hparams.items():
+        assert type(loaded[key]) is type(value), key
+        if isinstance(value, np.ndarray):
+            assert value.dtype == loaded[key].dtype and np.array_equal(value, loaded[key])
+        else:
+            assert loaded[key] == value, key
+    io.teardown()
 
 
 def test_fabric_save_and_load(daemon: Any, tmp_path: Path) -> None:
