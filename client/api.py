@@ -151,6 +151,10 @@ class Client:
     pre-allocates the shared-memory arena now rather than at the first save
     (which then pays for it).
 
+    ``retention`` sets the job's own retention overrides (see the README);
+    ``None`` leaves whatever an earlier session of the job set, ``{}`` resets
+    them to the operator's rules.
+
     ``world_size=1`` in every process of a larger group declares that only
     rank 0 saves (data parallelism, where every rank holds the same state):
     a step is complete with that one part, every process can load it, and a
@@ -179,7 +183,7 @@ class Client:
         self._not_the_saver = (f"this process is rank {group_rank} of its process group and the client was "
                                "created with world_size=1 (only rank 0 saves): save from rank 0 only"
                                if world_size == 1 and given_rank is None and group_rank else None)
-        self._retention = dict(retention or {})
+        self._retention = dict(retention) if retention is not None else None
         self._conn = Connection(socket)
         self._arena: ArenaMap | None = None
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -486,10 +490,11 @@ class Client:
 
     def _open_session(self, connect_timeout: float = _REOPEN_WAIT_S) -> None:
         """Opens the session, waiting up to ``connect_timeout`` for a daemon that is (re)starting."""
-        o = self._retention
         request = pb.OpenSessionRequest(
             job=self.job, rank=self.rank, world_size=self.world_size, pid=os.getpid(),
-            hostname=socketlib.gethostname(), retention=pb.RetentionOverrides(**o), attempt=self.attempt)
+            hostname=socketlib.gethostname(), attempt=self.attempt)
+        if self._retention is not None:  # else the job keeps the rules an earlier session set
+            request.retention.CopyFrom(pb.RetentionOverrides(**self._retention))
         resp = rpc.call_when_up(self._conn, "OpenSession", request, connect_timeout)
         self._session_id = resp.session_id
         self._chunk = resp.chunk_bytes

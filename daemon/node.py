@@ -205,9 +205,9 @@ class Node:
             layout.check_rank(info.rank, info.world_size)
         except layout.InvalidName as e:
             raise InvalidRequest(str(e)) from e
-        rules = JobRetention.parse(info.overrides)
+        rules = JobRetention.parse(info.overrides) if info.overrides is not None else None
         session = Session(info, self.budget, self.config.persist.chunk_bytes, os.getpid())
-        if self.job_rules.set(info.job, rules):
+        if rules is not None and self.job_rules.set(info.job, rules):
             self._shared_wake.set()  # the shared-tier thread publishes them for the other nodes
         self.sessions.add(session)
         self.metrics.sessions_opened.inc()

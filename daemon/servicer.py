@@ -146,8 +146,10 @@ class Servicer(pb_grpc.CheckpointerServicer):
     async def OpenSession(self, request: pb.OpenSessionRequest,
                           context: grpc.aio.ServicerContext) -> pb.OpenSessionResponse:
         o = request.retention
-        # Every field of RetentionOverrides, by name; unset (zero/empty) ones mean "the operator's".
-        overrides = {f.name: getattr(o, f.name) for f in o.DESCRIPTOR.fields if getattr(o, f.name)}
+        # Every field of RetentionOverrides, by name; unset (zero/empty) ones mean "the operator's". No
+        # message at all (a client that only reads, or did not say) leaves the job's rules as they are.
+        overrides = {f.name: getattr(o, f.name) for f in o.DESCRIPTOR.fields if getattr(o, f.name)} \
+            if request.HasField("retention") else None
         info = SessionInfo(request.job, request.rank, request.world_size or 1, request.pid, request.hostname,
                            overrides, request.attempt)
         session = await self._run(self.node.open_session, info)

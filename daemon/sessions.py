@@ -20,7 +20,7 @@ class SessionInfo:
     world_size: int
     pid: int
     hostname: str
-    overrides: dict[str, object] = field(default_factory=dict)
+    overrides: dict[str, object] | None = None  # the job's retention overrides; None: leave them as they are
     attempt: str = ""  # the run this rank belongs to; "" is the anonymous attempt of older clients
 
 

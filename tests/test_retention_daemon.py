@@ -157,12 +157,20 @@ def test_job_overrides_only_add_to_the_operators_rules_within_the_cap(daemon_fac
         drain(d)
         wait_until(lambda: on_disk(d.local, "other") == {3, 4} and on_disk(d.shared, "other") == {3, 4}, 10,
                    "the operator's rules for a job without overrides")
-    # The job's rules outlive its session and a restart of the daemon.
+    # The job's rules outlive its session and a restart of the daemon, and a client that does not
+    # say (a loader, a tool) leaves them as they are; an empty dict resets them to the operator's.
     d.stop()
     d.start()
+    with Client(JOB, socket=d.socket) as c:
+        assert c.load(9) is not None
     with d.connection() as conn:
         conn.call("CollectGarbage", pb.GcRequest(dry_run=False))
     assert on_disk(d.local) == {7, 8, 9} and on_disk(d.shared) == {4, 8, 9}
+    with Client(JOB, socket=d.socket, retention={}):
+        pass
+    with d.connection() as conn:
+        conn.call("CollectGarbage", pb.GcRequest(dry_run=False))
+    assert on_disk(d.local) == {8, 9} and on_disk(d.shared) == {8, 9}
 
 
 def test_job_overrides_reach_the_daemons_of_other_nodes(daemon_factory: Any) -> None:
