@@ -240,7 +240,7 @@ class CkptstageCheckpointIO(CheckpointIO):
         self.job = job
         self.socket = None if socket is None else str(socket)
         self.pin = pin
-        self.retention = dict(retention or {})
+        self.retention = dict(retention) if retention is not None else None
         self.arena_bytes = arena_bytes
         self.connect_timeout = connect_timeout
         self._start()
@@ -413,7 +413,7 @@ class CkptstageCheckpointIO(CheckpointIO):
         """One client per job in this process, created on first use: rank 0 of a one-rank checkpoint world."""
         client = self._clients.get(job)
         if client is None:
-            # The job's sessions set its retention overrides; a session of ours must not reset them.
+            # Only our own job gets our overrides (None: the job's rules stay as they are).
             client = Client(job, socket=self.socket, world_size=1,
                             retention=self.retention if job == self.job else None,
                             arena_bytes=self.arena_bytes if saving else None, connect_timeout=self.connect_timeout)
