@@ -6,6 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
+TYPED := client daemon dcp protos/layout.py protos/paths.py integrations/lightning/__init__.py integrations/hf/__init__.py
 
 .PHONY: venv demo test protos check-protos bench lint clean
 
@@ -22,7 +23,7 @@ demo: $(STAMP)
 	$(VENV)/bin/ckptstage demo
 
 test: $(STAMP)
-	$(PY) -m mypy client daemon dcp protos/layout.py protos/paths.py
+	$(PY) -m mypy $(TYPED)
 	$(PY) -m pytest -q
 
 protos: $(STAMP)
@@ -32,7 +33,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_save.py
 
 lint: $(STAMP)
-	$(PY) -m mypy client daemon dcp protos/layout.py protos/paths.py
+	$(PY) -m mypy $(TYPED)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -106,6 +106,22 @@ def test_client_never_imports_the_daemon(tmp_path):
     assert out.strip() == "[]"
 
 
+def test_the_core_never_imports_an_integration_or_its_framework(tmp_path):
+    """Every module of the client, the CLI, the DCP backend and the daemon: no Lightning, transformers or
+    accelerate, and neither integration (they are extras: `pip install ckptstage[lightning]`, `[hf]`)."""
+    out = run_python("""
+        import importlib, pkgutil, sys
+        import ckptstage.client, ckptstage.daemon, ckptstage.dcp
+        for pkg in (ckptstage.client, ckptstage.daemon, ckptstage.dcp):
+            for m in pkgutil.iter_modules(pkg.__path__):
+                importlib.import_module(f"{pkg.__name__}.{m.name}")
+        ckptstage.client.Client
+        banned = ("lightning", "pytorch_lightning", "transformers", "accelerate")
+        print(sorted(n for n in sys.modules if n.split(".")[0] in banned or n in ("ckptstage.lightning", "ckptstage.hf")))
+    """, cwd=tmp_path)
+    assert out.strip() == "[]"
+
+
 @pytest.mark.parametrize("name", ["daemon", "client", "protos"])
 def test_repo_folders_are_not_top_level_packages(tmp_path, name):
     out = run_python(f"""
