@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import socket
+import struct
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -67,3 +68,45 @@ def drain(d: Any, timeout: float = 60.0) -> None:
             assert resp.failed == 0
             if resp.pending == 0:
                 return
+
+
+def raw_bytes(t: Any) -> bytes:
+    """A tensor's values as bytes (bit patterns, so NaN payloads and -0.0 count)."""
+    import torch
+
+    return bytes(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def assert_same(a: Any, b: Any, path: str = "state", exact_dicts: bool = True) -> None:
+    """Bit-identical states: the same container and key types in the same order, the same plain values
+    (floats by bit pattern), tensors and numpy arrays of the same dtype, shape, device and bytes.
+
+    ``exact_dicts=False`` lets any dict type hold the same keys in any order (what DCP rebuilds).
+    """
+    import numpy as np
+    import torch
+
+    if not exact_dicts and isinstance(a, dict) and isinstance(b, dict):
+        assert sorted(map(str, a)) == sorted(map(str, b)), f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]", exact_dicts)
+        return
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, tuple(a.shape), a.device) == (b.dtype, tuple(b.shape), b.device), \
+            f"{path}: {a.dtype}{list(a.shape)} on {a.device} != {b.dtype}{list(b.shape)} on {b.device}"
+        assert raw_bytes(a) == raw_bytes(b), f"{path}: tensor bytes differ"
+    elif isinstance(a, np.ndarray):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape) and a.tobytes() == b.tobytes(), f"{path}: arrays differ"
+    elif isinstance(a, dict):
+        assert [(type(k), k) for k in a] == [(type(k), k) for k in b], f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]", exact_dicts)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]", exact_dicts)
+    elif isinstance(a, float):
+        assert struct.pack("<d", a) == struct.pack("<d", b), f"{path}: {a!r} != {b!r}"
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"

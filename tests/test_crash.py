@@ -28,7 +28,7 @@ import pytest
 import torch
 from ckptstage.client import CkptStageError, Client
 from ckptstage.protos import layout
-from support import wait_until
+from support import assert_same, wait_until
 
 T = TypeVar("T")
 
@@ -119,18 +119,6 @@ def training_state(seed: int, n: int = 50_000) -> dict[str, Any]:
             "rng": g.get_state(), "step": seed}
 
 
-def assert_same(a: Any, b: Any) -> None:
-    assert type(a) is type(b)
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a.view(torch.uint8) if a.dim() else a.reshape(1).view(torch.uint8),
-                           b.view(torch.uint8) if b.dim() else b.reshape(1).view(torch.uint8))
-    elif isinstance(a, dict):
-        assert [(type(k), k) for k in a] == [(type(k), k) for k in b]
-        for k in a:
-            assert_same(a[k], b[k])
-    else:
-        assert a == b
 
 
 class Trainer:

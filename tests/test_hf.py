@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
+from support import assert_same
 from ckptstage.client import CheckpointNotFound, Client  # noqa: E402
 from ckptstage.hf import CkptstageCallback, steps_to_rotate  # noqa: E402
 
@@ -214,24 +215,6 @@ def safetensors_load(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path)
 
 
-def assert_same(a: Any, b: Any, path: str = "") -> None:
-    """Equal structure and values, tensors and numpy arrays compared exactly."""
-    import numpy as np
-
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b), path
-    elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        assert np.array_equal(a, b) and np.asarray(a).dtype == np.asarray(b).dtype, path
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), path
-        for k in a:
-            assert_same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 # --- rotation and the best checkpoint ----------------------------------------------------

@@ -20,7 +20,7 @@ from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_ddp_script import CountingIO, TinyModel, data, flat_weights, trainer_kwargs
-from support import drain
+from support import assert_same, drain
 
 from ckptstage.client import CheckpointNotFound, Client
 from ckptstage.lightning import (
@@ -65,20 +65,6 @@ def fit(root: Path, io: Any, max_steps: int, callbacks: list[Any], seed: int = 0
     return trainer, model
 
 
-def assert_same(a: Any, b: Any, where: str = "state") -> None:
-    """Same structure, same plain values, bit-identical tensors."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def client_for(daemon: Any, job: str) -> Client:

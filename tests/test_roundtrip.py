@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -20,10 +19,12 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from ckptstage.client import Client
-from ckptstage.protos import layout
 from safetensors import safe_open
 from safetensors.torch import load_file
+from support import assert_same, raw_bytes
+
+from ckptstage.client import Client
+from ckptstage.protos import layout
 
 ALL_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int8, torch.uint8,
               torch.bool, torch.complex64]
@@ -32,29 +33,8 @@ ALL_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch
 # --- comparison helpers ----------------------------------------------------------------
 
 
-def raw_bytes(t: torch.Tensor) -> bytes:
-    """A tensor's values as bytes (bit patterns, so NaN payloads and -0.0 count)."""
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def assert_same(a: Any, b: Any, path: str = "state") -> None:
-    """Same structure, container and key types, plain values and tensor bits."""
-    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert (a.dtype, tuple(a.shape), a.device) == (b.dtype, tuple(b.shape), b.device), path
-        assert raw_bytes(a) == raw_bytes(b), f"{path}: tensor bytes differ"
-    elif isinstance(a, dict):
-        assert [(type(k), k) for k in a] == [(type(k), k) for k in b], f"{path}: keys {list(a)} != {list(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    elif isinstance(a, float):
-        assert struct.pack("<d", a) == struct.pack("<d", b), f"{path}: {a!r} != {b!r}"
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 def part_dirs(local: Path, job: str) -> list[Path]:
