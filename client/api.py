@@ -365,11 +365,13 @@ class Client:
         (out of file descriptors or memory, an interrupted read) proves
         nothing about a copy: it is never reported, the next copy is tried,
         and if none can be read the error itself is raised. A copy that
-        retention deletes while it is being read is not corrupt: the daemon is
-        asked again.
+        retention deletes while it is being read, or that a save with
+        ``overwrite`` replaces (the daemon names another commit when asked
+        again), is not corrupt: the step is read again.
         """
         target = tree.flatten_state(into) if into is not None else None
-        for attempt in (1, 2):
+        tries = 3
+        for attempt in range(1, tries + 1):
             located = steps.locate(self._conn, self.job, step, self.rank, all_ranks=False)
             step = located.step  # pinned down: a retry reads the same step
             tree_rank = located.tree_rank(self.rank, self.world_size)
@@ -386,15 +388,18 @@ class Client:
             except layout.ManifestError as e:
                 if not layout.is_verification_failure(e):
                     raise  # this process's own trouble (see above): nothing is known about the copies
+                if attempt < tries and self._replaced(step, located.commit):
+                    continue
                 raise errors.CorruptCheckpoint(f"no copy of {self.job} step {step} verifies: {e}") from e
             except FileNotFoundError:
-                if attempt == 2:
+                if attempt == tries:
                     raise
                 continue  # retention removed a copy while it was read: ask again
-            state, moved = self._load_part(step, tree_rank, located.parts[tree_rank], into)
-            if not moved or attempt == 2:
+            state, moved = self._load_part(step, tree_rank, located.parts[tree_rank], into, located.commit)
+            if not moved:
                 return state
-        raise AssertionError("unreachable")
+        raise errors.CheckpointNotFound(f"{self.job} step {step} was removed or replaced each of the {tries} times "
+                                        "it was read; load it again")
 
     def open_step(self, step: int | None = None) -> steps.OpenStep:
         """Every rank's part of ``step`` (newest complete when None), open for verified reads of any box.
@@ -405,8 +410,17 @@ class Client:
         """
         return steps.open_step(self._conn, self.job, step, self.rank)
 
-    def _load_part(self, step: int, rank: int, locations: Sequence[tuple[int, Path]], into: Any) -> tuple[Any, bool]:
-        """One rank's whole part, from its first copy that verifies; (state, whether a copy vanished meanwhile)."""
+    def _replaced(self, step: int, commit: str) -> bool:
+        """Whether ``step`` is no longer the commit ``commit`` (replaced, or gone) when the daemon is asked again."""
+        try:
+            return steps.locate(self._conn, self.job, step, self.rank, all_ranks=False).commit != commit
+        except errors.CheckpointNotFound:
+            return True
+
+    def _load_part(self, step: int, rank: int, locations: Sequence[tuple[int, Path]], into: Any,
+                   commit: str = "") -> tuple[Any, bool]:
+        """One rank's whole part, from its first copy that verifies; (state, whether a copy vanished or the
+        step was replaced meanwhile: then the caller asks the daemon again)."""
         failures, moved = [], False
         own_errors: list[BaseException] = []
         for tier_code, part in locations:
@@ -423,6 +437,10 @@ class Client:
                              step, rank, tier)
                     failures.append(f"{tier}: {part} was removed while reading it")
                     continue
+                if layout.is_verification_failure(e) and commit and self._replaced(step, commit):
+                    log.info("checkpoint %s step %d was replaced while it was read; reading it again", self.job,
+                             step)
+                    return None, True
                 failures.append(f"{tier}: {e}")
                 if not layout.is_verification_failure(e):
                     own_errors.append(e)

@@ -26,6 +26,7 @@ class LocatedStep:
     world_size: int
     attempt: str
     parts: dict[int, list[tuple[int, Path]]]  # rank -> [(tier code, part dir)]
+    commit: str = ""  # the commit the answer comes from: another value later means the step was replaced
 
     def tree_rank(self, rank: int, world_size: int) -> int:
         """Whose plain values a reader gets: its own rank's at the saving world size, else rank 0's."""
@@ -40,7 +41,7 @@ def locate(conn: Connection, job: str, step: int | None, rank: int = 0, all_rank
     parts = {p.rank: [(loc.tier, Path(loc.dir)) for loc in p.locations] for p in resp.parts}
     if not all_ranks and resp.locations:
         parts[rank] = [(loc.tier, Path(loc.dir)) for loc in resp.locations]
-    return LocatedStep(job, int(resp.step), int(resp.world_size), resp.attempt, parts)
+    return LocatedStep(job, int(resp.step), int(resp.world_size), resp.attempt, parts, resp.commit)
 
 
 class OpenStep:

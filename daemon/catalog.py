@@ -199,8 +199,11 @@ class Catalog:
         self._pins: dict[str, set[int]] = {
             job: set(steps) for job, steps in fsutil.read_json(pins_file, {}).items()}
         self._drained_file = drained_file or pins_file.with_name("drained.json")
-        self._drained: set[Key] = {
-            (str(job), int(step), int(rank)) for job, step, rank in fsutil.read_json(self._drained_file, [])}
+        # (job, step, rank) -> the manifest digest of the local part that reached the shared tier ("": a
+        # record of an older daemon, which names no digest and counts for whatever part is there).
+        self._drained: dict[Key, str] = {
+            (str(e[0]), int(e[1]), int(e[2])): str(e[3]) if len(e) > 3 else ""
+            for e in fsutil.read_json(self._drained_file, [])}
 
     def load_tier(self, tier: TierName, tier_dir: Path) -> int:
         """Indexes every committed part and commit record on a tier; returns how many parts."""
@@ -292,6 +295,27 @@ class Catalog:
             entry = self._records.get(job, {}).get(step, {}).get(tier)
         return entry[0] if entry else None
 
+    def replace_tier(self, tier: TierName, record: layout.CommitRecord, ino: int, parts: list[Part]) -> None:
+        """Puts a replaced step's parts and commit record on ``tier`` in place of what was indexed there,
+        in one step under the lock: a reader never finds the step half replaced (no record, or the old
+        record with the new parts)."""
+        job, step = record.job, record.step
+        with self._lock:
+            ranks = self._parts.setdefault(job, {}).setdefault(step, {})
+            for rank in list(ranks):
+                ranks[rank].pop(tier, None)
+                if not ranks[rank]:
+                    del ranks[rank]
+            forget = False
+            for part in parts:
+                ranks.setdefault(part.rank, {})[tier] = part
+                if tier == TierName.LOCAL and (job, step, part.rank) in self._drained:
+                    del self._drained[(job, step, part.rank)]  # the old part's drain is not this one's
+                    forget = True
+            self._records.setdefault(job, {}).setdefault(step, {})[tier] = (record, ino)
+        if forget:
+            self._write_drained()
+
     def add(self, part: Part) -> None:
         key = (part.job, part.step, part.rank)
         with self._lock:
@@ -303,7 +327,7 @@ class Catalog:
             forget = part.tier == TierName.LOCAL and old is not None and old.digest != part.digest and \
                 key in self._drained
             if forget:
-                self._drained.discard(key)
+                del self._drained[key]
         if forget:
             self._write_drained()
 
@@ -323,33 +347,48 @@ class Catalog:
                 self._parts.pop(part.job, None)
             forget = part.tier == TierName.LOCAL and (part.job, part.step, part.rank) in self._drained
             if forget:
-                self._drained.discard((part.job, part.step, part.rank))
+                del self._drained[(part.job, part.step, part.rank)]
         if forget:
             self._write_drained()
 
     # --- drained ---------------------------------------------------------------------
 
-    def mark_drained(self, job: str, step: int, rank: int) -> None:
-        """Records that the local part (job, step, rank) has been committed on the shared tier."""
+    def mark_drained(self, job: str, step: int, rank: int, digest: str) -> None:
+        """Records that the local part (job, step, rank) with manifest ``digest`` is on the shared tier."""
+        key = (job, step, rank)
         with self._lock:
-            if (job, step, rank) in self._drained:
+            if self._drained.get(key) == digest:
                 return
-            self._drained.add((job, step, rank))
+            self._drained[key] = digest
         self._write_drained()
 
     def was_drained(self, job: str, step: int, rank: int) -> bool:
+        """Whether the local part (job, step, rank) there now, that very part, reached the shared tier.
+
+        The record names the part's manifest digest: a part replaced under the
+        same name (a save with overwrite) is not drained because its
+        predecessor was, whatever order the replacement and a drain finished in,
+        and across a crash between the two.
+        """
+        key = (job, step, rank)
         with self._lock:
-            return (job, step, rank) in self._drained
+            digest = self._drained.get(key)
+            if digest is None:
+                return False
+            local = self._parts.get(job, {}).get(step, {}).get(rank, {}).get(TierName.LOCAL)
+            return digest == "" or (local is not None and local.digest == digest)
 
     def prune_drained(self) -> int:
-        """Forgets drained records of parts no longer on the local tier (after a restart); returns how many."""
+        """Forgets drained records of parts no longer on the local tier, or replaced there; returns how many."""
         with self._lock:
-            local = {(p.job, p.step, p.rank) for steps in self._parts.values() for ranks in steps.values()
-                     for tiers in ranks.values() for t, p in tiers.items() if t == TierName.LOCAL}
-            stale = self._drained - local
+            local = {(p.job, p.step, p.rank): p.digest for steps in self._parts.values()
+                     for ranks in steps.values() for tiers in ranks.values() for t, p in tiers.items()
+                     if t == TierName.LOCAL}
+            stale = [k for k, d in self._drained.items() if k not in local or d not in ("", local[k])]
             if not stale:
                 return 0
-            self._drained &= local
+            for k in stale:
+                del self._drained[k]
         self._write_drained()
         return len(stale)
 
@@ -363,7 +402,7 @@ class Catalog:
         try:
             with self._persist_lock:
                 with self._lock:
-                    snapshot = [list(k) for k in sorted(self._drained)]
+                    snapshot = [[*k, d] for k, d in sorted(self._drained.items())]
                 fsutil.write_json_atomic(self._drained_file, snapshot)
         except OSError as e:
             # Only costs a redundant copy after a restart; never a checkpoint.

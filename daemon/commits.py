@@ -171,6 +171,11 @@ class Commits:
         if found is None:
             return None
         attempt, world, parts = found
+        stale = self._replaced_here(job, step, attempt, parts)
+        if stale:
+            log.info("not sealing %s step %d on the shared tier yet: ranks %s there are older than this node's "
+                     "(replaced in place; the new parts are draining)", job, step, stale)
+            return None
         # The index trusts parts by name and inode; a record is forever, so read the manifests themselves.
         fresh: dict[int, Part] = {}
         for rank, part in parts.items():
@@ -181,6 +186,16 @@ class Commits:
                 return None
             fresh[rank] = again
         return self._publish(TierName.SHARED, self.shared_dir, job, step, attempt, world, fresh)
+
+    def _replaced_here(self, job: str, step: int, attempt: str, shared: dict[int, Part]) -> list[int]:
+        """Ranks whose shared part this node holds a different local part of, same attempt (a part saved
+        again with overwrite whose new version has not drained yet): sealing now would mix versions."""
+        ckpt = self.catalog.get(job, step)
+        if ckpt is None:
+            return []
+        return [r for r, part in sorted(shared.items())
+                if (local := ckpt.parts.get(r, {}).get(TierName.LOCAL)) is not None
+                and local.attempt == attempt and local.digest != part.digest]
 
     def seal_all(self, tier: TierName) -> int:
         """Writes every record a crash prevented (restart is recovery); returns how many were written."""

@@ -144,7 +144,7 @@ class Drainer:
         self._latest: dict[str, int] = {}      # newest step queued per job
         self._gate = 0.0                       # monotonic time before which no copy starts (backoff)
         self._tier_failures = 0                # failed attempts since the last success
-        self._done: dict[Key, None] = {}      # drained in this daemon's life, oldest first (bounded)
+        self._done: dict[Key, str] = {}       # drained in this daemon's life (-> manifest digest), oldest first
         self._staged: set[Key] = set()         # copied into a replacement that waits for its other ranks
         self._shared_indexed = False
         self._threads: list[threading.Thread] = []
@@ -287,9 +287,17 @@ class Drainer:
         """Whether the part has been committed on the shared tier (even if retention deleted it since)."""
         key = (job, step, rank)
         with self._cond:
-            if key in self._done:
+            if self._done_now(key):
                 return True
         return self._on_shared(key) or self.catalog.was_drained(*key)
+
+    def _done_now(self, key: Key) -> bool:
+        """Whether this daemon drained the local part ``key`` that is there now (not one it replaced)."""
+        digest = self._done.get(key)
+        if digest is None:
+            return False
+        local = self.catalog.parts_of(*key).get(TierName.LOCAL)
+        return local is None or local.digest == digest
 
     def checkpoint_state(self, ckpt: Checkpoint) -> str:
         keys = [(ckpt.job, ckpt.step, r) for r in ckpt.ranks_on(TierName.LOCAL)]
@@ -307,9 +315,9 @@ class Drainer:
         key = (job, step, rank)
         with self._cond:
             # The daemon stopping ends the wait too (stop() notifies): its thread must not hold the exit.
-            self._cond.wait_for(lambda: key in self._done or key in self._failed or
+            self._cond.wait_for(lambda: self._done_now(key) or key in self._failed or
                                 (key not in self._parts and key not in self._staged) or self._stop.is_set(), timeout)
-            if key in self._done or self._on_shared(key) or self.catalog.was_drained(*key):
+            if self._done_now(key) or self._on_shared(key) or self.catalog.was_drained(*key):
                 return True
             if key in self._failed:
                 raise SaveFailed(f"draining {job} step {step} rank {rank} failed: {self._failed[key]}")
@@ -338,7 +346,7 @@ class Drainer:
         Raises :class:`CorruptSource` if the shared copy fails its checksums.
         """
         local = self._copy(part, self.local_dir, TierName.LOCAL, rate_limited=False)
-        self.catalog.mark_drained(part.job, part.step, part.rank)
+        self.catalog.mark_drained(part.job, part.step, part.rank, local.digest)
         return local
 
     def _recover_in_background(self) -> None:
@@ -404,9 +412,9 @@ class Drainer:
     def _published(self, key: Key, part: Part, published: list[Part], elapsed: float) -> None:
         """Books a successful copy: the catalogue, drained marks, waiters, retention.
 
-        A shared part counts as the drain of a local part only while that
-        part is still the one queued: a replacement queued meanwhile (a save
-        with overwrite) must drain in its turn.
+        A shared part counts as the drain of a local part only if the local
+        tier still holds that very part (same manifest digest): a replacement
+        that took its place meanwhile (a save with overwrite) drains in its turn.
         """
         self.reachable = True
         self.metrics.drain_seconds.observe(elapsed)
@@ -414,17 +422,13 @@ class Drainer:
         self.metrics.bytes_persisted.labels("shared").inc(part.nbytes)
         if elapsed > 0:
             self.metrics.drain_bandwidth.set(part.nbytes / elapsed)
-        superseded = self._superseded(key, part)
         drained = []
         for shared in published:
             self.catalog.add(shared)
-            if (shared.job, shared.step, shared.rank) == key:
-                ours = not superseded
-            else:  # another rank's part of a replacement swapped in by this copy
-                local = self.catalog.parts_of(shared.job, shared.step, shared.rank).get(TierName.LOCAL)
-                ours = local is not None and local.digest == shared.digest
-            if ours:
-                self.catalog.mark_drained(shared.job, shared.step, shared.rank)
+            # The drain of the local part only if that very part (same manifest) is still the local one.
+            local = self.catalog.parts_of(shared.job, shared.step, shared.rank).get(TierName.LOCAL)
+            if local is not None and local.digest == shared.digest:
+                self.catalog.mark_drained(shared.job, shared.step, shared.rank, shared.digest)
                 drained.append(shared)
         if self._on_published is not None and published:
             try:
@@ -445,7 +449,7 @@ class Drainer:
             for shared in drained:
                 done = (shared.job, shared.step, shared.rank)
                 self._staged.discard(done)
-                self._done[done] = None
+                self._done[done] = shared.digest
             while len(self._done) > _REMEMBER_DRAINED:
                 del self._done[next(iter(self._done))]
             self._cond.notify_all()
@@ -583,11 +587,14 @@ class Drainer:
 
     @staticmethod
     def _replaceable(final: Path, manifest: dict[str, object]) -> bool:
-        """Whether the part at ``final`` is an earlier attempt's, in a step with no commit record there.
+        """Whether the part at ``final`` is an earlier save's, in a step with no commit record there.
 
-        Earlier, not merely other: a crashed attempt's part whose drain resumes
-        after the restart must never replace the part its successor already
-        drained (the successor's local copy counts as drained and may go).
+        An earlier attempt's (a crashed run's leftovers), or this attempt's own
+        earlier version of the part (replaced in place by a save with
+        overwrite). Earlier, not merely other: a crashed attempt's part whose
+        drain resumes after the restart must never replace the part its
+        successor already drained (the successor's local copy counts as
+        drained and may go).
         """
         if (final.parent / layout.COMMIT_FILE).exists():
             return False
@@ -595,8 +602,9 @@ class Drainer:
             theirs = layout.read_manifest(final)
         except layout.ManifestError:
             return False  # judged by _reuse: a Conflict, never silently replaced
-        return (layout.manifest_attempt(theirs) != layout.manifest_attempt(manifest)
-                and _created(theirs) < _created(manifest))
+        other = layout.manifest_attempt(theirs) != layout.manifest_attempt(manifest) or \
+            theirs.get("files") != manifest.get("files")
+        return other and _created(theirs) < _created(manifest)
 
     @staticmethod
     def _reuse(final: Path, manifest: dict[str, object], part: Part, tier: TierName) -> Part:

@@ -259,7 +259,9 @@ class Node:
             raise AlreadyExists(f"step {step} of job {info.job!r} rank {info.rank} is being saved; save a new step")
         local = self.config.local.dir
         staged = self.commits.check_begin(info.job, step, info.rank, info.attempt, overwrite)
-        if staged:
+        if staged or (overwrite and self.catalog.has(info.job, step, info.rank)):
+            # Replacing what is saved already (whole, or this rank's part in place): every rank must save
+            # through this daemon, so that it alone decides what each tier's step is made of.
             self._check_replaceable_here(info, step)
         base = session.stream_base_for_next_save(stream_base)  # may refuse: before any file is created
         if staged:

@@ -101,18 +101,11 @@ class Swapper:
             fsutil.fsync_dir(staged)
             fsutil.makedirs_durable(final.parent, within=tier_dir)
             old = self._exchange(tier_dir, staged, final)
-            old_parts = self.catalog.get(job, step)
-            self.catalog.drop_record(tier, job, step)
-            if old_parts is not None:
-                for part in old_parts.on_tier(tier):
-                    self.catalog.remove(part)
-            moved = []
-            for rank, part in sorted(parts.items()):
-                path = layout.part_dir(tier_dir, job, step, rank)
-                moved.append(Part(job, step, rank, part.world_size, tier, path, part.nbytes, part.created,
-                                  part.metrics, part.attempt, part.digest, fsutil.inode(path)))
-                self.catalog.add(moved[-1])
-            self.catalog.set_record(tier, record, fsutil.inode(final / layout.COMMIT_FILE))
+            moved = [Part(job, step, rank, part.world_size, tier, path, part.nbytes, part.created, part.metrics,
+                          part.attempt, part.digest, fsutil.inode(path))
+                     for rank, part in sorted(parts.items())
+                     for path in [layout.part_dir(tier_dir, job, step, rank)]]
+            self.catalog.replace_tier(tier, record, fsutil.inode(final / layout.COMMIT_FILE), moved)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         log.info("replaced %s step %d on the %s tier: %d ranks of attempt %r", job, step, tier.value,

@@ -283,8 +283,9 @@ class Servicer(pb_grpc.CheckpointerServicer):
                                       request.rank, request.all_ranks)
         every = [pb.RankParts(rank=r, locations=_locations(ckpt.committed(r))) for r in range(ckpt.world_size)] \
             if request.all_ranks else []
+        record = ckpt.record
         return pb.LocateResponse(step=ckpt.step, world_size=ckpt.world_size, locations=_locations(parts),
-                                 attempt=ckpt.attempt, parts=every)
+                                 attempt=ckpt.attempt, parts=every, commit=record.fingerprint() if record else "")
 
     @_mapped
     async def ReportCorrupt(self, request: pb.ReportCorruptRequest, context: grpc.aio.ServicerContext) -> pb.Empty:

@@ -13,18 +13,18 @@ from ckptstage.daemon.fsutil import PartWriter
 from ckptstage.protos import layout
 
 
-def commit(tier: Path, job: str, step: int, rank: int, world_size: int = 2) -> Path:
+def commit(tier: Path, job: str, step: int, rank: int, world_size: int = 2, created: float = 1.0) -> Path:
     """A committed part with an empty data file, written the way the daemon writes one."""
     writer = PartWriter(tier, "test-node", job, step, rank)
     writer.path(layout.DATA_FILE).write_bytes(b"")
     manifest = {"format": layout.FORMAT, "job": job, "step": step, "rank": rank, "world_size": world_size,
-                "tensors": [], "tree": {}, "data_start": 0, "created": 1.0, "metrics": {},
+                "tensors": [], "tree": {}, "data_start": 0, "created": created, "metrics": {},
                 "files": {layout.DATA_FILE: layout.FileEntry(0, 1 << 20, (layout.chunk_digest(b""),)).to_json()}}
     return writer.commit(manifest)
 
 
-def local_part(tier: Path, job: str, step: int, rank: int = 0) -> Part:
-    path = commit(tier, job, step, rank, world_size=1)
+def local_part(tier: Path, job: str, step: int, rank: int = 0, created: float = 1.0) -> Part:
+    path = commit(tier, job, step, rank, world_size=1, created=created)
     return Part.from_disk(layout.PartRef(job, step, rank, path), TierName.LOCAL)
 
 
@@ -34,19 +34,44 @@ def test_drained_records_survive_a_restart_and_go_with_the_local_part(tmp_path: 
     parts = [local_part(local, "j", s) for s in (1, 2, 3)]
     for p in parts:
         cat.add(p)
-    cat.mark_drained("j", 1, 0)
-    cat.mark_drained("j", 2, 0)
+    cat.mark_drained("j", 1, 0, parts[0].digest)
+    cat.mark_drained("j", 2, 0, parts[1].digest)
     cat.remove(parts[0])  # deleted from local: its record goes too
     again = Catalog(state / "pins.json")
+    again.load_tier(TierName.LOCAL, local)
     assert [again.was_drained("j", s, 0) for s in (1, 2, 3)] == [False, True, False]
     # After a restart, records of parts that are no longer on the local tier are pruned.
-    cat.mark_drained("j", 3, 0)
+    cat.mark_drained("j", 3, 0, parts[2].digest)
     shutil.rmtree(parts[2].path)
     fresh = Catalog(state / "pins.json")
     fresh.load_tier(TierName.LOCAL, local)
     assert fresh.prune_drained() == 1
     assert [fresh.was_drained("j", s, 0) for s in (2, 3)] == [True, False]
-    assert [Catalog(state / "pins.json").was_drained("j", s, 0) for s in (2, 3)] == [True, False]
+    reloaded = Catalog(state / "pins.json")
+    reloaded.load_tier(TierName.LOCAL, local)
+    assert [reloaded.was_drained("j", s, 0) for s in (2, 3)] == [True, False]
+
+
+def test_a_drained_record_names_the_part_not_the_name(tmp_path: Path) -> None:
+    """A part replaced under the same (job, step, rank) (a save with overwrite) is not drained because its
+    predecessor was, also across a restart that comes between the replacement and the record's update."""
+    state, local = tmp_path / "state", tmp_path / "local"
+    cat = Catalog(state / "pins.json")
+    old = local_part(local, "j", 5)
+    cat.add(old)
+    cat.mark_drained("j", 5, 0, old.digest)
+    shutil.rmtree(old.path)
+    new = local_part(local, "j", 5, created=2.0)  # written again: another manifest under the same name
+    assert new.digest != old.digest
+    restarted = Catalog(state / "pins.json")  # the record of the old part is still in the file
+    restarted.load_tier(TierName.LOCAL, local)
+    assert not restarted.was_drained("j", 5, 0)
+    assert restarted.prune_drained() == 1
+    # A record written by an older daemon names no digest: it still counts for the part that is there.
+    (state / "drained.json").write_text('[["j", 5, 0]]')
+    legacy = Catalog(state / "pins.json")
+    legacy.load_tier(TierName.LOCAL, local)
+    assert legacy.was_drained("j", 5, 0)
 
 
 def test_concurrent_drained_records_all_reach_the_file(tmp_path: Path) -> None:
@@ -54,7 +79,7 @@ def test_concurrent_drained_records_all_reach_the_file(tmp_path: Path) -> None:
 
     def mark(rank: int) -> None:
         for step in range(40):
-            cat.mark_drained("j", step, rank)
+            cat.mark_drained("j", step, rank, "")
 
     threads = [threading.Thread(target=mark, args=(r,)) for r in range(6)]
     for t in threads:

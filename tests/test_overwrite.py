@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -185,3 +187,115 @@ def test_a_crashed_runs_committed_step_never_replaces_its_successors_on_the_shar
     assert resp.failed == 1 and resp.pending == 0
     assert _shared_tag(shared, "stale", 1) == 2.0
     assert "straggler" in a.log.read_text()
+
+
+def test_a_step_replaced_right_after_it_committed_drains_its_new_version(daemon_factory):
+    # The old part's drain may finish after the replacement took its place: it is the old part's drain,
+    # not the new one's (drained marks name the manifest), so the new version still goes to the shared tier.
+    d = daemon_factory("ow-race", **{"local.keep_last": 100, "shared.keep_last": 100}).start()
+    with Client("ow-race", socket=d.socket) as c:
+        for step in range(12):
+            n = 1 << (14 + step % 4)
+            c.save(step, _state(1.0, n)).wait("local", timeout=30)
+            c.save(step, _state(2.0, n), overwrite=True).wait("shared", timeout=30)
+            assert _shared_tag(d.shared, "ow-race", step) == 2.0, f"step {step}"
+    drain(d)
+    assert {_shared_tag(d.shared, "ow-race", s) for s in range(12)} == {2.0}
+
+
+def test_readers_never_fail_while_a_local_only_step_is_replaced_again_and_again(daemon_factory):
+    # With one tier a reader's copy can vanish or change under it: it reads the step again and never
+    # reports the copy corrupt (which would quarantine a good checkpoint).
+    d = daemon_factory("ow-local", **{"shared.dir": ""}).start()
+    with Client("ow-local", socket=d.socket) as writer, Client("ow-local", socket=d.socket) as reader:
+        writer.save(7, _state(0.0)).wait("local", timeout=30)
+        seen: list[float] = []
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def read() -> None:
+            while not stop.is_set():
+                try:
+                    seen.append(_tag(reader.load(7)))
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+
+        t = threading.Thread(target=read)
+        t.start()
+        try:
+            for tag in range(1, 40):
+                writer.save(7, _state(float(tag)), overwrite=True).wait("local", timeout=30)
+        finally:
+            stop.set()
+            t.join()
+    assert not errors, errors[:3]
+    assert seen == sorted(seen) and seen[-1] <= 39.0
+    assert "quarantined" not in d.log.read_text()
+
+
+def _two_ranks(d: Any, job: str) -> tuple[Client, Client]:
+    return (Client(job, socket=d.socket, rank=0, world_size=2, attempt="run"),
+            Client(job, socket=d.socket, rank=1, world_size=2, attempt="run"))
+
+
+def test_a_rank_replaced_before_its_step_is_complete_never_tears_the_shared_step(daemon):
+    # Rank 0 is saved, drained, then saved again before rank 1 ever saved: the shared step is sealed
+    # from the new rank 0 and rank 1, never from the old rank 0 still on the shared tier.
+    c0, c1 = _two_ranks(daemon, "ow-torn")
+    with c0, c1:
+        c0.save(5, _state(1.0)).wait("shared", timeout=30)
+        c0.save(5, _state(2.0), overwrite=True).wait("local", timeout=30)
+        c1.save(5, _state(2.0)).wait("shared", timeout=30)
+        assert _tag(c0.load(5)) == 2.0
+    drain(daemon)
+    assert _shared_tag(daemon.shared, "ow-torn", 5) == 2.0
+    record = layout.read_commit_record(layout.step_dir(daemon.shared, "ow-torn", 5))
+    assert record is not None and record.world_size == 2
+    assert {_tag(read_part(layout.part_dir(daemon.shared, "ow-torn", 5, r), None)[1]) for r in (0, 1)} == {2.0}
+
+
+def test_a_step_partly_drained_then_replaced_reaches_the_shared_tier_whole(daemon_factory):
+    # Step 5 is committed locally with rank 0 already on the shared tier and rank 1 waiting behind a slow
+    # drain; both ranks are then replaced. The shared tier gets the new step whole, never old + new.
+    d = daemon_factory("ow-part", **{"shared.max_bandwidth": "1MiB/s", "shared.max_concurrent": 1}).start()
+    c0, c1 = _two_ranks(d, "ow-part")
+    with c0, c1, Client("ow-busy", socket=d.socket) as busy:
+        c0.save(5, _state(1.0)).wait("shared", timeout=30)
+        busy.save(1, _state(9.0, n=(2 << 20) // 4)).wait("local", timeout=30)  # holds the one drain slot
+        c1.save(5, _state(1.0)).wait("local", timeout=30)
+        handles = [c.save(5, _state(2.0), overwrite=True) for c in (c0, c1)]
+        for h in handles:
+            h.wait("local", timeout=30)
+        assert _tag(c1.load(5)) == 2.0
+    drain(d, timeout=90)
+    assert _shared_tag(d.shared, "ow-part", 5) == 2.0
+    assert {_tag(read_part(layout.part_dir(d.shared, "ow-part", 5, r), None)[1]) for r in (0, 1)} == {2.0}
+
+
+def test_a_replacement_swapped_in_just_before_a_crash_is_drained_not_taken_for_the_old_part(daemon_factory):
+    # The state a SIGKILL leaves right after the local exchange: the new step is in place on the local
+    # tier, the daemon's drained marks still speak of the old one. The restarted daemon must drain the
+    # new step (it is not on the shared tier) before retention may remove it locally.
+    d = daemon_factory("ow-crash", **{"local.keep_last": 2}).start()
+    with Client("ow-crash", socket=d.socket, attempt="run") as c:
+        c.save(5, _state(1.0)).wait("shared", timeout=30)
+    d.kill()
+    # Another daemon (the same job and attempt, its own tiers) replaces a copy of that step: its local
+    # tier then holds exactly what the exchange would have put in place.
+    e = daemon_factory("ow-crash-e", **{"shared.dir": ""})
+    fsutil.makedirs_durable(layout.step_dir(e.local, "ow-crash", 5).parent, within=e.local)
+    shutil.copytree(layout.step_dir(d.local, "ow-crash", 5), layout.step_dir(e.local, "ow-crash", 5))
+    e.start()
+    with Client("ow-crash", socket=e.socket, attempt="run") as c:
+        c.save(5, _state(2.0), overwrite=True).wait("local", timeout=30)
+    e.stop()
+    old = layout.step_dir(d.local, "ow-crash", 5)
+    shutil.rmtree(old)
+    shutil.copytree(layout.step_dir(e.local, "ow-crash", 5), old)
+    d.start()
+    drain(d)
+    assert _shared_tag(d.shared, "ow-crash", 5) == 2.0
+    with Client("ow-crash", socket=d.socket, attempt="run") as c:
+        for step in (6, 7, 8):
+            c.save(step, _state(float(step))).wait("shared", timeout=30)
+        assert _tag(c.load(5)) == 2.0  # from the shared tier once retention took it off the local one

@@ -311,18 +311,20 @@ class PartLocation(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., dir: _Optional[str] = ...) -> None: ...
 
 class LocateResponse(_message.Message):
-    __slots__ = ("step", "world_size", "locations", "attempt", "parts")
+    __slots__ = ("step", "world_size", "locations", "attempt", "parts", "commit")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     step: int
     world_size: int
     locations: _containers.RepeatedCompositeFieldContainer[PartLocation]
     attempt: str
     parts: _containers.RepeatedCompositeFieldContainer[RankParts]
-    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[PartLocation, _Mapping]]] = ..., attempt: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[RankParts, _Mapping]]] = ...) -> None: ...
+    commit: str
+    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[PartLocation, _Mapping]]] = ..., attempt: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[RankParts, _Mapping]]] = ..., commit: _Optional[str] = ...) -> None: ...
 
 class WaitStepRequest(_message.Message):
     __slots__ = ("job", "step", "tier", "timeout_s")
