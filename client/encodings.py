@@ -528,9 +528,29 @@ def _bit_generator(state: Any) -> Any:
         raise ValueError(f"numpy bit generator {name!r} in manifest is not one ckptstage restores")
     cls = getattr(np.random, name)
     seed = state.get("seed_seq")
+    if seed is not None:
+        _check_seed_sequence(seed)
     bg = cls(np.random.SeedSequence(**seed)) if seed is not None else cls()
     bg.state = state["state"]
     return bg
+
+
+_SEED_FIELDS = {"entropy", "spawn_key", "pool_size", "n_children_spawned"}
+_MAX_POOL_SIZE = 1024  # numpy's default is 4; a manifest naming more would only cost memory at load
+_MAX_SPAWN_DEPTH = 1024
+
+
+def _check_seed_sequence(seed: Any) -> None:
+    """What numpy.random.SeedSequence is rebuilt from: the fields ckptstage writes, within sane bounds."""
+    if not isinstance(seed, dict) or not set(seed) <= _SEED_FIELDS:
+        raise ValueError(f"numpy seed sequence {str(seed)[:80]} in manifest has fields ckptstage does not write")
+    pool = seed.get("pool_size", 4)
+    if type(pool) is not int or not 4 <= pool <= _MAX_POOL_SIZE:
+        raise ValueError(f"numpy seed sequence pool_size {str(pool)[:40]} in manifest is outside 4..{_MAX_POOL_SIZE}")
+    key = seed.get("spawn_key", [])
+    if not isinstance(key, list) or len(key) > _MAX_SPAWN_DEPTH or any(type(k) is not int for k in key):
+        raise ValueError(f"numpy seed sequence spawn_key in manifest is not a list of at most "
+                         f"{_MAX_SPAWN_DEPTH} integers")
 
 
 def _random_state(state: Any) -> Any:

@@ -492,11 +492,30 @@ def test_cycles_and_depth_are_refused_through_the_new_containers() -> None:
             tree.flatten_state(make(deep))
 
 
+def _generator_node(**seed: Any) -> Any:
+    """A saved numpy Generator's tree node, with ``seed`` changed in its seed sequence."""
+    node = tree.flatten_state({"g": np.random.default_rng(1)}).tree
+    stack = [node]
+    while stack:  # find the seed sequence's {"d": [...]} and edit its fields in place
+        n = stack.pop()
+        if isinstance(n, dict):
+            for k, v in n.get("d", []) if isinstance(n.get("d"), list) else []:
+                if k in ({"s": f} for f in seed):
+                    v.clear()
+                    v.update(tree.flatten_state(seed[k["s"]]).tree)
+            stack.extend(n.values())
+        elif isinstance(n, list):
+            stack.extend(n)
+    return node
+
+
 def test_a_manifest_with_a_bad_node_is_a_clear_error() -> None:
     for node, what in [({"a": {"dtype": "|O", "shape": [1], "data": ""}}, "not one ckptstage writes"),
                        ({"a": {"dtype": "<f4", "shape": [4], "data": "AAAA"}}, "bytes for shape"),
                        ({"B": {"d": [[{"s": "state"}, {"d": [[{"s": "bit_generator"}, {"s": "Evil"}]]}]]}},
                         "not one ckptstage restores"),
+                       (_generator_node(pool_size=1 << 40), "pool_size .* is outside"),
+                       (_generator_node(spawn_key="x"), "spawn_key in manifest"),
                        ({"dt": "Tensor"}, "unknown torch dtype"), ({"zz": 1}, "unknown tree node")]:
         with pytest.raises(ValueError, match=what):
             tree.unflatten(node, lambda i: None)
