@@ -73,34 +73,42 @@ def test_replacements_faster_than_the_drain_reach_the_shared_tier_as_the_newest(
     assert _shared_tag(d.shared, "ow-chain", 3) == 3.0
 
 
+class _Reader:
+    """Loads ``step`` in a loop on a thread while the test replaces it: the tags seen, the errors raised."""
+
+    def __init__(self, client: Client, step: int) -> None:
+        self.seen: list[float] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(client, step))
+
+    def _run(self, client: Client, step: int) -> None:
+        while not self._stop.is_set() and not self.errors:
+            try:
+                self.seen.append(_tag(client.load(step)))
+            except BaseException as e:  # noqa: BLE001 - the test asserts on it
+                self.errors.append(e)
+
+    def __enter__(self) -> _Reader:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def test_readers_see_the_old_or_the_new_step_whole_while_it_is_replaced(daemon):
     with Client("ow-read", socket=daemon.socket) as writer, Client("ow-read", socket=daemon.socket) as reader:
         writer.save(7, _state(1.0, n=4 << 20)).wait("local", timeout=30)
-        seen: list[float] = []
-        errors: list[BaseException] = []
-        stop = threading.Event()
-
-        def read() -> None:
-            while not stop.is_set():
-                try:
-                    seen.append(_tag(reader.load(7)))
-                except BaseException as e:  # noqa: BLE001 - reported below
-                    errors.append(e)
-                    return
-
-        t = threading.Thread(target=read)
-        t.start()
-        try:
-            wait_until(lambda: len(seen) >= 2, 30, "the reader's first loads")
+        with _Reader(reader, 7) as r:
+            wait_until(lambda: len(r.seen) >= 2 or r.errors, 30, "the reader's first loads")
             writer.save(7, _state(2.0, n=4 << 20), overwrite=True).wait("local", timeout=60)
-            count = len(seen)
-            wait_until(lambda: len(seen) >= count + 2 or errors, 30, "loads after the replacement")
-        finally:
-            stop.set()
-            t.join()
-    assert not errors, errors[0]
-    assert set(seen) <= {1.0, 2.0} and seen[0] == 1.0 and seen[-1] == 2.0
-    assert seen == sorted(seen), "the old step came back after the new one was read"
+            count = len(r.seen)
+            wait_until(lambda: len(r.seen) >= count + 2 or r.errors, 30, "loads after the replacement")
+    assert not r.errors, r.errors[0]
+    assert set(r.seen) <= {1.0, 2.0} and r.seen[0] == 1.0 and r.seen[-1] == 2.0
+    assert r.seen == sorted(r.seen), "the old step came back after the new one was read"
 
 
 def test_a_multi_rank_step_is_replaced_once_every_rank_has_saved(daemon):
@@ -209,27 +217,11 @@ def test_readers_never_fail_while_a_local_only_step_is_replaced_again_and_again(
     d = daemon_factory("ow-local", **{"shared.dir": ""}).start()
     with Client("ow-local", socket=d.socket) as writer, Client("ow-local", socket=d.socket) as reader:
         writer.save(7, _state(0.0)).wait("local", timeout=30)
-        seen: list[float] = []
-        errors: list[BaseException] = []
-        stop = threading.Event()
-
-        def read() -> None:
-            while not stop.is_set():
-                try:
-                    seen.append(_tag(reader.load(7)))
-                except BaseException as e:  # noqa: BLE001 - reported below
-                    errors.append(e)
-
-        t = threading.Thread(target=read)
-        t.start()
-        try:
+        with _Reader(reader, 7) as r:
             for tag in range(1, 40):
                 writer.save(7, _state(float(tag)), overwrite=True).wait("local", timeout=30)
-        finally:
-            stop.set()
-            t.join()
-    assert not errors, errors[:3]
-    assert seen == sorted(seen) and seen[-1] <= 39.0
+    assert not r.errors, r.errors[0]
+    assert r.seen and r.seen == sorted(r.seen) and r.seen[-1] <= 39.0
     assert "quarantined" not in d.log.read_text()
 
 
