@@ -411,11 +411,16 @@ class Client:
         return steps.open_step(self._conn, self.job, step, self.rank)
 
     def _replaced(self, step: int, commit: str) -> bool:
-        """Whether ``step`` is no longer the commit ``commit`` (replaced, or gone) when the daemon is asked again."""
+        """Whether ``step`` is another commit than ``commit`` when the daemon is asked again.
+
+        A step that is gone is not replaced: the daemon may just have
+        quarantined the copy this reader (or another) reported corrupt; a
+        copy deleted under the reader shows as its files vanishing instead.
+        """
         try:
             return steps.locate(self._conn, self.job, step, self.rank, all_ranks=False).commit != commit
         except errors.CheckpointNotFound:
-            return True
+            return False
 
     def _load_part(self, step: int, rank: int, locations: Sequence[tuple[int, Path]], into: Any,
                    commit: str = "") -> tuple[Any, bool]:
