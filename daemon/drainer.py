@@ -255,18 +255,21 @@ class Drainer:
             self._failed.pop(key, None)
             self._staged.discard(key)
 
-    def drop(self, part: Part) -> bool:
+    def drop(self, part: Part, failure: str | None) -> bool:
         """Takes a local part about to be deleted out of the queue; False while it is being copied.
 
         Retention deletes only drained parts, or stragglers (another attempt's
-        parts of a committed step), which must not be copied any more.
+        parts of a committed step), which must not be copied any more: their
+        drain failed, for ``failure``. A user's deletion (``failure`` None) is
+        no failure: the part just leaves the queue.
         """
         key = (part.job, part.step, part.rank)
         with self._cond:
             if key in self._draining:
                 return False
             if self._parts.pop(key, None) is not None:
-                self._failed[key] = "deleted before it drained: the step is committed by another attempt"
+                if failure is not None:
+                    self._failed[key] = failure
                 self._cond.notify_all()
             return True
 
@@ -591,10 +594,12 @@ class Drainer:
 
         An earlier attempt's (a crashed run's leftovers), or this attempt's own
         earlier version of the part (replaced in place by a save with
-        overwrite). Earlier, not merely other: a crashed attempt's part whose
-        drain resumes after the restart must never replace the part its
-        successor already drained (the successor's local copy counts as
-        drained and may go).
+        overwrite), even one with the very same bytes: the manifest is part of
+        the part (its digest is what a commit record names), so a re-save of
+        an unchanged state must still take the old one's place. Earlier, not
+        merely other: a crashed attempt's part whose drain resumes after the
+        restart must never replace the part its successor already drained (the
+        successor's local copy counts as drained and may go).
         """
         if (final.parent / layout.COMMIT_FILE).exists():
             return False
@@ -602,9 +607,7 @@ class Drainer:
             theirs = layout.read_manifest(final)
         except layout.ManifestError:
             return False  # judged by _reuse: a Conflict, never silently replaced
-        other = layout.manifest_attempt(theirs) != layout.manifest_attempt(manifest) or \
-            theirs.get("files") != manifest.get("files")
-        return other and _created(theirs) < _created(manifest)
+        return theirs != manifest and _created(theirs) < _created(manifest)
 
     @staticmethod
     def _reuse(final: Path, manifest: dict[str, object], part: Part, tier: TierName) -> Part:

@@ -105,9 +105,7 @@ class Janitor:
                 self.catalog.drop_record(tier, job, step)
                 kept = []
                 for part in ckpt.on_tier(tier):
-                    if tier == TierName.LOCAL:
-                        self._wait_not_draining(part, busy_wait_s)
-                    if self._delete_part(part, tier, retention.REQUESTED):
+                    if self._delete_requested(part, tier, time.monotonic() + busy_wait_s):
                         parts, nbytes = parts + 1, nbytes + part.nbytes
                     else:
                         kept.append(part)
@@ -121,10 +119,18 @@ class Janitor:
                  " and ".join(t.value for t in tiers) or "nowhere")
         return Deleted(parts, nbytes, tuple(tiers))
 
-    def _wait_not_draining(self, part: Part, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while self.drainer is not None and self.drainer.busy_with(part) and time.monotonic() < deadline:
-            time.sleep(0.05)
+    def _delete_requested(self, part: Part, tier: TierName, deadline: float) -> bool:
+        """Deletes a part on a user's request; a local part being copied to the shared tier is waited for
+        (until ``deadline``), also when a drain worker takes it between the wait and the deletion."""
+        while True:
+            while tier == TierName.LOCAL and self.drainer is not None and self.drainer.busy_with(part) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self._delete_part(part, tier, retention.REQUESTED):
+                return True
+            if tier != TierName.LOCAL or self.drainer is None or not self.drainer.busy_with(part) or \
+                    time.monotonic() >= deadline:
+                return False
 
     def gc(self, dry_run: bool) -> list[GcAction]:
         return [a for job in self.catalog.jobs() for a in self.apply(job, dry_run, trigger="gc")]
@@ -232,7 +238,9 @@ class Janitor:
         tier_dir = self._tier_dir(tier)
         if self._in_flight(part.job, part.step, part.rank) and tier == TierName.SHARED:
             return False
-        if self.drainer is not None and tier == TierName.LOCAL and not self.drainer.drop(part):
+        failure = None if reason == retention.REQUESTED else \
+            "deleted before it drained: the step is committed by another attempt"
+        if self.drainer is not None and tier == TierName.LOCAL and not self.drainer.drop(part, failure):
             return False  # being read by the drainer right now; the next pass gets it
         try:
             fsutil.remove_part(tier_dir, self.owner, part.path)

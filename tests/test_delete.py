@@ -87,3 +87,17 @@ def test_rm_command(daemon):
     report = json.loads(out.stdout)
     assert [d["step"] for d in report["deleted"]] == [2] and report["failed"] == 2
     wait_until(lambda: [i.step for i in Client("del-cli", socket=daemon.socket).list()] == [3], 5, "only step 3")
+
+
+def test_deleting_a_step_still_queued_for_the_shared_tier_is_no_failed_drain(daemon_factory):
+    # The drain is slow: steps wait in its queue. Deleting one there takes it out of the queue; nothing
+    # failed (Drain says so), and the other steps still reach the shared tier.
+    d = daemon_factory("del-queued", **{"shared.max_bandwidth": "2MiB/s", "shared.max_concurrent": 1}).start()
+    with Client("delq", socket=d.socket) as c:
+        for step in (1, 2, 3):
+            c.save(step, _state(step, n=256 << 10)).wait("local", timeout=30)
+        c.delete(2)
+        assert [i.step for i in c.list()] == [1, 3]
+    drain(d, timeout=60)  # fails if any drain failed
+    assert sorted(p.name for p in (d.shared / "delq").glob("step-*")) == [
+        "step-000000000001", "step-000000000003"]

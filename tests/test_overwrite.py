@@ -291,3 +291,19 @@ def test_a_replacement_swapped_in_just_before_a_crash_is_drained_not_taken_for_t
         for step in (6, 7, 8):
             c.save(step, _state(float(step))).wait("shared", timeout=30)
         assert _tag(c.load(5)) == 2.0  # from the shared tier once retention took it off the local one
+
+
+def test_a_step_saved_again_with_the_same_bytes_still_reaches_the_shared_tier(daemon_factory):
+    # A re-save of an unchanged state (Lightning saving one step as its top-k and its last checkpoint) has
+    # the same data but a new manifest. Here the first version is still being copied when the second one
+    # takes its place locally: the shared tier must take the new part, not keep the old one as if it were
+    # it (else the step is never sealed there, and retention removes it as a straggler).
+    d = daemon_factory("ow-same", **{"local.keep_last": 100, "shared.keep_last": 100,
+                                     "shared.max_bandwidth": "1MiB/s"}).start()
+    with Client("ow-same", socket=d.socket) as c:
+        for step in range(1, 4):
+            c.save(step, _state(float(step), n=1 << 16)).wait("local", timeout=30)
+            c.save(step, _state(float(step), n=1 << 16), overwrite=True).wait("shared", timeout=30)
+    drain(d)
+    for step in range(1, 4):
+        assert _shared_tag(d.shared, "ow-same", step) == float(step)
