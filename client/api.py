@@ -139,6 +139,13 @@ class _Job:
     overwrite: bool = False
 
 
+@dataclass
+class _Prepare:
+    """Size the arena for saves of ``nbytes``, ahead of them (on the snapshot thread, off the trainer's)."""
+
+    nbytes: int
+
+
 class Client:
     """A trainer rank's connection to its node's ``ckptstaged``.
 
@@ -147,9 +154,15 @@ class Client:
     when ``torch.distributed`` is initialized, else 0 and 1. ``attempt``
     names this run of the job, the same on every rank (see
     :mod:`ckptstage.client.dist` for how it is agreed when not given: with a
-    process group, the constructor is collective). ``arena_bytes``
-    pre-allocates the shared-memory arena now rather than at the first save
-    (which then pays for it).
+    process group, the constructor is collective).
+
+    The shared-memory arena a save copies into is prepared before the first
+    save needs it, in the background: sized from this rank's newest part of
+    the job on this node (a resumed or restarted trainer), by
+    :meth:`prepare`, or after the first ``optimizer.step()`` of an optimizer
+    given to :meth:`protect`. ``arena_bytes`` allocates it in the constructor
+    instead (which waits for it); ``arena_bytes=0`` prepares nothing ahead
+    (a process that only loads).
 
     ``retention`` sets the job's own retention overrides (see the README);
     ``None`` leaves whatever an earlier session of the job set, ``{}`` resets
@@ -186,7 +199,8 @@ class Client:
         self._retention = dict(retention) if retention is not None else None
         self._conn = Connection(socket)
         self._arena: ArenaMap | None = None
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._queue: queue.Queue[_Job | _Prepare | None] = queue.Queue()
+        self._prepare_ahead = arena_bytes is None and not self._not_the_saver
         self._inflight: list[SaveHandle] = []
         self._recent: OrderedDict[int, SaveHandle] = OrderedDict()  # newest saves by step, for wait_step
         self._lock = threading.Lock()
@@ -205,6 +219,7 @@ class Client:
         self._worker = threading.Thread(target=self._run, name=f"ckptstage-snapshot-{rank}", daemon=True)
         self._worker.start()
         self._copy_threads.confirm_private()
+        self._prepare_expected()
         if arena_bytes:
             try:
                 self._ensure_arena(arena_bytes)
@@ -270,7 +285,35 @@ class Client:
         ``LightningOptimizer``, ``ZeroRedundancyOptimizer``, a user's own):
         the hook goes on the optimizer that updates the tensors.
         """
-        return _innermost_optimizer(optimizer).register_step_pre_hook(lambda *_: self.wait_snapshots())
+        inner = _innermost_optimizer(optimizer)
+        handle = inner.register_step_pre_hook(lambda *_: self.wait_snapshots())
+        if self._prepare_ahead:
+            # After the first step the optimizer holds its state: what a checkpoint of it costs is known.
+            once: list[Any] = []
+
+            def size_arena(*_: Any) -> None:
+                once.pop().remove()
+                self.prepare(_optimizer_bytes(inner))
+
+            once.append(inner.register_step_post_hook(size_arena))
+        return handle
+
+    def prepare(self, state: Any) -> None:
+        """Prepares the arena for saves of a state like ``state`` (or of ``state`` bytes), in the background.
+
+        Returns at once. Creating shared memory costs about a second per GiB
+        on a small machine; done ahead, the first save blocks no longer than
+        the others. The arena only grows, between saves; without any of the
+        ways above the first save sizes it itself.
+        """
+        self._check_open()
+        if isinstance(state, int):
+            nbytes = state
+        else:
+            flat = tree.flatten_state(state)
+            nbytes = self._plans.plan(flat.tensors, flat.paths).data_bytes
+        if nbytes > 0:
+            self._queue.put(_Prepare(nbytes))
 
     # --- reading --------------------------------------------------------------------
 
@@ -521,6 +564,7 @@ class Client:
         resp = rpc.call_when_up(self._conn, "OpenSession", request, connect_timeout)
         self._session_id = resp.session_id
         self._chunk = resp.chunk_bytes
+        self._expected = int(resp.expected_bytes)
         # Held open for the life of the session: if this process dies, the
         # daemon sees the stream break and frees the session.
         self._attach = self._conn.stub.Attach(pb.AttachRequest(session_id=self._session_id))
@@ -558,6 +602,20 @@ class Client:
             self._arena.close()
             self._arena = None
         self._open_session()
+        self._prepare_expected()
+
+    def _prepare_expected(self) -> None:
+        """Queues the arena the daemon expects this rank's saves to need (its newest part of the job there)."""
+        if self._prepare_ahead and self._expected:
+            self._queue.put(_Prepare(self._expected))
+
+    def _prepare_now(self, nbytes: int) -> None:
+        """Sizes the arena ahead of the saves; on any trouble the next save asks again (and reports it)."""
+        try:
+            if not self._attach.done():
+                self._ensure_arena(nbytes)
+        except errors.CkptStageError as e:
+            log.debug("ckptstage: no arena of %d bytes prepared ahead (%s); the next save asks again", nbytes, e)
 
     def _ensure_arena(self, want: int) -> ArenaMap:
         if self._arena is not None and self._arena.size >= want:
@@ -578,6 +636,9 @@ class Client:
             job = self._queue.get()
             if job is None:
                 return
+            if isinstance(job, _Prepare):
+                self._prepare_now(job.nbytes)
+                continue
             try:
                 self._copy(job)
                 job.handle._finish(None)
@@ -679,6 +740,19 @@ class _Once(Generic[_T]):
 
 # Attributes through which known wrappers reach the optimizer they forward ``step`` to.
 _WRAPPED_OPTIMIZER_ATTRS = ("optimizer", "_optimizer", "optim", "_optim")
+
+
+def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """What a checkpoint of ``optimizer`` and the parameters it updates holds in tensors (after a step)."""
+    seen: set[int] = set()
+    total = 0
+    tensors = [p for g in optimizer.param_groups for p in g["params"]] + \
+        [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
 
 
 def _innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:

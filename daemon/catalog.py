@@ -438,6 +438,20 @@ class Catalog:
                 return None
             return self._view(job, step, ranks, records, step in self._pins.get(job, set()))
 
+    def newest_part_bytes(self, job: str, rank: int, world_size: int) -> int:
+        """The size of ``rank``'s part in the job's newest step saved at ``world_size`` (0: none here).
+
+        What a new session of that rank will most likely save again: the
+        daemon sizes its arena from it before the first save asks.
+        """
+        with self._lock:
+            for step in sorted(self._parts.get(job, {}), reverse=True):
+                tiers = self._parts[job][step].get(rank, {})
+                part = tiers.get(TierName.LOCAL) or tiers.get(TierName.SHARED)
+                if part is not None and part.world_size == world_size:
+                    return part.nbytes
+        return 0
+
     def latest_complete(self, job: str) -> Checkpoint | None:
         complete = [c for c in self.checkpoints(job) if c.complete]
         return complete[-1] if complete else None

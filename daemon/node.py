@@ -7,6 +7,7 @@ apply retention. Nothing here knows about gRPC.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -206,6 +207,8 @@ class Node:
         except layout.InvalidName as e:
             raise InvalidRequest(str(e)) from e
         rules = JobRetention.parse(info.overrides) if info.overrides is not None else None
+        info = dataclasses.replace(info, expected_bytes=self.catalog.newest_part_bytes(info.job, info.rank,
+                                                                                      info.world_size))
         session = Session(info, self.budget, self.config.persist.chunk_bytes, os.getpid())
         if rules is not None and self.job_rules.set(info.job, rules):
             self._shared_wake.set()  # the shared-tier thread publishes them for the other nodes

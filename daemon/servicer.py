@@ -154,7 +154,7 @@ class Servicer(pb_grpc.CheckpointerServicer):
                            overrides, request.attempt)
         session = await self._run(self.node.open_session, info)
         return pb.OpenSessionResponse(session_id=session.id, chunk_bytes=session.chunk_bytes,
-                                      daemon_version=VERSION)
+                                      daemon_version=VERSION, expected_bytes=session.info.expected_bytes)
 
     async def Attach(self, request: pb.AttachRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionEvent]:

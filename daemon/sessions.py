@@ -22,6 +22,7 @@ class SessionInfo:
     hostname: str
     overrides: dict[str, object] | None = None  # the job's retention overrides; None: leave them as they are
     attempt: str = ""  # the run this rank belongs to; "" is the anonymous attempt of older clients
+    expected_bytes: int = 0  # what the rank's saves will likely need (its newest part here), for its arena
 
 
 class Session:

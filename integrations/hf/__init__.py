@@ -184,10 +184,11 @@ class CkptstageCallback(TrainerCallback):
     ``job`` names the run (the checkpoints' directory on each tier);
     ``socket`` is the daemon's (``$CKPTSTAGE_SOCKET`` or its default path
     when None); ``connect_timeout`` is how long to wait for a daemon that is
-    still starting. ``arena_bytes`` has the saving process allocate the
-    daemon's shared memory for its checkpoints when it connects (at
-    ``on_train_begin``), so that the first save does not pay for it (about
-    as long as the save itself). See the module docstring for what is saved,
+    still starting. The shared memory a save copies into is prepared in
+    the background after the first training step, sized for the model and
+    optimizer then (or for the job's last checkpoint on a resume), so that
+    the first save blocks no longer than the others; ``arena_bytes``
+    allocates it when the client connects (``on_train_begin``) instead. See the module docstring for what is saved,
     when, and how ``resume()`` works.
     """
 
@@ -257,6 +258,7 @@ class CkptstageCallback(TrainerCallback):
         if state.is_world_process_zero:
             self._get_client()  # the saving process: a daemon that cannot be reached fails the run now
         self._pending, self._last, self._unpinned_best = None, None, None
+        self._prepared = False
         restore = self._restore
         if restore is None:
             self.best_step = None
@@ -298,6 +300,14 @@ class CkptstageCallback(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
+        if not self._prepared and state.is_world_process_zero:
+            # The optimizer holds its state from the first step on: the arena is sized for a save now,
+            # in the background, so that the first save blocks no longer than the others.
+            self._prepared = True
+            model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
+            if self.arena_bytes is None and model is not None:
+                self._get_client().prepare({"model": model.state_dict(),
+                                            "optimizer": optimizer.state_dict() if optimizer is not None else None})
         self._intercept(state, control)
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -435,7 +445,7 @@ class CkptstageCallback(TrainerCallback):
             # world_size=1: only the main process saves; every process may load (see the module docstring).
             saver = _process_index_and_count()[0] == 0
             self._client = Client(self.job, socket=self.socket, world_size=1,
-                                  arena_bytes=self.arena_bytes if saver else None,
+                                  arena_bytes=self.arena_bytes if saver else 0,
                                   connect_timeout=self.connect_timeout)
         return self._client
 

@@ -55,14 +55,16 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., retention: _Optional[_Union[RetentionOverrides, _Mapping]] = ..., attempt: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "chunk_bytes", "daemon_version")
+    __slots__ = ("session_id", "chunk_bytes", "daemon_version", "expected_bytes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     chunk_bytes: int
     daemon_version: str
-    def __init__(self, session_id: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., daemon_version: _Optional[str] = ...) -> None: ...
+    expected_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., daemon_version: _Optional[str] = ..., expected_bytes: _Optional[int] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("session_id",)
