@@ -473,6 +473,7 @@ class Client:
         own_errors: list[BaseException] = []
         for tier_code, part in locations:
             tier = pb.Tier.Name(tier_code).lower()
+            ino = _inode(part)
             try:
                 _, state = read_part(part, into)
                 return state, False
@@ -485,7 +486,10 @@ class Client:
                              step, rank, tier)
                     failures.append(f"{tier}: {part} was removed while reading it")
                     continue
-                if layout.is_verification_failure(e) and commit and self._replaced(step, commit):
+                # The manifest and the data read from two versions of the part: a replacement swapped
+                # the directory between the two reads (the daemon may not have indexed it yet).
+                if layout.is_verification_failure(e) and (_inode(part) != ino or
+                                                          commit and self._replaced(step, commit)):
                     log.info("checkpoint %s step %d was replaced while it was read; reading it again", self.job,
                              step)
                     return None, True
@@ -740,6 +744,13 @@ class _Once(Generic[_T]):
 
 # Attributes through which known wrappers reach the optimizer they forward ``step`` to.
 _WRAPPED_OPTIMIZER_ATTRS = ("optimizer", "_optimizer", "optim", "_optim")
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
 
 
 def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -255,6 +255,12 @@ class Drainer:
             self._failed.pop(key, None)
             self._staged.discard(key)
 
+    def forget_step(self, job: str, step: int) -> None:
+        """The step was deleted: its parts waiting in a replacement here wait for nothing any more."""
+        with self._cond:
+            self._staged = {k for k in self._staged if k[:2] != (job, step)}
+            self._cond.notify_all()
+
     def drop(self, part: Part, failure: str | None) -> bool:
         """Takes a local part about to be deleted out of the queue; False while it is being copied.
 

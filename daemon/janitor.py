@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptstage.daemon import fsutil, retention
+from ckptstage.daemon import fsutil, overwrite, retention
 from ckptstage.daemon.catalog import Catalog, Part, TierName
 from ckptstage.daemon.config import Config
 from ckptstage.daemon.drainer import Drainer
@@ -115,9 +115,24 @@ class Janitor:
                 if tier in ckpt.records:
                     self._delete_record(job, step, tier, retention.REQUESTED)
             tiers.append(tier)
+        self._drop_staged(job, step)
         log.info("deleted %s step %d on request: %d parts, %d bytes, from %s", job, step, parts, nbytes,
                  " and ".join(t.value for t in tiers) or "nowhere")
         return Deleted(parts, nbytes, tuple(tiers))
+
+    def _drop_staged(self, job: str, step: int) -> None:
+        """Removes a replacement of the deleted step still being assembled here (a save with overwrite
+        waiting for its other ranks' parts): it must not take the place of a step that is gone."""
+        for tier in (TierName.LOCAL, TierName.SHARED):
+            if tier == TierName.SHARED and self.drainer is None:
+                continue
+            staged = overwrite.staged_step_dir(self._tier_dir(tier), self.owner, job, step)
+            if staged.exists():
+                shutil.rmtree(staged, ignore_errors=True)
+                log.info("deleted the replacement of %s step %d being assembled on the %s tier", job, step,
+                         tier.value)
+        if self.drainer is not None:
+            self.drainer.forget_step(job, step)
 
     def _delete_requested(self, part: Part, tier: TierName, deadline: float) -> bool:
         """Deletes a part on a user's request; a local part being copied to the shared tier is waited for

@@ -101,3 +101,25 @@ def test_deleting_a_step_still_queued_for_the_shared_tier_is_no_failed_drain(dae
     drain(d, timeout=60)  # fails if any drain failed
     assert sorted(p.name for p in (d.shared / "delq").glob("step-*")) == [
         "step-000000000001", "step-000000000003"]
+
+
+def test_deleting_a_step_drops_a_replacement_of_it_still_waiting_for_ranks(daemon):
+    # Rank 0 saved step 2 again (overwrite) and waits for rank 1's replacement; the step is deleted
+    # meanwhile. The half-assembled replacement goes with it: nothing of it comes back later.
+    c0 = Client("del-staged", socket=daemon.socket, rank=0, world_size=2, attempt="run")
+    c1 = Client("del-staged", socket=daemon.socket, rank=1, world_size=2, attempt="run")
+    try:
+        for c in (c0, c1):
+            c.save(2, _state(1)).wait("local", timeout=30)
+        c0.save(2, _state(2), overwrite=True).wait_snapshot()
+        staged = list((daemon.local / ".tmp").rglob("step-000000000002"))
+        wait_until(lambda: list((daemon.local / ".tmp").rglob("manifest.json")), 20, "the staged replacement")
+        c0.delete(2)
+        assert not list((daemon.local / ".tmp").rglob("step-000000000002")), staged
+        assert [i.step for i in c0.list()] == []
+        for c in (c0, c1):  # the step saved anew is the new state, whole
+            c.save(2, _state(3)).wait("local", timeout=30)
+        assert torch.equal(c1.load(2)["w"], _state(3)["w"]) and torch.equal(c0.load(2)["w"], _state(3)["w"])
+    finally:
+        c0.close()
+        c1.close()
