@@ -87,8 +87,11 @@ def empty_like_state(state: Any, memo: dict[Any, Any] | None = None) -> Any:
     return state
 
 
-def copy_into(dst: Any, src: Any) -> None:
-    for d, s in zip(h.tensors_of(dst), h.tensors_of(src)):
+def load_into(pt: Path, into: Any) -> None:
+    """``torch.load``, then a copy into existing tensors: what ``model.load_state_dict(torch.load(f))`` does."""
+    import torch
+
+    for d, s in zip(h.tensors_of(into), h.tensors_of(torch.load(pt))):
         d.copy_(s)
 
 
@@ -98,11 +101,11 @@ class Bench:
     def __init__(self, work: Path, daemon_root: Path) -> None:
         self.work = work
         self.shared = work / "shared"
-        self.daemon = h.Daemon(daemon_root / "a", work / "local", self.shared,
-                               **{"arena.max_bytes": "3GiB"}).start()
+        big: dict[str, Any] = {"arena.max_bytes": "3GiB"}
+        small: dict[str, Any] = {"arena.max_bytes": "256MiB"}
+        self.daemon = h.Daemon(daemon_root / "a", work / "local", self.shared, **big).start()
         # Its own empty local tier, the same shared tier: everything it restores comes from there.
-        self.reader = h.Daemon(daemon_root / "b", work / "local-b", self.shared,
-                               **{"arena.max_bytes": "256MiB"})
+        self.reader = h.Daemon(daemon_root / "b", work / "local-b", self.shared, **small)
         self.runs: dict[str, list[float]] = {}
         self.loads: dict[str, list[tuple[float, float, float]]] = {}
 
@@ -149,6 +152,11 @@ def dd_direct(path: Path) -> None:
     subprocess.run(["dd", f"if={path}", "iflag=direct", "bs=1M", "of=/dev/null"], check=True, capture_output=True)
 
 
+def call(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    """``fn(*args)`` later (a loop's lambdas would all see its last values)."""
+    return lambda: fn(*args)
+
+
 def cat(path: Path) -> None:
     with open(os.devnull, "wb") as null:
         subprocess.run(["cat", str(path)], check=True, stdout=null)
@@ -170,8 +178,8 @@ def run_rounds(b: Bench, rounds: int, states: list[str]) -> dict[str, int]:
             for warm in (False, True):
                 w = "warm" if warm else "cold"
                 peers += [(f"big/ckptstage/{w}", [data], client.load, warm),
-                          (f"big/torch.load/{w}", [pt], lambda pt=pt: torch.load(pt), warm)]
-            peers.append(("big/dd/cold", [data], lambda data=data: dd_direct(data), False))
+                          (f"big/torch.load/{w}", [pt], call(torch.load, pt), warm)]
+            peers.append(("big/dd/cold", [data], call(dd_direct, data), False))
         if "shared" in states:
             from ckptstage.protos import layout
 
@@ -192,11 +200,11 @@ def run_rounds(b: Bench, rounds: int, states: list[str]) -> dict[str, int]:
             w = "warm" if warm else "cold"
             if "gpt2" in states:
                 peers += [(f"gpt2/ckptstage/{w}", [data], gpt2.load, warm),
-                          (f"gpt2/torch.load/{w}", [pt], lambda pt=pt: torch.load(pt), warm)]
+                          (f"gpt2/torch.load/{w}", [pt], call(torch.load, pt), warm)]
             if "into" in states:
                 peers += [(f"into/ckptstage/{w}", [data], lambda: gpt2.load(into=into), warm),
-                          (f"into/torch.load/{w}", [pt], lambda pt=pt: copy_into(into, torch.load(pt)), warm)]
-        peers += [(f"{s}/dd/cold", [data], lambda data=data: dd_direct(data), False)
+                          (f"into/torch.load/{w}", [pt], call(load_into, pt, into), warm)]
+        peers += [(f"{s}/dd/cold", [data], call(dd_direct, data), False)
                   for s in ("gpt2", "into") if s in states]
     for r in range(rounds):
         order = peers[r % len(peers):] + peers[:r % len(peers)]

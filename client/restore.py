@@ -538,18 +538,29 @@ class _File:
             pos = got
 
     def _direct_bounce(self, spans: list[_Span], lo: int, verifier: _Verifier) -> None:
-        """One O_DIRECT read of the pages holding ``spans`` (consecutive), then a copy into each."""
+        """One O_DIRECT read of the pages holding ``spans`` (consecutive), then a copy into each.
+
+        Hashed and copied block by block, so the copy reads what the hash just brought into the CPU cache.
+        """
         assert self.direct_fd is not None
-        end = spans[-1].end
+        start, end = spans[0].offset, spans[-1].end
         bounce = self._bounce()
         self._pread_exact(self.direct_fd, [bounce[:_page_up(end) - lo]], lo, need=end - lo)
-        verifier.feed(bounce[spans[0].offset - lo:end - lo])
-        for s in spans:
-            src = bounce[s.offset - lo:s.end - lo]
-            if len(s.view) >= _HASH_BLOCK:  # numpy copies without the GIL
-                np.copyto(np.frombuffer(s.view, np.uint8), np.frombuffer(src, np.uint8))
-            else:
-                s.view[:] = src
+        k = 0
+        for at in range(start, end, _HASH_BLOCK):
+            stop = min(end, at + _HASH_BLOCK)
+            verifier.feed(bounce[at - lo:stop - lo])
+            while k < len(spans) and spans[k].offset < stop:
+                s = spans[k]
+                a, b = max(at, s.offset), min(stop, s.end)
+                dst, src = s.view[a - s.offset:b - s.offset], bounce[a - lo:b - lo]
+                if b - a >= 64 << 10:  # numpy copies without the GIL
+                    np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+                else:
+                    dst[:] = src
+                if s.end > stop:
+                    break
+                k += 1
 
     def _bounce(self) -> memoryview:
         """This reader thread's page-aligned buffer (an anonymous mapping: aligned, faulted in once)."""
