@@ -197,7 +197,9 @@ def test_nodes_never_disagree_on_latest_while_a_drain_is_in_flight(daemon_factor
                 seen[name].add(step)
                 assert step == 10 or record.exists(), f"node {name} reported step {step} before its record existed"
             time.sleep(0.05)
-        assert seen["a"] == {10} and seen["b"] == {10}, seen  # the drain was really in flight meanwhile
+        # The drain was really in flight meanwhile (a node may see 20 in the loop's last round: the record
+        # can appear between the loop's check and that node's answer, which the assertion above allows).
+        assert 10 in seen["a"] and 10 in seen["b"], seen
         recorded = time.monotonic()
         for d in (a, b):
             wait_until(lambda d=d: latest(d).step == 20, STALENESS_S, "both nodes to see step 20")
