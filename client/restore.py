@@ -8,8 +8,9 @@ mismatch nothing is returned.
 The file is cut into *units* (8 MiB, whole digest blocks) that a few reader
 threads take in file order. Each unit is read one of three ways:
 
-* **cached** — its first page is in the page cache (a one-byte ``RWF_NOWAIT``
-  probe): ordinary reads, since copying from memory beats any disk;
+* **cached** — most of its pages are in the page cache
+  (:class:`pagemem.PageCache`): ordinary reads, since copying from memory
+  beats any disk;
 * **direct** — ``O_DIRECT``: large freshly allocated tensors get storage a
   few pages larger than the tensor, placed so that memory and file share
   their alignment within a page, and the disk writes into the tensor itself;
@@ -18,14 +19,10 @@ threads take in file order. Each unit is read one of three ways:
   page-cache copy of the checkpoint is made;
 * **buffered** — ordinary reads through the page cache, with kernel readahead.
 
-Which of direct and buffered reads cold data faster depends on the disk and
-the file system (a local NVMe or virtual disk favours direct; some network
-and FUSE file systems are slow with it), so it is measured rather than
-assumed: the first restore from a device in a process reads its first
-units alternately both ways, times them, and keeps the faster for the rest
-and for later restores from that device (:class:`Adaptive`); every few
-restores it measures again. File systems that refuse ``O_DIRECT`` (tmpfs
-before Linux 6.6, some network file systems) are read buffered.
+Which of direct and buffered reads cold data faster is measured per device,
+not assumed (:mod:`ckptstage.client.readmodes`); file systems that refuse
+``O_DIRECT`` are read buffered. Fresh tensors' pages are mapped ahead of the
+readers by :class:`pagemem.Prefaulter`.
 docs/ARCHITECTURE.md ("Restore") gives the measurements behind the choices.
 """
 
@@ -35,16 +32,14 @@ import ctypes
 import errno
 import mmap
 import os
-import platform
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,99 +47,16 @@ import xxhash
 
 from ckptstage.client import tree
 from ckptstage.client.fileplan import dtype_from_name
+from ckptstage.client.pagemem import PAGE as _PAGE
+from ckptstage.client.pagemem import PageCache, Prefaulter
+from ckptstage.client.readmodes import CACHED, DIRECT, HASH_BLOCK, POLICY, Mode, Policy
 from ckptstage.protos import layout
 
-_PAGE = 4096             # O_DIRECT alignment of file offsets, lengths and memory (safe for 512 and 4K devices)
 _UNIT = 8 << 20          # what one reader takes at a time (rounded to whole digest blocks)
 _DIRECT_MIN = 1 << 20    # smaller fresh tensors go through the bounce buffer in direct mode
-_HASH_BLOCK = 256 << 10  # hashed right after it is copied, while it is still in the CPU cache
 _MAX_IOV = 512           # buffers in one preadv (the kernel allows 1024)
 
 
-@dataclass(frozen=True)
-class Mode:
-    """One way to read cold data: ``kind`` is "direct" or "buffered"; ``request`` bytes per read."""
-
-    kind: str
-    readers: int
-    request: int
-
-
-# Measured on the development VM (bench/bench_restore.py, docs/BENCHMARKS.md "Restore at disk speed"):
-# O_DIRECT held ~1.9 GB/s from 2 to 8 readers and 1 to 16 MiB requests; buffered reads peaked with
-# 2 readers (4 or 8 readers interleave the kernel's readahead streams and fall to ~1 GB/s).
-DIRECT = Mode("direct", readers=4, request=4 << 20)
-BUFFERED = Mode("buffered", readers=2, request=1 << 20)
-CACHED = Mode("cached", readers=2, request=_HASH_BLOCK)
-
-
-class Policy(Protocol):
-    """Chooses how cold units are read; told what each choice achieved (a seam for tests)."""
-
-    def choose(self, device: int, can_direct: bool) -> list[Mode]:
-        """One mode to read every cold unit with, or several to compare on the first units."""
-
-    def record(self, device: int, results: dict[Mode, float]) -> Mode:
-        """Bytes per second each compared mode achieved; returns the one to read the rest with."""
-
-
-@dataclass
-class Fixed:
-    """Always the same mode (tests, and benchmarks that compare modes)."""
-
-    mode: Mode
-
-    def choose(self, device: int, can_direct: bool) -> list[Mode]:
-        return [self.mode if can_direct or self.mode.kind != "direct" else BUFFERED]
-
-    def record(self, device: int, results: dict[Mode, float]) -> Mode:
-        return self.mode
-
-
-@dataclass
-class Adaptive:
-    """Per device: the faster of direct and buffered reads, measured on the checkpoint being read.
-
-    A device never measured (or measured ``retrial_every`` restores ago) gets
-    both modes, compared on the file's first units; the winner is kept.
-    A device that refuses O_DIRECT always reads buffered.
-    """
-
-    candidates: tuple[Mode, ...] = (DIRECT, BUFFERED)
-    retrial_every: int = 16
-    margin: float = 0.10
-    _best: dict[int, Mode] = field(default_factory=dict)
-    _uses: dict[int, int] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def choose(self, device: int, can_direct: bool) -> list[Mode]:
-        if not can_direct:
-            return [BUFFERED]
-        with self._lock:
-            uses = self._uses.get(device, 0)
-            self._uses[device] = uses + 1
-            best = self._best.get(device)
-        if best is None or uses % self.retrial_every == 0:
-            return list(self.candidates)
-        return [best]
-
-    def record(self, device: int, results: dict[Mode, float]) -> Mode:
-        # The first candidate (direct) keeps its place unless another is clearly faster: it leaves no
-        # page-cache copy of the checkpoint taking the trainer's memory, and the comparison is slanted
-        # its way by at most the readahead that spills out of a buffered slice into the next one.
-        first = self.candidates[0]
-        best = max(results, key=results.__getitem__)
-        if first in results and results[best] < results[first] * (1 + self.margin):
-            best = first
-        with self._lock:
-            self._best[device] = best
-        return best
-
-    def best(self, device: int) -> Mode | None:
-        return self._best.get(device)
-
-
-POLICY: Policy = Adaptive()
 _TRIAL_UNITS = 4        # units per slice of a comparison: one per direct reader
 _TRIAL_ROUNDS = 2       # rounds (modes alternate, so a drift in the disk's speed hits both)
 
@@ -222,7 +134,7 @@ def read_part(part: Path, into: Any = None, policy: Policy | None = None) -> tup
                  if s is not None and len(s.view) >= _DIRECT_MIN and (targets is None or d is not targets[i])]
         file = _File(path, fd, direct_fd, entry, stats)
         try:
-            with _Prefaulter([s.region() for s in sorted(fresh, key=lambda s: s.offset)]):
+            with Prefaulter([s.region() for s in sorted(fresh, key=lambda s: s.offset)]):
                 file.read(units, st.st_dev, policy or POLICY)
         finally:
             file.cache.close()
@@ -335,73 +247,6 @@ class _Verifier:
                                                           f"{layout.CHECKSUM} {digest} != {want}")
 
 
-class PageCache:
-    """What of one file is in the page cache, and a descriptor to copy it from there.
-
-    ``cachestat(2)`` (Linux 6.5+) counts the cached pages of a range and
-    starts no I/O. Elsewhere a one-byte ``RWF_NOWAIT`` read of the range's
-    first page answers instead. Both the probe and the reads of cached
-    ranges use a descriptor of their own advised ``POSIX_FADV_RANDOM``: a
-    read there starts no readahead, which would otherwise pull the next
-    megabytes into the cache behind the O_DIRECT readers' backs (the disk
-    reading the checkpoint twice, and every following range then looking
-    cached).
-    """
-
-    def __init__(self, path: Path, use_cachestat: bool = True) -> None:
-        self.fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
-        self._cachestat = use_cachestat and _CACHESTAT is not None
-
-    def cached(self, lo: int, hi: int) -> bool:
-        """Whether at least half of the pages of [lo, hi) are cached (then a copy from memory wins)."""
-        if self._cachestat:
-            pages = _cachestat_pages(self.fd, lo, hi - lo)
-            if pages is not None:
-                return pages * 2 * _PAGE >= hi - lo
-            self._cachestat = False
-        try:
-            return os.preadv(self.fd, [bytearray(1)], lo, os.RWF_NOWAIT) == 1
-        except OSError:  # EAGAIN: not cached; EOPNOTSUPP: cannot tell, so read it as cold
-            return False
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-class _CachestatRange(ctypes.Structure):
-    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
-
-
-class _Cachestat(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint64) for n in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted",
-                                               "nr_recently_evicted")]
-
-
-def _load_cachestat() -> Any:
-    if not sys.platform.startswith("linux") or platform.machine() not in _CACHESTAT_NR:
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-    fn = libc.syscall
-    fn.restype = ctypes.c_long
-    return fn
-
-
-_CACHESTAT_NR = {"x86_64": 451, "aarch64": 451}  # one number on every architecture since 6.5
-_CACHESTAT = _load_cachestat()
-
-
-def _cachestat_pages(fd: int, offset: int, length: int) -> int | None:
-    """Pages of [offset, offset+length) in the page cache; None where the kernel cannot say."""
-    rng, out = _CachestatRange(offset, length), _Cachestat()
-    if _CACHESTAT(_CACHESTAT_NR[platform.machine()], fd, ctypes.byref(rng), ctypes.byref(out), 0) != 0:
-        return None  # ENOSYS before 6.5, EOPNOTSUPP on hugetlbfs, ...
-    return int(out.nr_cache)
-
-
 class _File:
     """One read_part's data file: its descriptors, its digests, and the reader threads' bounce buffers."""
 
@@ -502,8 +347,8 @@ class _File:
                 size += take
             self._pread_exact(fd, [s.view for s in batch], batch[0].offset)
             for s in batch:
-                for at in range(0, len(s.view), _HASH_BLOCK):
-                    verifier.feed(s.view[at:at + _HASH_BLOCK])
+                for at in range(0, len(s.view), HASH_BLOCK):
+                    verifier.feed(s.view[at:at + HASH_BLOCK])
 
     def _direct(self, u: _Unit, verifier: _Verifier) -> None:
         """O_DIRECT: into windows where a tensor has one, else through the reader's bounce buffer."""
@@ -547,8 +392,8 @@ class _File:
         bounce = self._bounce()
         self._pread_exact(self.direct_fd, [bounce[:_page_up(end) - lo]], lo, need=end - lo)
         k = 0
-        for at in range(start, end, _HASH_BLOCK):
-            stop = min(end, at + _HASH_BLOCK)
+        for at in range(start, end, HASH_BLOCK):
+            stop = min(end, at + HASH_BLOCK)
             verifier.feed(bounce[at - lo:stop - lo])
             while k < len(spans) and spans[k].offset < stop:
                 s = spans[k]
@@ -578,65 +423,6 @@ class _File:
             if n <= 0:
                 raise layout.ChecksumMismatch(self.path, f"unexpected end of file at byte {offset + done}")
             done += n
-
-
-class _Prefaulter:
-    """Maps in the pages of freshly allocated tensors, in file order, on a thread of its own.
-
-    A fresh tensor's pages are mapped at first touch; with O_DIRECT that
-    happens inside the reader's ``preadv`` before the disk is even asked,
-    so the readers take turns between faulting and waiting. On the
-    development VM a first touch costs about as much as reading the bytes
-    from disk (0.4-0.8 s per GiB), so this thread runs ahead of the readers
-    with ``MADV_POPULATE_WRITE`` (Linux 5.14+; it writes nothing, so it is
-    harmless when a reader is already past it) and the readers find mapped
-    pages: 1 GiB cold went from 0.75 s to 0.55 s. Where the kernel refuses
-    the advice, the readers fault as before.
-    """
-
-    def __init__(self, regions: list[tuple[int, int]]) -> None:
-        self._regions = regions
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ckptstage-prefault", daemon=True)
-
-    def __enter__(self) -> _Prefaulter:
-        if self._regions and _MADVISE is not None:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread.ident is not None:
-            self._thread.join()  # before a failed read frees the tensors it is touching
-
-    def _run(self) -> None:
-        assert _MADVISE is not None
-        for addr, n in self._regions:
-            lo, hi = -(-addr // _PAGE) * _PAGE, (addr + n) // _PAGE * _PAGE
-            for at in range(lo, hi, _PREFAULT_STEP):
-                if self._stop.is_set():
-                    return
-                if _MADVISE(at, min(_PREFAULT_STEP, hi - at), _MADV_POPULATE_WRITE) != 0:
-                    return  # EINVAL before 5.14: the readers fault the pages themselves
-
-
-_MADV_POPULATE_WRITE = 23
-_PREFAULT_STEP = 4 << 20
-
-
-def _load_madvise() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _load_madvise()
 
 
 def _skip(views: list[memoryview], n: int) -> list[memoryview]:

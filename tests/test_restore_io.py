@@ -19,14 +19,14 @@ from typing import Any
 
 import pytest
 import torch
-from ckptstage.client import Client, restore
+from ckptstage.client import Client, pagemem, readmodes, restore
 from ckptstage.protos import layout
 from support import assert_same
 
 PAGE = 4096
 MiB = 1 << 20
 
-POLICIES = {"direct": restore.Fixed(restore.DIRECT), "buffered": restore.Fixed(restore.BUFFERED)}
+POLICIES = {"direct": readmodes.Fixed(readmodes.DIRECT), "buffered": readmodes.Fixed(readmodes.BUFFERED)}
 
 
 def unaligned_state(mib: int = 6) -> dict[str, Any]:
@@ -65,7 +65,7 @@ def warm(part: Path) -> None:
 def cached_pages(path: Path) -> int:
     fd = os.open(path, os.O_RDONLY)
     try:
-        pages = restore._cachestat_pages(fd, 0, path.stat().st_size)
+        pages = pagemem._cachestat_pages(fd, 0, path.stat().st_size)
     finally:
         os.close(fd)
     assert pages is not None
@@ -145,7 +145,7 @@ def test_the_adaptive_policy_compares_both_modes_then_keeps_the_faster(parts, mo
     state = unaligned_state(24)
     part = write_part(d, "adaptive", state)
     monkeypatch.setattr(restore, "_UNIT", MiB)  # 1 MiB units: the comparison fits in a small file
-    policy = restore.Adaptive(retrial_every=3)
+    policy = readmodes.Adaptive(retrial_every=3)
     evict(part)
     _, got = restore.read_part(part, policy=policy)
     assert_same(got, state)
@@ -174,12 +174,12 @@ def test_the_adaptive_policy_compares_both_modes_then_keeps_the_faster(parts, mo
     ({"direct": 0.0, "buffered": 0.5}, "buffered"),
 ])
 def test_the_adaptive_decision(rates, want):
-    policy = restore.Adaptive()
+    policy = readmodes.Adaptive()
     modes = {m.kind: m for m in policy.candidates}
     assert policy.choose(1, can_direct=True) == list(policy.candidates)  # a device never measured
     assert policy.record(1, {modes[k]: v for k, v in rates.items()}).kind == want
     assert policy.choose(1, can_direct=True) == [modes[want]]
-    assert policy.choose(2, can_direct=False) == [restore.BUFFERED]  # no O_DIRECT: nothing to compare
+    assert policy.choose(2, can_direct=False) == [readmodes.BUFFERED]  # no O_DIRECT: nothing to compare
 
 
 def test_without_o_direct_every_policy_reads_buffered(parts, monkeypatch):
@@ -195,7 +195,7 @@ def test_without_o_direct_every_policy_reads_buffered(parts, monkeypatch):
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(restore.os, "open", no_direct)
-    for policy in (restore.Fixed(restore.DIRECT), restore.Adaptive()):
+    for policy in (readmodes.Fixed(readmodes.DIRECT), readmodes.Adaptive()):
         evict(part)
         _, got = restore.read_part(part, into=fresh_like(state), policy=policy)
         assert_same(got, state)
@@ -227,7 +227,7 @@ def test_the_page_cache_probe_answers_without_reading_ahead(parts, use_cachestat
     _, _, part = parts
     data = part / layout.DATA_FILE
     evict(part)
-    probe = restore.PageCache(data, use_cachestat=use_cachestat)
+    probe = pagemem.PageCache(data, use_cachestat=use_cachestat)
     try:
         size = data.stat().st_size
         assert not probe.cached(0, 4 * MiB)
@@ -241,7 +241,7 @@ def test_the_page_cache_probe_answers_without_reading_ahead(parts, use_cachestat
 
 
 def test_the_prefaulter_maps_the_pages_of_fresh_tensors():
-    if restore._MADVISE is None:
+    if pagemem._MADVISE is None:
         pytest.skip("no madvise here")
     # A fresh anonymous mapping, untouched: no page of it is resident yet (malloc could hand back
     # memory an earlier test already touched).
@@ -249,7 +249,7 @@ def test_the_prefaulter_maps_the_pages_of_fresh_tensors():
     address = ctypes.addressof(ctypes.c_char.from_buffer(region))
     with open("/proc/self/statm") as f:
         before = int(f.read().split()[1])
-    restore._Prefaulter([(address, 32 * MiB)])._run()  # what its thread does, here and whole
+    pagemem.Prefaulter([(address, 32 * MiB)])._run()  # what its thread does, here and whole
     with open("/proc/self/statm") as f:
         after = int(f.read().split()[1])
     assert (after - before) * os.sysconf("SC_PAGE_SIZE") >= 24 * MiB, (before, after)
