@@ -32,6 +32,7 @@ import torch
 
 from ckptstage.client import shards, tree
 from ckptstage.client.fileplan import dtype_from_name
+from ckptstage.client.pagemem import Prefaulter
 from ckptstage.client.restore import bytes_of
 from ckptstage.protos import layout
 
@@ -298,7 +299,7 @@ class StepView:
         dtype, shape = self.names(tree_rank)[fqn]
         sources = self._by_name(fqn, tree_rank)
         tasks: list[_Task] = []
-        out = self._fill(fqn, dtype, shape, sources, _Targets(None), tasks, [])
+        out = self._fill(fqn, dtype, shape, sources, _Targets(None), tasks, [], [])
         self._run(tasks)
         return out
 
@@ -328,11 +329,12 @@ class StepView:
         wanted = _Targets(into)
         tasks: list[_Task] = []
         done: list[Callable[[], None]] = []
+        fresh: list[torch.Tensor] = []  # allocated here (not the caller's): their pages are mapped ahead
 
         def sharded(node: dict[str, Any]) -> Any:
             fqn = str(node["fqn"])
             dtype, shape = dtype_from_name(str(node["dtype"])), tuple(int(n) for n in node["shape"])
-            return self._fill(fqn, dtype, shape, self.fragments.get(fqn, []), wanted, tasks, done)
+            return self._fill(fqn, dtype, shape, self.fragments.get(fqn, []), wanted, tasks, done, fresh)
 
         loaded: dict[Any, Any] = {}
 
@@ -341,7 +343,8 @@ class StepView:
                 rank, n = i if isinstance(i, tuple) else (tree_rank, i)  # (rank, n): from a merged subtree
                 src = self.sources[rank][n]  # by number: two tensors may share a joined key path
                 dtype = dtype_from_name(src.entry.dtype)
-                loaded[i] = self._fill(self.plain_index[rank][n], dtype, src.entry.shape, [src], wanted, tasks, done)
+                loaded[i] = self._fill(self.plain_index[rank][n], dtype, src.entry.shape, [src], wanted, tasks, done,
+                                       fresh)
             return loaded[i]
 
         skeleton = self.tree_of(tree_rank)
@@ -354,17 +357,21 @@ class StepView:
         if missing:
             raise KeyError(f"the checkpoint has no tensor for key(s) {missing[:10]} of the state to load into "
                            f"({len(missing)} in all)")
-        self._run(tasks)
+        # Fresh tensors' pages are mapped ahead of the readers (first touch costs about as much as the read).
+        with Prefaulter(sorted((t.data_ptr(), t.numel() * t.element_size()) for t in fresh)):
+            self._run(tasks)
         for finish in done:
             finish()
         return state
 
     def _fill(self, fqn: str, dtype: torch.dtype, shape: tuple[int, ...], sources: list[Source],
-              wanted: _Targets, tasks: list[_Task], done: list[Callable[[], None]]) -> Any:
+              wanted: _Targets, tasks: list[_Task], done: list[Callable[[], None]],
+              fresh: list[torch.Tensor]) -> Any:
         target = wanted.take(fqn)
         if target is None:
             box: shards.Box = ((0,) * len(shape), shape)
             out = torch.empty(shape, dtype=dtype)
+            fresh.append(out)
             result: Any = out
         else:
             t_shape = tuple(target.shape)
