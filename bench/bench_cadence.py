@@ -13,8 +13,8 @@ memory is timed: that save's floor. One ``ckptstaged``, local tier only,
 far as the daemon can tell):
 
 * ``resumed``  the job has a checkpoint of this rank on the node (a restarted
-  trainer): the daemon tells the client its size, and the client prepares
-  the arena in the background;
+  trainer): ``client.prepare()`` with no argument (what ``protect()`` does)
+  prepares the arena for that size in the background;
 * ``prepare``  a job never seen here; ``client.prepare(state)`` right after
   the client is made;
 * ``cold``     a job never seen here, no hint: the first save creates the
@@ -73,6 +73,8 @@ def ckptstage_session(name: str, d: h.Daemon, state: Any, args: argparse.Namespa
     with Client(job, socket=d.socket) as c:
         if name == "prepare":
             c.prepare(state)
+        elif name == "resumed":
+            c.prepare()
         for step in range(1, args.saves + 1):
             compute(args.compute, state, work)
             memcpy = floor.best_s(1)

@@ -24,7 +24,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 import torch
 
-from ckptstage.client import dist, errors, reshard, rpc, steps, tree
+from ckptstage.client import dist, errors, reshard, rpc, shards, steps, tree
 from ckptstage.client.fileplan import FilePlan, PlanCache, build_manifest
 from ckptstage.client.restore import read_part
 from ckptstage.client.rpc import Connection
@@ -156,13 +156,13 @@ class Client:
     :mod:`ckptstage.client.dist` for how it is agreed when not given: with a
     process group, the constructor is collective).
 
-    The shared-memory arena a save copies into is prepared before the first
-    save needs it, in the background: sized from this rank's newest part of
-    the job on this node (a resumed or restarted trainer), by
-    :meth:`prepare`, or after the first ``optimizer.step()`` of an optimizer
-    given to :meth:`protect`. ``arena_bytes`` allocates it in the constructor
-    instead (which waits for it); ``arena_bytes=0`` prepares nothing ahead
-    (a process that only loads).
+    The shared-memory arena a save copies into is best prepared before the
+    first save needs it, in the background, by a process that will save:
+    :meth:`protect` does it (for what this rank of the job last saved on this
+    node, or else after the first ``optimizer.step()``), and so does
+    :meth:`prepare`. A client that only loads takes no memory. ``arena_bytes``
+    allocates it in the constructor instead (which waits for it);
+    ``arena_bytes=0`` has ``protect()`` prepare nothing.
 
     ``retention`` sets the job's own retention overrides (see the README);
     ``None`` leaves whatever an earlier session of the job set, ``{}`` resets
@@ -219,7 +219,6 @@ class Client:
         self._worker = threading.Thread(target=self._run, name=f"ckptstage-snapshot-{rank}", daemon=True)
         self._worker.start()
         self._copy_threads.confirm_private()
-        self._prepare_expected()
         if arena_bytes:
             try:
                 self._ensure_arena(arena_bytes)
@@ -287,27 +286,38 @@ class Client:
         """
         inner = _innermost_optimizer(optimizer)
         handle = inner.register_step_pre_hook(lambda *_: self.wait_snapshots())
-        if self._prepare_ahead:
-            # After the first step the optimizer holds its state: what a checkpoint of it costs is known.
-            once: list[Any] = []
+        if not self._prepare_ahead:
+            return handle
+        if self._expected:  # a trainer that saved this job here before: the same size again
+            self.prepare()
+            return handle
+        # After the first step the optimizer holds its state: what a checkpoint of it costs is known.
+        once: list[Any] = []
 
-            def size_arena(*_: Any) -> None:
-                once.pop().remove()
+        def size_arena(*_: Any) -> None:
+            once.pop().remove()
+            if not self._closed:
                 self.prepare(_optimizer_bytes(inner))
 
-            once.append(inner.register_step_post_hook(size_arena))
+        once.append(inner.register_step_post_hook(size_arena))
         return handle
 
-    def prepare(self, state: Any) -> None:
+    def prepare(self, state: Any = None) -> None:
         """Prepares the arena for saves of a state like ``state`` (or of ``state`` bytes), in the background.
 
-        Returns at once. Creating shared memory costs about a second per GiB
-        on a small machine; done ahead, the first save blocks no longer than
-        the others. The arena only grows, between saves; without any of the
-        ways above the first save sizes it itself.
+        With no argument: for what this rank of the job last saved on this
+        node (nothing when it never did). Returns at once. Creating shared
+        memory costs about a second per GiB on a small machine; done ahead,
+        the first save blocks no longer than the others. The arena only
+        grows, between saves; it is taken from the node's budget, so only a
+        process that will save should prepare one.
         """
         self._check_open()
-        if isinstance(state, int):
+        if self._not_the_saver:
+            return  # its saves are refused: memory for them would only be taken from the others
+        if state is None:
+            nbytes = self._expected
+        elif isinstance(state, int):
             nbytes = state
         else:
             flat = tree.flatten_state(state)
@@ -411,6 +421,11 @@ class Client:
         retention deletes while it is being read, or that a save with
         ``overwrite`` replaces (the daemon names another commit when asked
         again), is not corrupt: the step is read again.
+
+        With ``into``, the bytes are read straight into its tensors and
+        verified as they land: when the load raises, those tensors hold
+        whatever was read before the failure (possibly the corrupt block), not
+        their old values. Reload them (from another step) before using them.
         """
         target = tree.flatten_state(into) if into is not None else None
         tries = 3
@@ -602,24 +617,27 @@ class Client:
         session every later save of a long-running trainer would fail.
         """
         log.warning("ckptstage: lost the session with the daemon on %s; opening a new one", self._conn.socket)
+        had = self._arena.size if self._arena is not None else 0
         if self._arena is not None:
             self._arena.close()
             self._arena = None
         self._open_session()
-        self._prepare_expected()
-
-    def _prepare_expected(self) -> None:
-        """Queues the arena the daemon expects this rank's saves to need (its newest part of the job there)."""
-        if self._prepare_ahead and self._expected:
-            self._queue.put(_Prepare(self._expected))
+        if had:  # a client that saved before saves again: its arena is prepared again, ahead of that save
+            self._queue.put(_Prepare(had))
 
     def _prepare_now(self, nbytes: int) -> None:
-        """Sizes the arena ahead of the saves; on any trouble the next save asks again (and reports it)."""
+        """Sizes the arena ahead of the saves; on any trouble the next save asks again (and reports it).
+
+        Never raises: this runs on the snapshot thread, which must live on to copy the saves.
+        """
         try:
             if not self._attach.done():
                 self._ensure_arena(nbytes)
         except errors.CkptStageError as e:
             log.debug("ckptstage: no arena of %d bytes prepared ahead (%s); the next save asks again", nbytes, e)
+        except Exception as e:  # noqa: BLE001 - out of descriptors or memory, a vanished file: the save reports it
+            log.warning("ckptstage: could not prepare an arena of %d bytes ahead (%s); the next save asks again",
+                        nbytes, e)
 
     def _ensure_arena(self, want: int) -> ArenaMap:
         if self._arena is not None and self._arena.size >= want:
@@ -754,7 +772,8 @@ def _inode(path: Path) -> int | None:
 
 
 def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """What a checkpoint of ``optimizer`` and the parameters it updates holds in tensors (after a step)."""
+    """What this rank's checkpoint of ``optimizer`` and the parameters it updates holds in tensors (after a
+    step): of a sharded tensor (DTensor), only this rank's shard."""
     seen: set[int] = set()
     total = 0
     tensors = [p for g in optimizer.param_groups for p in g["params"]] + \
@@ -762,7 +781,8 @@ def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     for t in tensors:
         if id(t) not in seen:
             seen.add(id(t))
-            total += t.numel() * t.element_size()
+            local = t.to_local() if shards.is_dtensor(t) else t
+            total += local.numel() * local.element_size()
     return total
 
 

@@ -117,7 +117,11 @@ def read_part(part: Path, into: Any = None, policy: Policy | None = None) -> tup
         raise layout.ChecksumMismatch(path, "the manifest's chunk list does not cover the file")
     targets = _targets(into, len(entries))
     fd = os.open(path, os.O_RDONLY)
-    direct_fd = _open_direct(path)
+    try:
+        direct_fd = _open_direct(path)
+    except BaseException:
+        os.close(fd)
+        raise
     try:
         st = os.fstat(fd)
         if st.st_size != entry.size:

@@ -358,6 +358,7 @@ class CkptstageCheckpointIO(CheckpointIO):
         if pointer.job == self.job:
             with self._cond:
                 self._dirs.update(_checkpoint_dirs(state))  # a resumed run's pointers keep their steps
+            client.prepare()  # the resumed run saves again: its arena is made now, not in its first save
         return _map_location(state, map_location)
 
     def remove_checkpoint(self, path: Any) -> None:
