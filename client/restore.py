@@ -273,12 +273,14 @@ class _File:
         with ThreadPoolExecutor(max_workers=max(m.readers for m in modes)) as pool:
             todo = iter(units)
             if len(modes) > 1:
-                trial = _take(todo, len(modes) * _TRIAL_UNITS * _TRIAL_ROUNDS)
-                if trial and not self.cache.cached(trial[0].lo, trial[0].hi):
+                whole = len(modes) * _TRIAL_UNITS * _TRIAL_ROUNDS
+                trial = _take(todo, whole)
+                # A comparison needs every mode's slices; a small file (or cached data) says nothing.
+                if len(trial) == whole and not self.cache.cached(trial[0].lo, trial[0].hi):
                     rates = self._compare(pool, trial, modes)
                     self.stats.trial = {m.kind: r for m, r in rates.items()}
                     modes = [policy.record(device, rates)]
-                else:  # cached data says nothing about the disk: decide another time
+                else:  # decide another time
                     self._run(pool, trial, modes[0])
                     modes = modes[:1]
             self.stats.chosen = modes[0].kind

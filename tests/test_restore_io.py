@@ -167,6 +167,20 @@ def test_the_adaptive_policy_compares_both_modes_then_keeps_the_faster(parts, mo
     assert set(restore.last_stats.trial) == {"direct", "buffered"}, restore.last_stats
 
 
+def test_a_file_too_small_to_compare_decides_nothing(parts, monkeypatch):
+    # Fewer units than a comparison needs: the file is read one way and no mode is kept for the device
+    # (one slice alone would make the mode it did not reach look infinitely slow).
+    d, _, _ = parts
+    state = unaligned_state(6)
+    part = write_part(d, "small", state)
+    monkeypatch.setattr(restore, "_UNIT", MiB)
+    policy = readmodes.Adaptive()
+    evict(part)
+    _, got = restore.read_part(part, policy=policy)
+    assert_same(got, state)
+    assert not restore.last_stats.trial and policy.best(os.stat(part).st_dev) is None, restore.last_stats
+
+
 @pytest.mark.parametrize(("rates", "want"), [
     ({"direct": 1.0, "buffered": 2.0}, "buffered"),   # clearly faster: taken
     ({"direct": 1.0, "buffered": 1.05}, "direct"),    # within the margin: direct keeps its place
