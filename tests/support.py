@@ -5,8 +5,10 @@ from __future__ import annotations
 import re
 import socket
 import struct
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 from urllib.request import urlopen
 
@@ -110,3 +112,52 @@ def assert_same(a: Any, b: Any, path: str = "state", exact_dicts: bool = True) -
         assert struct.pack("<d", a) == struct.pack("<d", b), f"{path}: {a!r} != {b!r}"
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def write_part(daemon: Any, job: str, state: dict[str, Any]) -> Path:
+    """Saves ``state`` as step 1 of ``job`` and returns its local part, drained first: the drainer
+    reading a copy a test has flipped a byte in would (rightly) have it quarantined under the test."""
+    from ckptstage.client import Client
+    from ckptstage.protos import layout
+
+    with Client(job, socket=daemon.socket) as c:
+        c.save(1, state).wait("shared", timeout=60)
+    return layout.part_dir(daemon.local, job, 1, 0)
+
+
+def evict(part: Path) -> None:
+    """Drops the part's data file from the page cache: the next read of it is cold."""
+    from ckptstage.protos import layout
+
+    fd = os.open(part / layout.DATA_FILE, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def two_ranks(daemon: Any, job: str, attempt: str = "run") -> tuple[Any, Any]:
+    """Clients for ranks 0 and 1 of a two-rank ``job`` (one attempt) on ``daemon``; the caller closes them."""
+    from ckptstage.client import Client
+
+    return (Client(job, socket=daemon.socket, rank=0, world_size=2, attempt=attempt),
+            Client(job, socket=daemon.socket, rank=1, world_size=2, attempt=attempt))
+
+
+def refuse_o_direct(monkeypatch: Any) -> None:
+    """Makes the restore's ``open`` fail with EINVAL for O_DIRECT, as tmpfs before Linux 6.6 and some
+    network file systems do (this machine's file systems all accept it)."""
+    import errno
+
+    from ckptstage.client import restore
+
+    real_open = os.open
+
+    def no_direct(path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(restore.os, "open", no_direct)
+

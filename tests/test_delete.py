@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from support import drain, wait_until
+from support import drain, two_ranks, wait_until
 from test_cli import ckptstage
 
 from ckptstage.client import CheckpointNotFound, Client, StepPinned
@@ -106,8 +106,7 @@ def test_deleting_a_step_still_queued_for_the_shared_tier_is_no_failed_drain(dae
 def test_deleting_a_step_drops_a_replacement_of_it_still_waiting_for_ranks(daemon):
     # Rank 0 saved step 2 again (overwrite) and waits for rank 1's replacement; the step is deleted
     # meanwhile. The half-assembled replacement goes with it: nothing of it comes back later.
-    c0 = Client("del-staged", socket=daemon.socket, rank=0, world_size=2, attempt="run")
-    c1 = Client("del-staged", socket=daemon.socket, rank=1, world_size=2, attempt="run")
+    c0, c1 = two_ranks(daemon, "del-staged")
     try:
         for c in (c0, c1):
             c.save(2, _state(1)).wait("local", timeout=30)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import drain, wait_until
+from support import drain, two_ranks, wait_until
 
 from ckptstage.client import AlreadyCommitted, Client, InvalidRequest
 from ckptstage.client.restore import read_part
@@ -225,15 +225,10 @@ def test_readers_never_fail_while_a_local_only_step_is_replaced_again_and_again(
     assert "quarantined" not in d.log.read_text()
 
 
-def _two_ranks(d: Any, job: str) -> tuple[Client, Client]:
-    return (Client(job, socket=d.socket, rank=0, world_size=2, attempt="run"),
-            Client(job, socket=d.socket, rank=1, world_size=2, attempt="run"))
-
-
 def test_a_rank_replaced_before_its_step_is_complete_never_tears_the_shared_step(daemon):
     # Rank 0 is saved, drained, then saved again before rank 1 ever saved: the shared step is sealed
     # from the new rank 0 and rank 1, never from the old rank 0 still on the shared tier.
-    c0, c1 = _two_ranks(daemon, "ow-torn")
+    c0, c1 = two_ranks(daemon, "ow-torn")
     with c0, c1:
         c0.save(5, _state(1.0)).wait("shared", timeout=30)
         c0.save(5, _state(2.0), overwrite=True).wait("local", timeout=30)
@@ -250,7 +245,7 @@ def test_a_step_partly_drained_then_replaced_reaches_the_shared_tier_whole(daemo
     # Step 5 is committed locally with rank 0 already on the shared tier and rank 1 waiting behind a slow
     # drain; both ranks are then replaced. The shared tier gets the new step whole, never old + new.
     d = daemon_factory("ow-part", **{"shared.max_bandwidth": "1MiB/s", "shared.max_concurrent": 1}).start()
-    c0, c1 = _two_ranks(d, "ow-part")
+    c0, c1 = two_ranks(d, "ow-part")
     with c0, c1, Client("ow-busy", socket=d.socket) as busy:
         c0.save(5, _state(1.0)).wait("shared", timeout=30)
         busy.save(1, _state(9.0, n=(2 << 20) // 4)).wait("local", timeout=30)  # holds the one drain slot

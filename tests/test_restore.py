@@ -6,14 +6,14 @@ Parts are written by a real daemon; ``read_part`` then reads them the way
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from support import evict, refuse_o_direct, write_part
+
 from ckptstage.client import Client, restore
 from ckptstage.protos import layout
 
@@ -29,23 +29,6 @@ def odd_state() -> dict[str, Any]:
             "half": torch.randn(1 << 20, generator=g).to(torch.bfloat16),        # 2 MiB, 2-byte elements
             "last": torch.randint(0, 255, ((1 << 20) + 13,), dtype=torch.uint8, generator=g),  # ends mid-page
             "step": 3}
-
-
-def write_part(daemon: Any, job: str, state: dict[str, Any]) -> Path:
-    with Client(job, socket=daemon.socket) as c:
-        # Drained before a test flips a byte in it: the drainer reading the flipped copy would
-        # (rightly) have it quarantined under the test.
-        c.save(1, state).wait("shared", timeout=60)
-    return layout.part_dir(daemon.local, job, 1, 0)
-
-
-def evict(part: Path) -> None:
-    fd = os.open(part / layout.DATA_FILE, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
@@ -106,14 +89,7 @@ def test_a_file_system_without_o_direct_falls_back_to_cached_reads(daemon, monke
     state = odd_state()
     part = write_part(daemon, "nodirect", state)
     evict(part)
-    real_open = os.open
-
-    def no_direct(path: Any, flags: int, *args: Any) -> int:
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument", str(path))
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(restore.os, "open", no_direct)
+    refuse_o_direct(monkeypatch)
     counts = reads(monkeypatch)
     _, got = restore.read_part(part)
     assert_same(got, state)

@@ -10,7 +10,6 @@ not page-aligned and with file systems that refuse O_DIRECT.
 from __future__ import annotations
 
 import ctypes
-import errno
 import mmap
 import os
 import shutil
@@ -21,7 +20,7 @@ import pytest
 import torch
 from ckptstage.client import Client, pagemem, readmodes, restore
 from ckptstage.protos import layout
-from support import assert_same
+from support import assert_same, evict, refuse_o_direct, write_part
 
 PAGE = 4096
 MiB = 1 << 20
@@ -40,22 +39,6 @@ def unaligned_state(mib: int = 6) -> dict[str, Any]:
     state["tail"] = torch.randint(0, 255, (MiB + 13,), dtype=torch.uint8, generator=g)  # ends mid-page
     state["step"] = 9
     return state
-
-
-def write_part(daemon: Any, job: str, state: dict[str, Any]) -> Path:
-    with Client(job, socket=daemon.socket) as c:
-        # Drained first: the drainer reading a copy a test has flipped a byte in would quarantine it.
-        c.save(1, state).wait("shared", timeout=60)
-    return layout.part_dir(daemon.local, job, 1, 0)
-
-
-def evict(part: Path) -> None:
-    fd = os.open(part / layout.DATA_FILE, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def warm(part: Path) -> None:
@@ -201,14 +184,7 @@ def test_without_o_direct_every_policy_reads_buffered(parts, monkeypatch):
     # with EINVAL. Simulated at restore's own call, since this machine's file systems all accept it.
     _, state, part = parts
     evict(part)
-    real_open = os.open
-
-    def no_direct(path: Any, flags: int, *args: Any) -> int:
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument", str(path))
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(restore.os, "open", no_direct)
+    refuse_o_direct(monkeypatch)
     for policy in (readmodes.Fixed(readmodes.DIRECT), readmodes.Adaptive()):
         evict(part)
         _, got = restore.read_part(part, into=fresh_like(state), policy=policy)
