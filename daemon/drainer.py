@@ -443,7 +443,13 @@ class Drainer:
             try:
                 # Other nodes' ranks of this step, and the step's commit record once all are there.
                 self._on_published(published[0])
-            except (OSError, layout.ManifestError) as e:
+            except OSError as e:
+                # The parts are there and the record is not (a full or failing tier): drain the part again,
+                # with the tier's backoff. Its copy is reused, and the record written once it fits.
+                self._retry(key, part, OSError(e.errno, f"cannot seal {part.job} step {part.step} on the "
+                                                        f"shared tier: {e.strerror}"))
+                return
+            except layout.ManifestError as e:
                 log.warning("cannot re-read %s step %d on the shared tier: %s", part.job, part.step, e)
         with self._cond:
             self._draining.discard(key)

@@ -462,3 +462,38 @@ def test_rate_limiter_sleeps_off_its_debt() -> None:
     unlimited = RateLimiter(None, sleep=sleep)
     unlimited.acquire(10**12)
     assert len(slept) == 103
+
+
+def test_a_commit_record_that_does_not_fit_is_written_once_there_is_room(daemon_factory: Any) -> None:
+    # The shared tier has room for the part's files and not one page more: the part lands, its step's
+    # commit record does not (ENOSPC). The drain tries again (the part already there is reused) until the
+    # record fits, instead of leaving the step unsealed until the shared tier's next timer pass.
+    state = {"w": torch.arange(float(1 << 18))}
+    probe = daemon_factory("probe", **{"shared.dir": ""}).start()
+    with Client(JOB, socket=probe.socket) as c:
+        c.save(1, state).wait("local", timeout=30)
+    part = layout.part_dir(probe.local, JOB, 1, 0)
+    pages = sum(-(-(part / name).stat().st_size // 4096) for name in (layout.DATA_FILE, layout.MANIFEST_FILE))
+    probe.stop()
+    d = daemon_factory(**{"retention.interval_s": 3600})
+    assert d.shared is not None
+    with small_tmpfs(d.shared, "4M"):
+        filler = fill(d.shared)
+        fd = os.open(filler, os.O_WRONLY | os.O_APPEND)  # to the last page: 64 KiB writes may leave a few
+        try:
+            with pytest.raises(OSError):
+                while True:
+                    os.write(fd, b"\0" * 4096)
+        finally:
+            os.close(fd)
+        os.truncate(filler, filler.stat().st_size - pages * 4096)  # room for the part, none for the record
+        d.start()
+        with Client(JOB, socket=d.socket) as c:
+            c.save(1, state).wait("local", timeout=30)
+            wait_until(lambda: (layout.part_dir(d.shared, JOB, 1, 0) / layout.MANIFEST_FILE).exists() and
+                       "No space left on device" in d.log.read_text(), 20, "the part on the shared tier, unsealed")
+            assert not (layout.step_dir(d.shared, JOB, 1) / layout.COMMIT_FILE).exists()
+            filler.unlink()
+            c.wait_step(1, "shared", timeout=15)  # sealed by the drain's retry, long before any timer
+        assert (layout.step_dir(d.shared, JOB, 1) / layout.COMMIT_FILE).exists()
+        d.stop()
