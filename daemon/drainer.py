@@ -146,6 +146,7 @@ class Drainer:
         self._tier_failures = 0                # failed attempts since the last success
         self._done: dict[Key, str] = {}       # drained in this daemon's life (-> manifest digest), oldest first
         self._staged: set[Key] = set()         # copied into a replacement that waits for its other ranks
+        self._settling = 0                     # drains whose retention pass (on_drained) is still running
         self._shared_indexed = False
         self._threads: list[threading.Thread] = []
 
@@ -336,14 +337,15 @@ class Drainer:
             return False
 
     def wait_idle(self, job: str | None, timeout: float) -> tuple[int, int]:
-        """Waits until nothing (of ``job``) is queued; returns (still pending, failed)."""
+        """Waits until nothing (of ``job``) is queued and the retention that finished drains trigger has run
+        (so what a caller sees next is the drain's whole outcome); returns (still pending, failed)."""
         def counts() -> tuple[int, int]:
             mine = [k for k in self._parts if job in (None, k[0])]
             failed = [k for k in self._failed if job in (None, k[0])]
             return len(mine), len(failed)
 
         with self._cond:
-            self._cond.wait_for(lambda: counts()[0] == 0 or self._stop.is_set(), timeout)
+            self._cond.wait_for(lambda: counts()[0] == 0 and self._settling == 0 or self._stop.is_set(), timeout)
             return counts()
 
     # --- copies ----------------------------------------------------------------------------
@@ -467,12 +469,20 @@ class Drainer:
                 self._done[done] = shared.digest
             while len(self._done) > _REMEMBER_DRAINED:
                 del self._done[next(iter(self._done))]
+            if drained:
+                self._settling += 1
             self._cond.notify_all()
         log.info("drained %s step %d rank %d to %s (%d bytes, %.2fs)%s", part.job, part.step, part.rank,
                  self.shared_dir, part.nbytes, elapsed,
                  "" if published else "; it replaces the step there once every rank's part has arrived")
-        for shared in drained:
-            self._on_drained(shared)
+        try:
+            for shared in drained:
+                self._on_drained(shared)
+        finally:
+            if drained:
+                with self._cond:
+                    self._settling -= 1
+                    self._cond.notify_all()
 
     def _next(self) -> Key | None:
         """Blocks until a part may be copied (queued, not being copied, backoff over); claims it."""
