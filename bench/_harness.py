@@ -538,3 +538,15 @@ def workdir(base: Path | None, prefix: str) -> Iterator[Path]:
         yield d
     finally:
         drop_tree(d)
+
+
+@contextmanager
+def bench_dirs(base: Path | None, name: str) -> Iterator[tuple[Path, Path, dict[str, Any]]]:
+    """A benchmark's run: (work dir under ``base``, a daemon root under /tmp, the machine), both removed
+    afterwards; prints the machine and the command line first, as every benchmark's record begins."""
+    with workdir(base, f"ckptbench-{name}-") as work, workdir(None, "ckptd-") as daemon_root:
+        info = machine_info(work)
+        print_machine(info)
+        print(f"command: {' '.join([os.path.relpath(sys.executable), *sys.argv])}")
+        yield work, daemon_root, info
+

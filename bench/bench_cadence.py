@@ -32,7 +32,6 @@ save's memcpy), then summarized: median, worst, first.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
@@ -167,16 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     started = time.perf_counter()
-    with h.workdir(args.dir, "ckptbench-cadence-") as work_dir, h.workdir(None, "ckptd-") as daemon_root:
-        info = h.machine_info(work_dir)
-        h.print_machine(info)
-        print(f"command: {' '.join([os.path.relpath(sys.executable), *sys.argv])}")
+    with h.bench_dirs(args.dir, "cadence") as (work_dir, daemon_root, info):
         state = h.make_state(int(args.gib * h.GiB))
         nbytes = h.state_bytes(state)
         floor = h.WarmCopy(state)
         work = torch.randn(512, 512)
         rows = []
-        with h.Daemon(daemon_root, work_dir / "local", **{"local.keep_last": 2}) as d:
+        settings: dict[str, Any] = {"local.keep_last": 2}
+        with h.Daemon(daemon_root, work_dir / "local", **settings) as d:
             for name in args.sessions:
                 print(f"\n  session {name} (load {h.load()})", flush=True)
                 h.settle(2.0)

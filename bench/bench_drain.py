@@ -28,7 +28,6 @@ Target (issue 3): uncapped drain bandwidth >= 80% of cp + sync.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -194,10 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
     result: dict[str, Any] = {"bench": "drain", "argv": sys.argv}
-    with h.workdir(args.dir, "ckptbench-drain-") as work, h.workdir(None, "ckptd-") as droot:
-        result["machine"] = info = h.machine_info(work)
-        h.print_machine(info)
-        print(f"command: {' '.join([os.path.relpath(sys.executable), *sys.argv])}")
+    with h.bench_dirs(args.dir, "drain") as (work, droot, info):
+        result["machine"] = info
         state = h.make_state(int(args.gib * h.GiB))
         nbytes = h.state_bytes(state)
         print(f"\n=== state {nbytes / h.GiB:.3f} GiB, {args.repeats} rounds, load {h.load()}")

@@ -73,7 +73,6 @@ import argparse
 import gc
 import logging
 import math
-import os
 import shutil
 import sys
 import time
@@ -529,10 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet()
     started = time.perf_counter()
     sections: dict[str, Any] = {}
-    with h.workdir(args.dir, "ckptbench-integrations-") as work, h.workdir(None, "ckptd-") as daemon_root:
-        info = h.machine_info(work)
-        h.print_machine(info)
-        print(f"command: {' '.join([os.path.relpath(sys.executable), *sys.argv])}")
+    with h.bench_dirs(args.dir, "integrations") as (work, daemon_root, info):
         if args.only in (None, "lightning"):
             sections["lightning"] = lightning_section(work, daemon_root, args)
         if args.only in (None, "hf"):

@@ -261,10 +261,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
-    with h.workdir(args.dir, "ckptbench-restore-") as work, h.workdir(None, "ckptd-") as daemon_root:
-        info = h.machine_info(work)
-        h.print_machine(info)
-        print(f"command: {' '.join([os.path.relpath(sys.executable), *sys.argv])}")
+    with h.bench_dirs(args.dir, "restore") as (work, daemon_root, info):
         b = Bench(work, daemon_root)
         try:
             sizes = run_rounds(b, args.rounds, args.states)

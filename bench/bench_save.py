@@ -310,10 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     # dcp's "assuming the intent is to save in a single process": exactly the intent here.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     started = time.perf_counter()
-    with h.workdir(args.dir, "ckptbench-save-") as work, h.workdir(None, "ckptd-") as daemon_root:
-        info = h.machine_info(work)
-        h.print_machine(info)
-        print(f"command: {' '.join([os.path.relpath(sys.executable), *sys.argv])}")
+    with h.bench_dirs(args.dir, "save") as (work, daemon_root, info):
         sizes = [bench_size(g, work, daemon_root, args) for g in args.gib]
     elapsed = time.perf_counter() - started
     print(f"\ndone in {elapsed:.0f} s, load {h.load()}")

@@ -562,10 +562,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
-    with h.workdir(args.dir, "ckptbench-shapes-") as work, h.workdir(None, "ckptd-") as droot:
-        info = h.machine_info(work)
-        h.print_machine(info)
-        print(f"command: {' '.join([os.path.relpath(sys.executable), *sys.argv])}")
+    with h.bench_dirs(args.dir, "shapes") as (work, droot, info):
         largest = max(12 * numel(gpt2_shapes(*GPT2[m])) for m in args.models if m.startswith("gpt2")) \
             if any(m.startswith("gpt2") for m in args.models) else 512 * h.MiB
         chunk = 64 * h.MiB

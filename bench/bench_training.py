@@ -514,10 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     started = time.perf_counter()
-    with h.workdir(args.dir, "ckptbench-train-") as work, h.workdir(None, "ckptd-") as droot:
-        info = h.machine_info(work)
-        h.print_machine(info)
-        print(f"command: {' '.join([os.path.relpath(sys.executable), *sys.argv])}")
+    with h.bench_dirs(args.dir, "train") as (work, droot, info):
         print(f"torch threads: {torch.get_num_threads()}")
         trainer = Trainer(args)
         # The state as it is checkpointed: weights + both AdamW moments (created by a first step).
