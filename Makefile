@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
-TYPED := client daemon dcp protos/layout.py protos/paths.py integrations/lightning/__init__.py integrations/hf/__init__.py
+TYPED := client daemon dcp protos/layout.py protos/paths.py protos/handoff.py integrations/lightning/__init__.py integrations/hf/__init__.py
 
 .PHONY: venv demo test protos check-protos bench lint clean
 

@@ -26,10 +26,12 @@ import torch
 
 from ckptstage.client import dist, errors, reshard, rpc, shards, steps, tree
 from ckptstage.client.fileplan import FilePlan, PlanCache, build_manifest
+from ckptstage.client.memread import read_memory_part
 from ckptstage.client.restore import read_part
 from ckptstage.client.rpc import Connection
 from ckptstage.client.snapshot import ArenaMap, CopyThreads, Streamer, ready_events
 from ckptstage.protos import layout
+from ckptstage.protos.handoff import NotInMemory
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ class CheckpointInfo:
     metrics: Mapping[str, float] = field(default_factory=dict)
     attempt: str = ""                       # the run whose parts make up the step
     ranks_missing: tuple[int, ...] = ()     # of that attempt, with no part on any tier the daemon reads
+    ranks_memory: tuple[int, ...] = ()      # whose part the daemon keeps in memory (the memory tier)
 
 
 class SaveHandle:
@@ -211,6 +214,12 @@ class Client:
         self._released = 0
         self._released_hint = (0, 0)  # (arena generation, released) as the daemon last announced it
         self._plans = PlanCache()
+        # Arena sizes asked for before the first load, when the daemon holds this rank's newest part in
+        # memory: the arena is created only after that load (or at the first save), so that taking the
+        # budget for it cannot evict the very copy the restart is about to read.
+        self._deferred_prepare = 0
+        self._memory_copy = False
+        self.last_load_tier: str | None = None  # the tier the last load() read this rank's part from
         self._open_session(connect_timeout=connect_timeout)
         # The snapshot thread copies with one intra-op thread while the trainer computes (two
         # copy threads beside the trainer's would stall its parallel regions), and with the
@@ -219,7 +228,9 @@ class Client:
         self._worker = threading.Thread(target=self._run, name=f"ckptstage-snapshot-{rank}", daemon=True)
         self._worker.start()
         self._copy_threads.confirm_private()
-        if arena_bytes:
+        if arena_bytes and self._memory_copy:
+            self._deferred_prepare = arena_bytes
+        elif arena_bytes:
             try:
                 self._ensure_arena(arena_bytes)
             except BaseException:
@@ -251,6 +262,7 @@ class Client:
         self._check_open()
         if self._not_the_saver:
             raise errors.InvalidRequest(self._not_the_saver)
+        self._prepare_deferred()
         try:
             layout.check_step(step)
         except layout.InvalidName as e:
@@ -322,6 +334,15 @@ class Client:
         else:
             flat = tree.flatten_state(state)
             nbytes = self._plans.plan(flat.tensors, flat.paths).data_bytes
+        if nbytes > 0 and self._memory_copy:
+            self._deferred_prepare = max(self._deferred_prepare, nbytes)
+        elif nbytes > 0:
+            self._queue.put(_Prepare(nbytes))
+
+    def _prepare_deferred(self) -> None:
+        """The restart has loaded (or saves already): the arena put off until now is prepared."""
+        self._memory_copy = False
+        nbytes, self._deferred_prepare = self._deferred_prepare, 0
         if nbytes > 0:
             self._queue.put(_Prepare(nbytes))
 
@@ -426,15 +447,26 @@ class Client:
         verified as they land: when the load raises, those tensors hold
         whatever was read before the failure (possibly the corrupt block), not
         their old values. Reload them (from another step) before using them.
+
+        A trainer restarted on the node where it ran reads its part from the
+        daemon's memory tier when the daemon kept it (:attr:`last_load_tier`
+        says ``"memory"``): the tensors are then mapped from that copy,
+        verified, without a read from disk.
         """
+        try:
+            return self._load(step, into)
+        finally:
+            self._prepare_deferred()
+
+    def _load(self, step: int | None, into: Any) -> Any:
         target = tree.flatten_state(into) if into is not None else None
         tries = 3
         for attempt in range(1, tries + 1):
-            located = steps.locate(self._conn, self.job, step, self.rank, all_ranks=False)
+            located = steps.locate(self._conn, self.job, step, self.rank, all_ranks=False, memory=True)
             step = located.step  # pinned down: a retry reads the same step
             tree_rank = located.tree_rank(self.rank, self.world_size)
             if tree_rank != self.rank:
-                located = steps.locate(self._conn, self.job, step, tree_rank, all_ranks=False)
+                located = steps.locate(self._conn, self.job, step, tree_rank, all_ranks=False, memory=True)
             if tree_rank not in located.parts:
                 raise errors.CheckpointNotFound(f"{self.job} step {step}: the daemon did not say where rank "
                                                 f"{tree_rank}'s part is")
@@ -453,6 +485,11 @@ class Client:
                 if attempt == tries:
                     raise
                 continue  # retention removed a copy while it was read: ask again
+            memory = located.memory.get(tree_rank)
+            if memory is not None:
+                found, state = self._read_memory(memory, step, tree_rank, into)
+                if found:
+                    return state
             state, moved = self._load_part(step, tree_rank, located.parts[tree_rank], into, located.commit)
             if not moved:
                 return state
@@ -480,6 +517,26 @@ class Client:
         except errors.CheckpointNotFound:
             return False
 
+    def _read_memory(self, socket: Path, step: int, rank: int, into: Any) -> tuple[bool, Any]:
+        """(True, state) from the memory tier's copy of the part; (False, None) when it cannot be had there
+        (gone since Locate answered, or failed verification): the caller reads the disk copies."""
+        try:
+            _, state = read_memory_part(socket, self.job, step, rank, into)
+        except (NotInMemory, OSError) as e:
+            log.info("checkpoint %s step %d rank %d: not read from memory (%s); reading it from disk", self.job,
+                     step, rank, e)
+        except layout.ManifestError as e:
+            if not layout.is_verification_failure(e):
+                raise
+            log.error("checkpoint %s step %d rank %d: the memory copy failed verification (%s); reading it "
+                      "from disk", self.job, step, rank, e)
+            self._conn.call("ReportCorrupt", pb.ReportCorruptRequest(
+                job=self.job, step=step, rank=rank, tier=pb.MEMORY, detail=str(e)))
+        else:
+            self.last_load_tier = "memory"
+            return True, state
+        return False, None
+
     def _load_part(self, step: int, rank: int, locations: Sequence[tuple[int, Path]], into: Any,
                    commit: str = "") -> tuple[Any, bool]:
         """One rank's whole part, from its first copy that verifies; (state, whether a copy vanished or the
@@ -491,6 +548,7 @@ class Client:
             ino = _inode(part)
             try:
                 _, state = read_part(part, into)
+                self.last_load_tier = tier
                 return state, False
             except (layout.ManifestError, OSError, MemoryError) as e:
                 if not part.exists():
@@ -584,6 +642,7 @@ class Client:
         self._session_id = resp.session_id
         self._chunk = resp.chunk_bytes
         self._expected = int(resp.expected_bytes)
+        self._memory_copy = bool(resp.memory_copy) and not self._not_the_saver
         # Held open for the life of the session: if this process dies, the
         # daemon sees the stream break and frees the session.
         self._attach = self._conn.stub.Attach(pb.AttachRequest(session_id=self._session_id))
@@ -676,6 +735,11 @@ class Client:
         if any(t.is_cuda for t in job.tensors):
             arena.register_cuda()
         base = -(-self._stream_end // self._chunk) * self._chunk
+        n = job.plan.data_bytes
+        if n <= arena.size and base % arena.size + n > arena.size:
+            # Whole in one piece from the ring's start, rather than wrapped around its end: the image of the
+            # file stays contiguous, which is what the memory tier keeps and a restart maps.
+            base = -(-base // arena.size) * arena.size
         with self._lock:
             generation, announced = self._released_hint
         if generation == arena.generation:
@@ -840,4 +904,5 @@ def _info(c: pb.CheckpointInfo) -> CheckpointInfo:
     tiers = tuple(t for t, committed in (("local", c.committed_local), ("shared", c.committed_shared)) if committed)
     return CheckpointInfo(step=c.step, tiers=tiers, bytes=c.bytes, created=c.created, complete=c.complete,
                           world_size=c.world_size, pinned=c.pinned, drain_state=c.drain_state,
-                          metrics=dict(c.metrics), attempt=c.attempt, ranks_missing=tuple(c.ranks_missing))
+                          metrics=dict(c.metrics), attempt=c.attempt, ranks_missing=tuple(c.ranks_missing),
+                          ranks_memory=tuple(c.ranks_memory))

@@ -74,6 +74,7 @@ def cmd_status(conn: Connection, args: argparse.Namespace) -> int:
                 continue
             lines.append(f"{name}: {t.dir} — {t.checkpoints} part(s), {_size(t.used_bytes)} used, "
                          f"{_size(t.free_bytes)} free" + ("" if t.reachable else " (UNREACHABLE)"))
+        lines.append(f"memory: {st.memory_parts} part(s) kept for restarts, {_size(st.memory_bytes)}")
         lines.append(f"drain queue: {st.drain_queue} part(s)")
         if st.metrics_url:
             lines.append(f"metrics: {st.metrics_url}")
@@ -102,6 +103,10 @@ def cmd_ls(conn: Connection, args: argparse.Namespace) -> int:
             partial = [f"{name}:{len(ranks)}/{c.world_size}" for name, ranks, committed in
                        (("local", c.ranks_local, c.committed_local), ("shared", c.ranks_shared, c.committed_shared))
                        if ranks and not committed]
+            # The memory tier: parts kept after their trainer exited, ready for a restart on this node.
+            if c.ranks_memory:
+                partial.append("memory" if len(c.ranks_memory) == c.world_size
+                               else f"memory:{len(c.ranks_memory)}/{c.world_size}")
             complete = "yes" if c.complete else "no" + (f" (missing ranks {_ranges(c.ranks_missing)})"
                                                        if c.ranks_missing else "")
             rows.append([str(c.step), ",".join(tiers + partial) or "-", _size(c.bytes), _when(c.created),

@@ -8,7 +8,7 @@ over them whose verification failures are reported to the daemon.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,23 +25,28 @@ class LocatedStep:
     step: int
     world_size: int
     attempt: str
-    parts: dict[int, list[tuple[int, Path]]]  # rank -> [(tier code, part dir)]
+    parts: dict[int, list[tuple[int, Path]]]  # rank -> [(tier code, part dir)]: the copies on disk
     commit: str = ""  # the commit the answer comes from: another value later means the step was replaced
+    memory: dict[int, Path] = field(default_factory=dict)  # rank -> handoff socket of its memory-tier copy
 
     def tree_rank(self, rank: int, world_size: int) -> int:
         """Whose plain values a reader gets: its own rank's at the saving world size, else rank 0's."""
         return rank if world_size == self.world_size else 0
 
 
-def locate(conn: Connection, job: str, step: int | None, rank: int = 0, all_ranks: bool = True) -> LocatedStep:
+def locate(conn: Connection, job: str, step: int | None, rank: int = 0, all_ranks: bool = True,
+           memory: bool = False) -> LocatedStep:
     """Where the parts of ``step`` (the newest complete one when None) lie: every rank's, or only
-    ``rank``'s (a whole-part load need not hear of a thousand others); raises CheckpointNotFound."""
+    ``rank``'s (a whole-part load need not hear of a thousand others); raises CheckpointNotFound.
+    ``memory``: also where the memory tier keeps them (:attr:`LocatedStep.memory`)."""
     resp = conn.call("Locate", pb.LocateRequest(job=job, rank=rank, latest=step is None, step=step or 0,
-                                                all_ranks=all_ranks))
-    parts = {p.rank: [(loc.tier, Path(loc.dir)) for loc in p.locations] for p in resp.parts}
+                                                all_ranks=all_ranks, memory=memory))
+    by_rank = {p.rank: p.locations for p in resp.parts}
     if not all_ranks and resp.locations:
-        parts[rank] = [(loc.tier, Path(loc.dir)) for loc in resp.locations]
-    return LocatedStep(job, int(resp.step), int(resp.world_size), resp.attempt, parts, resp.commit)
+        by_rank[rank] = resp.locations
+    parts = {r: [(loc.tier, Path(loc.dir)) for loc in locs if loc.tier != pb.MEMORY] for r, locs in by_rank.items()}
+    kept = {r: Path(loc.dir) for r, locs in by_rank.items() for loc in locs if loc.tier == pb.MEMORY}
+    return LocatedStep(job, int(resp.step), int(resp.world_size), resp.attempt, parts, resp.commit, kept)
 
 
 class OpenStep:

@@ -16,6 +16,7 @@ import mmap
 import os
 import re
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -29,10 +30,16 @@ _NAME_RE = re.compile(r"ckptstage-(\d+)-[0-9a-f]+-\d+")
 
 
 class Budget:
-    """The daemon-wide cap on shared memory handed out (``[arena] max_bytes``)."""
+    """The daemon-wide cap on shared memory handed out (``[arena] max_bytes``).
 
-    def __init__(self, total: int) -> None:
+    ``reclaim(n)``, when set, is asked to give back at least ``n`` bytes
+    (by releasing them here) before a grant fails: the memory tier's copies
+    make way for sessions that need the room.
+    """
+
+    def __init__(self, total: int, reclaim: Callable[[int], None] | None = None) -> None:
         self.total = total
+        self.reclaim = reclaim
         self._used = 0
         self._lock = threading.Lock()
 
@@ -48,6 +55,10 @@ class Budget:
         says how much is needed.
         """
         want = max(unit, -(-want // unit) * unit)
+        with self._lock:
+            short = want - (self.total - self._used)
+        if short > 0 and self.reclaim is not None:
+            self.reclaim(short)  # outside the lock: it calls release()
         with self._lock:
             free = self.total - self._used
             granted = min(want, free // unit * unit)
@@ -81,7 +92,8 @@ class Arena:
             os.close(fd)
             self.path.unlink(missing_ok=True)
             raise
-        os.close(fd)
+        # The descriptor stays open: the memory tier hands it to a reader once the name is gone.
+        self.fd = fd
         self.view = memoryview(self.map)
         self._unlinked = False
 
@@ -93,6 +105,9 @@ class Arena:
 
     def close(self) -> None:
         self.unlink()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         self.view.release()
         try:
             self.map.close()

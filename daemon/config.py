@@ -352,6 +352,9 @@ class SharedConfig:
     keep_last: int = field(default=5, metadata=_kind(_int(1, MAX_KEEP)))
     # Also keep every step divisible by this.
     keep_every: int | None = field(default=None, metadata=_kind(_int(1, MAX_KEEP_EVERY)))
+    # Only steps whose number is a multiple of this go to the shared tier; the others stay on local SSD
+    # (and the memory tier), where local retention treats them as needing no shared copy.
+    drain_every: int = field(default=1, metadata=_kind(_int(1, MAX_KEEP_EVERY)))
     keep_best: KeepBest | None = field(default=None, metadata=_kind(_KEEP_BEST))
     # Drain rate cap in bytes/second; None: uncapped.
     max_bandwidth: int | None = field(default=None, metadata=_kind(_rate(1 << 20, 1 << 40)))
@@ -372,6 +375,10 @@ class SharedConfig:
     def enabled(self) -> bool:
         """Whether there is a shared tier at all (if not, local retention deletes undrained checkpoints)."""
         return self.dir is not None
+
+    def drains(self, step: int) -> bool:
+        """Whether ``step`` goes to the shared tier (``drain_every``); every node of a job decides alike."""
+        return step % self.drain_every == 0
 
 
 @dataclass(frozen=True)
@@ -433,6 +440,20 @@ class RetentionConfig:
 
 
 @dataclass(frozen=True)
+class MemoryConfig:
+    """The memory tier: each rank's newest checkpoint stays in its arena after the trainer exits.
+
+    A trainer restarted on the same node then loads it at memory speed
+    instead of from disk. The copies live in shared memory counted against
+    ``arena.max_bytes``: a session that needs the room evicts them, oldest first.
+    """
+
+    enabled: bool = field(default=True, metadata=_kind(_BOOL))
+    # How long a copy is kept once its trainer has gone.
+    keep_s: float = field(default=3600.0, metadata=_kind(_seconds(1, 7 * 86400)))
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration of one daemon. ``source`` is the file it came from (not compared)."""
 
@@ -443,6 +464,7 @@ class Config:
     persist: PersistConfig = field(metadata={"section": PersistConfig})
     metrics: MetricsConfig = field(metadata={"section": MetricsConfig})
     retention: RetentionConfig = field(metadata={"section": RetentionConfig})
+    memory: MemoryConfig = field(default_factory=MemoryConfig, metadata={"section": MemoryConfig})
     source: Path | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:

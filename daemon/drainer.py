@@ -234,7 +234,7 @@ class Drainer:
     def enqueue(self, part: Part) -> None:
         """Queues a local part for draining, unless it is queued or drained already."""
         key = (part.job, part.step, part.rank)
-        if self._on_shared(key) or self.catalog.was_drained(*key):
+        if not self.config.drains(part.step) or self._on_shared(key) or self.catalog.was_drained(*key):
             return
         with self._cond:
             if key in self._staged:
@@ -310,6 +310,8 @@ class Drainer:
         return local is None or local.digest == digest
 
     def checkpoint_state(self, ckpt: Checkpoint) -> str:
+        if not self.config.drains(ckpt.step) and not ckpt.ranks_on(TierName.SHARED):
+            return "local-only"
         keys = [(ckpt.job, ckpt.step, r) for r in ckpt.ranks_on(TierName.LOCAL)]
         with self._cond:
             if any(k in self._failed for k in keys):
@@ -323,6 +325,8 @@ class Drainer:
     def wait_part(self, job: str, step: int, rank: int, timeout: float) -> bool:
         """True once the part is on the shared tier; raises if it never can be."""
         key = (job, step, rank)
+        if not self.config.drains(step) and not self.drained(job, step, rank):
+            raise SaveFailed(self.not_drained(step))
         with self._cond:
             # The daemon stopping ends the wait too (stop() notifies): its thread must not hold the exit.
             self._cond.wait_for(lambda: self._done_now(key) or key in self._failed or
@@ -335,6 +339,10 @@ class Drainer:
                 raise SaveFailed(f"{job} step {step} rank {rank} is neither queued for draining nor on the "
                                  "shared tier (deleted before it drained?)")
             return False
+
+    def not_drained(self, step: int) -> str:
+        return (f"step {step} does not go to the shared tier: only steps that are multiples of "
+                f"[shared] drain_every = {self.config.drain_every} do")
 
     def wait_idle(self, job: str | None, timeout: float) -> tuple[int, int]:
         """Waits until nothing (of ``job``) is queued and the retention that finished drains trigger has run

@@ -159,7 +159,9 @@ class Janitor:
                 continue
             if tier == TierName.LOCAL:
                 # Drained: committed on the shared tier, even if the shared rules deleted it since.
-                drained = d is None or all(d.drained(job, c.step, r) for r in ranks)
+                # A step the cadence keeps off the shared tier ([shared] drain_every) needs no shared copy.
+                drained = d is None or not self.config.shared.drains(c.step) or \
+                    all(d.drained(job, c.step, r) for r in ranks)
                 if drained and d is not None and c.complete_on(TierName.LOCAL) and \
                         not c.complete_on(TierName.SHARED) and \
                         all(TierName.SHARED in c.parts.get(r, {}) for r in range(c.world_size)):

@@ -17,8 +17,10 @@ from typing import IO, Any
 
 from ckptstage.daemon import fsutil, tierpath
 from ckptstage.daemon.config import Config, ConfigError, load_config
+from ckptstage.daemon.handoff import HandoffServer
 from ckptstage.daemon.node import STATE_DIR, VERSION, Node
 from ckptstage.daemon.server import RpcServer
+from ckptstage.protos.handoff import socket_path as handoff_socket
 
 log = logging.getLogger("ckptstaged")
 
@@ -72,6 +74,7 @@ class Daemon:
         self._stopped = threading.Event()
         self._done = threading.Event()
         self.rpc = RpcServer(self.node, config.socket)
+        self.handoff = HandoffServer(handoff_socket(config.socket), self.node.memory, self.node.metrics)
 
     def start(self) -> None:
         """Claims the socket and the metrics port, recovers the local tier, then serves.
@@ -86,6 +89,10 @@ class Daemon:
             self.node.recover()
         except OSError as e:  # e.g. a link planted in the local tier: the operator must look at it
             raise _cannot("local.dir", self.config.local.dir, "recover it", e) from e
+        try:
+            self.handoff.start()
+        except OSError as e:
+            raise StartupError("socket", self.handoff.path, f"cannot listen on it: {e}") from e
         try:
             self.rpc.start()
         except RuntimeError as e:  # grpc: "Failed to bind to address ..."
@@ -103,6 +110,7 @@ class Daemon:
         log.info("shutting down: finishing in-flight saves (up to %.0fs)", timeout)
         self.rpc.begin_shutdown()
         self.node.shutdown(timeout)
+        self.handoff.stop()
         self.rpc.stop(grace=2)
         try:
             self.config.socket.unlink()

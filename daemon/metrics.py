@@ -26,6 +26,8 @@ class StateProbe:
     drain_lag_s: Callable[[], float]
     shared_reachable: Callable[[], bool | None]
     incomplete_steps: Callable[[], int] = lambda: 0
+    memory_copies: Callable[[], int] = lambda: 0  # parts the memory tier serves
+    memory_bytes: Callable[[], int] = lambda: 0   # shared memory it holds (part of arena_used)
 
 
 class Metrics:
@@ -58,6 +60,8 @@ class Metrics:
                                        "Reports of a corrupt copy, by tier and the daemon's own verdict on "
                                        "re-reading it (corrupt: quarantined; intact; unreadable: hidden nothing).",
                                        ["tier", "verdict"], registry=r)
+        self.memory_handouts = Counter("ckptstage_memory_handouts",
+                                       "Memory-tier copies handed to a reader (a restarted trainer).", registry=r)
         self.sessions_opened = Counter("ckptstage_sessions_opened", "Client sessions opened.", registry=r)
         self.sessions_reaped = Counter("ckptstage_sessions_reaped",
                                        "Sessions closed because the client went away.", registry=r)
@@ -103,6 +107,12 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("ckptstage_incomplete_steps",
                                 "Steps with some ranks' parts committed but not all, for longer than "
                                 "[retention] incomplete_after_s.", value=p.incomplete_steps())
+        yield GaugeMetricFamily("ckptstage_memory_parts",
+                                "Parts kept in memory for a restart on this node (the memory tier).",
+                                value=p.memory_copies())
+        yield GaugeMetricFamily("ckptstage_memory_bytes",
+                                "Shared memory the memory tier holds (counted in ckptstage_arena_used_bytes).",
+                                value=p.memory_bytes())
         reachable = p.shared_reachable()
         if reachable is not None:
             yield GaugeMetricFamily("ckptstage_shared_tier_up", "1 when the last shared-tier operation worked.",

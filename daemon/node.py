@@ -41,6 +41,7 @@ from ckptstage.daemon.incomplete import IncompleteSteps, why_incomplete
 from ckptstage.daemon.janitor import Deleted, GcAction, Janitor
 from ckptstage.daemon.job_rules import JobRetention, JobRules
 from ckptstage.daemon.manifest_check import parse_manifest
+from ckptstage.daemon.memtier import MemoryTier
 from ckptstage.daemon.metrics import Metrics, StateProbe
 from ckptstage.daemon.persister import Persister, Save
 from ckptstage.daemon.quarantine import Quarantine
@@ -96,6 +97,8 @@ class Node:
         self.clock = clock
         self.started = time.monotonic()
         self.budget = arena_mod.Budget(config.arena.max_bytes)
+        self.memory = MemoryTier(self.budget, config.memory.enabled, config.memory.keep_s, self._committed_digest)
+        self.budget.reclaim = self.memory.reclaim  # kept copies make way for sessions that need the room
         self.sessions = SessionTable()
         self.owner = node_name(config.local.dir)
         self.catalog = Catalog(config.local.dir / STATE_DIR / "pins.json")
@@ -179,6 +182,7 @@ class Node:
         self._stopping.set()
         self._shared_wake.set()  # the shared-tier thread sleeps on it
         deadline = time.monotonic() + timeout
+        self.memory.shutdown()  # first: the sessions closed below free their arenas instead of handing them over
         for session in self.sessions.all():
             for save in session.close():
                 self.persister.fail(save, "daemon shutting down before the client finished copying")
@@ -209,7 +213,7 @@ class Node:
         rules = JobRetention.parse(info.overrides) if info.overrides is not None else None
         info = dataclasses.replace(info, expected_bytes=self.catalog.newest_part_bytes(info.job, info.rank,
                                                                                       info.world_size))
-        session = Session(info, self.budget, self.config.persist.chunk_bytes, os.getpid())
+        session = Session(info, self.budget, self.config.persist.chunk_bytes, os.getpid(), self.memory.take)
         if rules is not None and self.job_rules.set(info.job, rules):
             self._shared_wake.set()  # the shared-tier thread publishes them for the other nodes
         self.sessions.add(session)
@@ -364,12 +368,31 @@ class Node:
             raise CheckpointNotFound(job, ckpt.step, f"no part for rank {rank} (world size {ckpt.world_size})")
         return ckpt, parts
 
+    def memory_ranks(self, ckpt: Checkpoint) -> list[int]:
+        """The ranks of ``ckpt`` whose committed part the memory tier holds."""
+        return [r for r in range(ckpt.world_size) if self.memory.has(ckpt.job, ckpt.step, r)]
+
+    def memory_at_risk(self, job: str, rank: int, nbytes: int) -> bool:
+        """Whether an arena of ``nbytes`` for (job, rank) granted now would evict that rank's memory copy."""
+        return self.memory.holds(job, rank) and self.budget.total - self.budget.used < max(
+            nbytes, self.config.arena.min_session_bytes)
+
+    def _committed_digest(self, job: str, step: int, rank: int) -> str | None:
+        ckpt = self.catalog.get(job, step)
+        parts = ckpt.committed(rank) if ckpt is not None and ckpt.complete else []
+        return parts[0].digest if parts else None
+
     def wait_step(self, job: str, step: int, tier: TierName | None, timeout: float) -> Checkpoint | None:
         """The step once its commit record is on ``tier`` (None: any) with all its parts; None at the timeout."""
         layout.check_job(job)
         layout.check_step(step)
         if tier == TierName.SHARED and self.drainer is None:
             raise InvalidRequest("this daemon has no shared tier ([shared] dir is not set)")
+        if tier == TierName.SHARED and not self.config.shared.drains(step):
+            ckpt = self.catalog.get(job, step)
+            if ckpt is None or not ckpt.complete_on(TierName.SHARED):
+                assert self.drainer is not None
+                raise InvalidRequest(self.drainer.not_drained(step))
         sync = self.shared_sync
         refresh = (lambda j, s, wait: sync.fresh(j, s, max_age_s=0.25, wait_s=wait)) if sync is not None else None
         return self.commits.wait_step(job, step, tier, timeout, refresh, stop=self._stopping)
@@ -409,6 +432,7 @@ class Node:
                 raise InvalidRequest(f"step {step} of job {job!r} is still being saved; delete it once the save "
                                      "is committed (SaveHandle.wait)")
             time.sleep(0.05)
+        self.memory.drop_job(job, step)
         return self.janitor.delete_step(job, step)
 
     def prefetch(self, job: str, step: int | None) -> tuple[int, int]:
@@ -489,6 +513,7 @@ class Node:
         if overwrite_mod.is_staged(self.config.local.dir, self.owner, save.committed_path):
             self.metrics.saves_committed.labels("local").inc()
             self.metrics.bytes_persisted.labels("local").inc(save.spec.data_bytes)
+            self.memory.drop_job(save.spec.job, save.spec.step)  # the step is being replaced
             try:
                 self._on_staged_commit(save)
             except OSError as e:
@@ -521,6 +546,8 @@ class Node:
         if self.drainer is not None:
             # Queued before the save settles, so that a wait("shared") finds it queued.
             self.drainer.enqueue(part)
+        self._owner(save).keep_resident(save)
+        self.memory.superseded(spec.job, spec.rank, spec.step)
         self._settle(save)
         self.apply_retention(spec.job, trigger="commit", shared=False)
 
@@ -593,6 +620,7 @@ class Node:
             try:
                 for job in self.catalog.jobs():
                     self.apply_retention(job, trigger="timer", shared=False)
+                self.memory.expire()
                 self.incomplete.report()
             except Exception:  # the timer must outlive one bad pass
                 log.exception("timed local retention pass failed")
@@ -660,4 +688,5 @@ class Node:
             drain_queue=(lambda: d.pending()) if d else (lambda: (0, 0)),
             drain_lag_s=(lambda: d.lag_s()) if d else (lambda: 0.0),
             shared_reachable=(lambda: d.reachable) if d else (lambda: None),
-            incomplete_steps=lambda: len(self.incomplete.stuck()))
+            incomplete_steps=lambda: len(self.incomplete.stuck()),
+            memory_copies=lambda: len(self.memory.copies()), memory_bytes=lambda: self.memory.bytes_kept)

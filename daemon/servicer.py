@@ -36,9 +36,11 @@ from ckptstage.daemon.errors import (
     ShuttingDown,
     StepPinned,
 )
+from ckptstage.daemon.memtier import MemoryTier
 from ckptstage.daemon.node import VERSION, Node
 from ckptstage.daemon.sessions import Session, SessionInfo
 from ckptstage.protos import layout
+from ckptstage.protos.handoff import socket_path as handoff_socket
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 from ckptstage.protos.v1 import ckptstage_pb2_grpc as pb_grpc
 
@@ -102,8 +104,13 @@ def _tier(value: int) -> TierName:
     return _TIERS[value]
 
 
-def _locations(parts: list[Part]) -> list[pb.PartLocation]:
-    return [pb.PartLocation(tier=_TIER_PB[p.tier], dir=str(p.path)) for p in parts]
+def _locations(parts: list[Part], memory: MemoryTier | None = None, handoff: str = "") -> list[pb.PartLocation]:
+    """The copies of one rank's part, best first: the memory tier's (when it holds the committed one),
+    then the local and shared tiers' directories."""
+    out = [pb.PartLocation(tier=_TIER_PB[p.tier], dir=str(p.path)) for p in parts]
+    if parts and memory is not None and memory.has(parts[0].job, parts[0].step, parts[0].rank):
+        out.insert(0, pb.PartLocation(tier=pb.MEMORY, dir=handoff))
+    return out
 
 
 def _timeout(requested: float, context: grpc.aio.ServicerContext) -> float:
@@ -154,7 +161,9 @@ class Servicer(pb_grpc.CheckpointerServicer):
                            overrides, request.attempt)
         session = await self._run(self.node.open_session, info)
         return pb.OpenSessionResponse(session_id=session.id, chunk_bytes=session.chunk_bytes,
-                                      daemon_version=VERSION, expected_bytes=session.info.expected_bytes)
+                                      daemon_version=VERSION, expected_bytes=session.info.expected_bytes,
+                                      memory_copy=self.node.memory_at_risk(info.job, info.rank,
+                                                                           session.info.expected_bytes))
 
     async def Attach(self, request: pb.AttachRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionEvent]:
@@ -281,14 +290,22 @@ class Servicer(pb_grpc.CheckpointerServicer):
     async def Locate(self, request: pb.LocateRequest, context: grpc.aio.ServicerContext) -> pb.LocateResponse:
         ckpt, parts = await self._run(self.node.locate, request.job, None if request.latest else request.step,
                                       request.rank, request.all_ranks)
-        every = [pb.RankParts(rank=r, locations=_locations(ckpt.committed(r))) for r in range(ckpt.world_size)] \
-            if request.all_ranks else []
+        memory = self.node.memory if request.memory else None  # a reader that asked for it, only
+        handoff = str(handoff_socket(self.socket_path))
+        every = [pb.RankParts(rank=r, locations=_locations(ckpt.committed(r), memory, handoff))
+                 for r in range(ckpt.world_size)] if request.all_ranks else []
         record = ckpt.record
-        return pb.LocateResponse(step=ckpt.step, world_size=ckpt.world_size, locations=_locations(parts),
+        return pb.LocateResponse(step=ckpt.step, world_size=ckpt.world_size,
+                                 locations=_locations(parts, memory, handoff),
                                  attempt=ckpt.attempt, parts=every, commit=record.fingerprint() if record else "")
 
     @_mapped
     async def ReportCorrupt(self, request: pb.ReportCorruptRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+        if request.tier == pb.MEMORY:  # checked when kept, so this is memory gone bad: the disk copies remain
+            log.error("memory copy of %s step %d rank %d failed a reader's verification: %s", request.job,
+                      request.step, request.rank, request.detail)
+            await self._run(self.node.memory.drop_job, request.job, request.step)
+            return pb.Empty()
         tier = _tier(request.tier)
         await self._run(self.node.report_corrupt, request.job, request.step, request.rank, tier, request.detail)
         return pb.Empty()
@@ -334,7 +351,8 @@ class Servicer(pb_grpc.CheckpointerServicer):
             version=VERSION, pid=os.getpid(), uptime_s=time.monotonic() - node.started, socket=self.socket_path,
             arena_budget_bytes=node.budget.total, arena_used_bytes=node.budget.used, sessions=sessions,
             tiers=[self._tier_status(t) for t in (TierName.LOCAL, TierName.SHARED)],
-            drain_queue=node.drainer.pending()[0] if node.drainer else 0, metrics_url=self.metrics_url)
+            drain_queue=node.drainer.pending()[0] if node.drainer else 0, metrics_url=self.metrics_url,
+            memory_parts=len(node.memory.copies()), memory_bytes=node.memory.bytes_kept)
 
     # --- helpers ------------------------------------------------------------------------
 
@@ -344,7 +362,7 @@ class Servicer(pb_grpc.CheckpointerServicer):
             ranks_shared=c.ranks_on(TierName.SHARED), bytes=c.nbytes(), created=c.created, complete=c.complete,
             pinned=c.pinned, drain_state=self.node.drain_state(c), metrics=c.metrics, attempt=c.attempt,
             committed_local=c.complete_on(TierName.LOCAL), committed_shared=c.complete_on(TierName.SHARED),
-            ranks_missing=c.ranks_missing())
+            ranks_missing=c.ranks_missing(), ranks_memory=self.node.memory_ranks(c))
 
     def _tier_status(self, tier: TierName) -> pb.TierStatus:
         cfg = self.node.config

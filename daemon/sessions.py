@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from ckptstage.daemon.arena import Arena, Budget, arena_name
 from ckptstage.daemon.errors import ArenaFull, InvalidRequest, SessionNotFound
+from ckptstage.daemon.memtier import Resident
 from ckptstage.daemon.persister import Save
 
 
@@ -38,7 +39,10 @@ class Session:
     callback; :meth:`notify` wakes both.
     """
 
-    def __init__(self, info: SessionInfo, budget: Budget, chunk_bytes: int, daemon_pid: int) -> None:
+    def __init__(self, info: SessionInfo, budget: Budget, chunk_bytes: int, daemon_pid: int,
+                 handover: Callable[[Resident | None, Arena], bool] | None = None) -> None:
+        """``handover(resident, arena)`` is offered the arena when the closed session lets go of it: True
+        means it took the arena (and its share of the budget) over (the memory tier)."""
         self.id = uuid.uuid4().hex[:16]
         self.info = info
         self.opened = time.time()
@@ -54,6 +58,11 @@ class Session:
         self._generation = 0
         self._budget = budget
         self._daemon_pid = daemon_pid
+        self._handover = handover
+        # The newest committed save whose file image lies whole in the current arena (what the memory
+        # tier keeps when the session closes); a later save may have overwritten it since: checked then.
+        self.resident: Resident | None = None
+        self._resident_base = 0  # its stream position
 
     # --- liveness and change notification -----------------------------------------
 
@@ -159,13 +168,28 @@ class Session:
         with self.cond:
             return (self.arena.generation if self.arena is not None else 0), self.released()
 
+    def keep_resident(self, save: Save) -> None:
+        """``save`` committed to ``part_dir``: its image in the arena is the session's newest, if unbroken."""
+        assert save.committed_path is not None
+        arena, spec = save.arena, save.spec
+        offset, size = save.stream_base % arena.size, arena.size
+        with self.cond:
+            if arena is not self.arena or offset + spec.data_bytes > size:
+                return  # the arena was replaced since, or the image wraps around the ring's end
+            if self.resident is not None and self.resident.arena is arena and save.stream_base < self._resident_base:
+                return  # an older save that committed late: the newer image stays
+            self._resident_base = save.stream_base
+            self.resident = Resident(spec.job, spec.step, spec.rank, spec.world_size,
+                                     str(spec.manifest.get("attempt", "")), arena, offset, spec.data_bytes,
+                                     save.committed_path)
+
     def settle(self, save: Save) -> None:
         """Drops a committed or failed save; frees arenas nobody uses any more."""
         with self.cond:
             self.saves.pop(save.id, None)
             self._notify_locked()
             if self.closed.is_set() and not self.saves and self.arena is not None:
-                self._free(self.arena)
+                self._let_go(self.arena)
                 self.arena = None
 
     def close(self) -> list[Save]:
@@ -178,10 +202,16 @@ class Session:
             self.closed.set()
             unfinished = [s for s in self.saves.values() if not s.finished]
             if not self.saves and self.arena is not None:
-                self._free(self.arena)
+                self._let_go(self.arena)
                 self.arena = None
             self._notify_locked()
             return unfinished
+
+    def _let_go(self, arena: Arena) -> None:
+        """The closed session is done with its arena: the memory tier may keep it, else it is freed."""
+        if self._handover is not None and self._handover(self.resident, arena):
+            return
+        self._free(arena)
 
     def _free(self, arena: Arena) -> None:
         arena.close()

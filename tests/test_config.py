@@ -492,6 +492,8 @@ OUT_OF_BOUNDS: dict[str, tuple[object, object]] = {
     "retention.interval_s": (0.09, 86401),
     "retention.max_job_keep_last": (0, 10001),
     "retention.incomplete_after_s": (0.99, 86401),
+    "memory.keep_s": (0.99, 7 * 86400 + 1),
+    "shared.drain_every": (0, 1_000_000_001),
 }
 
 

@@ -84,7 +84,8 @@ def test_a_trainer_out_of_file_descriptors_never_quarantines_good_copies(daemon_
 
 def test_a_real_flipped_byte_is_quarantined_counted_and_listed(daemon_factory: Any, capsys: Any) -> None:
     port = free_port()
-    d = daemon_factory(**{"metrics.listen": f"127.0.0.1:{port}"}).start()
+    # The memory tier off: with it, the load would read the intact copy kept in memory, not the disk.
+    d = daemon_factory(**{"metrics.listen": f"127.0.0.1:{port}", "memory.enabled": False}).start()
     saved(d, range(1, 3))
     data = layout.part_dir(d.local, JOB, 2, 0) / layout.DATA_FILE
     with open(data, "r+b") as f:

@@ -12,9 +12,11 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_UNSPECIFIED: _ClassVar[Tier]
     LOCAL: _ClassVar[Tier]
     SHARED: _ClassVar[Tier]
+    MEMORY: _ClassVar[Tier]
 TIER_UNSPECIFIED: Tier
 LOCAL: Tier
 SHARED: Tier
+MEMORY: Tier
 
 class Empty(_message.Message):
     __slots__ = ()
@@ -55,16 +57,18 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., retention: _Optional[_Union[RetentionOverrides, _Mapping]] = ..., attempt: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "chunk_bytes", "daemon_version", "expected_bytes")
+    __slots__ = ("session_id", "chunk_bytes", "daemon_version", "expected_bytes", "memory_copy")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_COPY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     chunk_bytes: int
     daemon_version: str
     expected_bytes: int
-    def __init__(self, session_id: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., daemon_version: _Optional[str] = ..., expected_bytes: _Optional[int] = ...) -> None: ...
+    memory_copy: bool
+    def __init__(self, session_id: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., daemon_version: _Optional[str] = ..., expected_bytes: _Optional[int] = ..., memory_copy: _Optional[bool] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -214,7 +218,7 @@ class WaitSaveResponse(_message.Message):
     def __init__(self, done: _Optional[bool] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("job", "step", "world_size", "ranks_local", "ranks_shared", "bytes", "created", "complete", "pinned", "drain_state", "metrics", "attempt", "committed_local", "committed_shared", "ranks_missing")
+    __slots__ = ("job", "step", "world_size", "ranks_local", "ranks_shared", "bytes", "created", "complete", "pinned", "drain_state", "metrics", "attempt", "committed_local", "committed_shared", "ranks_missing", "ranks_memory")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +241,7 @@ class CheckpointInfo(_message.Message):
     COMMITTED_LOCAL_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_SHARED_FIELD_NUMBER: _ClassVar[int]
     RANKS_MISSING_FIELD_NUMBER: _ClassVar[int]
+    RANKS_MEMORY_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     world_size: int
@@ -252,7 +257,8 @@ class CheckpointInfo(_message.Message):
     committed_local: bool
     committed_shared: bool
     ranks_missing: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks_local: _Optional[_Iterable[int]] = ..., ranks_shared: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., created: _Optional[float] = ..., complete: _Optional[bool] = ..., pinned: _Optional[bool] = ..., drain_state: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., attempt: _Optional[str] = ..., committed_local: _Optional[bool] = ..., committed_shared: _Optional[bool] = ..., ranks_missing: _Optional[_Iterable[int]] = ...) -> None: ...
+    ranks_memory: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks_local: _Optional[_Iterable[int]] = ..., ranks_shared: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., created: _Optional[float] = ..., complete: _Optional[bool] = ..., pinned: _Optional[bool] = ..., drain_state: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., attempt: _Optional[str] = ..., committed_local: _Optional[bool] = ..., committed_shared: _Optional[bool] = ..., ranks_missing: _Optional[_Iterable[int]] = ..., ranks_memory: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("job",)
@@ -283,18 +289,20 @@ class QuarantinedCopy(_message.Message):
     def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., path: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class LocateRequest(_message.Message):
-    __slots__ = ("job", "step", "latest", "rank", "all_ranks")
+    __slots__ = ("job", "step", "latest", "rank", "all_ranks", "memory")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     ALL_RANKS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     latest: bool
     rank: int
     all_ranks: bool
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., rank: _Optional[int] = ..., all_ranks: _Optional[bool] = ...) -> None: ...
+    memory: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., rank: _Optional[int] = ..., all_ranks: _Optional[bool] = ..., memory: _Optional[bool] = ...) -> None: ...
 
 class RankParts(_message.Message):
     __slots__ = ("rank", "locations")
@@ -493,7 +501,7 @@ class SessionStatus(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., job: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., saves_in_flight: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "pid", "uptime_s", "socket", "arena_budget_bytes", "arena_used_bytes", "sessions", "tiers", "drain_queue", "metrics_url")
+    __slots__ = ("version", "pid", "uptime_s", "socket", "arena_budget_bytes", "arena_used_bytes", "sessions", "tiers", "drain_queue", "metrics_url", "memory_parts", "memory_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -504,6 +512,8 @@ class StatusResponse(_message.Message):
     TIERS_FIELD_NUMBER: _ClassVar[int]
     DRAIN_QUEUE_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PARTS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: str
     pid: int
     uptime_s: float
@@ -514,4 +524,6 @@ class StatusResponse(_message.Message):
     tiers: _containers.RepeatedCompositeFieldContainer[TierStatus]
     drain_queue: int
     metrics_url: str
-    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., socket: _Optional[str] = ..., arena_budget_bytes: _Optional[int] = ..., arena_used_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., drain_queue: _Optional[int] = ..., metrics_url: _Optional[str] = ...) -> None: ...
+    memory_parts: int
+    memory_bytes: int
+    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., socket: _Optional[str] = ..., arena_budget_bytes: _Optional[int] = ..., arena_used_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., drain_queue: _Optional[int] = ..., metrics_url: _Optional[str] = ..., memory_parts: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,297 @@
+"""The memory tier: each rank's newest checkpoint kept in shared memory after its trainer exits.
+
+Most failures of a large job are one process dying on a healthy node. The
+bytes of that process's newest committed save are still in its arena: the
+trainer copied them there, and the persister wrote them to disk from there.
+Instead of freeing the arena when the session closes, the daemon keeps it
+(charged to the same ``[arena] max_bytes`` budget), checks that the image
+still matches the committed part (a save that began after it and never
+finished may have overwritten it), and hands its descriptor to a restarted
+trainer (:mod:`ckptstage.daemon.handoff`), which maps it copy-on-write and
+verifies it again as it builds its tensors. Nothing is copied a second time.
+
+A copy is never written again once kept: the session that wrote it is
+closed, and a new session always gets a new arena. A copy is served only
+while its manifest is the committed one of that step and rank on some tier
+(so a step deleted or replaced on disk is never read from memory), and
+kept for ``[memory] keep_s``; a newer committed step of the same job and
+rank, or a session that needs the budget, drops it sooner.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptstage.daemon.arena import Arena, Budget
+from ckptstage.protos import layout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Resident:
+    """A committed save whose file image lies whole, in one piece, in its session's arena."""
+
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    attempt: str
+    arena: Arena
+    offset: int   # of the image's first byte in the arena
+    size: int     # the data file's size
+    part_dir: Path  # the committed part it is an image of
+
+
+@dataclass
+class MemoryCopy:
+    resident: Resident
+    manifest: bytes   # the part's manifest.json, as committed
+    digest: str       # its xxh3-64: what the catalog and commit records name
+    kept_at: float    # monotonic
+    verified: bool = False
+    dropped: bool = False
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.resident.job, self.resident.rank
+
+
+@dataclass(frozen=True)
+class Handout:
+    """What a reader gets: a duplicate of the arena's descriptor and where the image is in it."""
+
+    fd: int
+    offset: int
+    size: int
+    arena_size: int
+    manifest: bytes
+
+
+class MemoryTier:
+    """The kept copies, at most one per (job, rank): the newest."""
+
+    def __init__(self, budget: Budget, enabled: bool, keep_s: float,
+                 committed_digest: Callable[[str, int, int], str | None],
+                 on_change: Callable[[], None] = lambda: None) -> None:
+        """``committed_digest(job, step, rank)``: the manifest digest of the part the step's commit names now
+        (None: no such committed part)."""
+        self._budget = budget
+        self._committed_digest = committed_digest
+        self.enabled = enabled
+        self.keep_s = keep_s
+        self._on_change = on_change
+        self._lock = threading.Lock()
+        self._copies: dict[tuple[str, int], MemoryCopy] = {}
+        self._verifier: threading.Thread | None = None
+        self._pending: list[MemoryCopy] = []
+        self._wake = threading.Condition(self._lock)
+        self._stopping = False
+
+    # --- taking copies over ---------------------------------------------------------
+
+    def take(self, resident: Resident | None, arena: Arena) -> bool:
+        """A closed session lets go of ``arena``; True when this tier keeps it (and its budget share).
+
+        Kept only when it holds the session's newest committed save; the
+        image is checked against the committed part's digests on a thread of
+        this tier's before it is served.
+        """
+        if not self.enabled or resident is None or resident.arena is not arena:
+            return False
+        try:
+            manifest, digest = _read_committed(resident.part_dir)
+        except (OSError, layout.ManifestError) as e:
+            log.info("memory tier: not keeping %s step %d rank %d: %s", resident.job, resident.step,
+                     resident.rank, e)
+            return False
+        copy = MemoryCopy(resident, manifest, digest, time.monotonic())
+        with self._lock:
+            if self._stopping:
+                return False
+            arena.unlink()  # a client that never said it mapped the arena left its name: a kept copy has none
+            older = self._copies.get(copy.key)
+            if older is not None and older.resident.step > resident.step:
+                return False  # a newer step of this rank is already kept
+            self._pending.append(copy)
+            self._start_verifier()
+            self._wake.notify_all()
+        return True
+
+    def superseded(self, job: str, rank: int, step: int) -> None:
+        """``step`` of (job, rank) committed: an older kept copy is no longer the newest; it goes."""
+        with self._lock:
+            copy = self._copies.get((job, rank))
+            if copy is None or copy.resident.step >= step:
+                return
+            self._drop_locked(copy, "a newer step committed")
+        self._on_change()
+
+    # --- serving ------------------------------------------------------------------------
+
+    def has(self, job: str, step: int, rank: int) -> bool:
+        """Whether the verified copy of that committed part is kept."""
+        return self._servable(job, step, rank) is not None
+
+    def holds(self, job: str, rank: int) -> bool:
+        """Whether a verified copy of one of ``job``'s steps for ``rank`` is kept."""
+        with self._lock:
+            copy = self._copies.get((job, rank))
+            return copy is not None and copy.verified
+
+    def hand_out(self, job: str, step: int, rank: int) -> Handout | None:
+        """A duplicate descriptor of the copy's arena, for the reader; the caller closes ``fd``."""
+        copy = self._servable(job, step, rank)
+        with self._lock:
+            if copy is None or copy.dropped:
+                return None
+            r = copy.resident
+            return Handout(os.dup(r.arena.fd), r.offset, r.size, r.arena.size, copy.manifest)
+
+    def _servable(self, job: str, step: int, rank: int) -> MemoryCopy | None:
+        """The kept, verified copy of (job, step, rank), if it is the part committed now (its manifest is
+        the one the step's commit names: a step deleted or replaced on disk is never read from memory)."""
+        with self._lock:
+            copy = self._copies.get((job, rank))
+            if copy is None or not copy.verified or copy.resident.step != step:
+                return None
+        return copy if self._committed_digest(job, step, rank) == copy.digest else None
+
+    def copies(self, job: str | None = None) -> list[MemoryCopy]:
+        with self._lock:
+            return [c for c in self._copies.values() if c.verified and (job is None or c.resident.job == job)]
+
+    @property
+    def bytes_kept(self) -> int:
+        with self._lock:
+            return sum(c.resident.arena.size for c in self._copies.values()) + \
+                sum(c.resident.arena.size for c in self._pending)
+
+    # --- letting go -----------------------------------------------------------------------
+
+    def reclaim(self, need: int) -> None:
+        """Drops copies, oldest first, until ``need`` bytes are back in the budget (or none is left)."""
+        freed = 0
+        with self._lock:
+            victims = sorted(list(self._copies.values()) + self._pending, key=lambda c: c.kept_at)
+            for copy in victims:
+                if freed >= need:
+                    break
+                freed += copy.resident.arena.size
+                self._drop_locked(copy, "a session needed the memory")
+        if freed:
+            self._on_change()
+
+    def expire(self, now: float | None = None) -> int:
+        """Drops copies kept longer than ``keep_s``; returns how many."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            old = [c for c in self._copies.values() if now - c.kept_at > self.keep_s]
+            for copy in old:
+                self._drop_locked(copy, f"kept {self.keep_s:g}s")
+        if old:
+            self._on_change()
+        return len(old)
+
+    def drop_job(self, job: str, step: int | None = None) -> None:
+        """A step (every step when None) of ``job`` was deleted or replaced: its copies go."""
+        with self._lock:
+            for copy in [c for c in list(self._copies.values()) + self._pending if c.resident.job == job
+                         and (step is None or c.resident.step == step)]:
+                self._drop_locked(copy, "the step was deleted or replaced")
+        self._on_change()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopping = True
+            for copy in list(self._copies.values()) + self._pending:
+                self._drop_locked(copy, "daemon stopping")
+            self._wake.notify_all()
+            thread = self._verifier
+        if thread is not None:
+            thread.join(10)
+
+    def _drop_locked(self, copy: MemoryCopy, why: str) -> None:
+        if copy.dropped:
+            return
+        copy.dropped = True
+        if self._copies.get(copy.key) is copy:
+            del self._copies[copy.key]
+        if copy in self._pending:
+            return  # the verifier frees it when it is done with it
+        self._free(copy, why)
+
+    def _free(self, copy: MemoryCopy, why: str) -> None:
+        r = copy.resident
+        log.info("memory tier: dropped %s step %d rank %d (%d bytes): %s", r.job, r.step, r.rank, r.size, why)
+        r.arena.close()
+        self._budget.release(r.arena.size)
+
+    # --- verification -----------------------------------------------------------------------
+
+    def _start_verifier(self) -> None:
+        if self._verifier is None or not self._verifier.is_alive():
+            self._verifier = threading.Thread(target=self._verify_loop, name="memory-verify", daemon=True)
+            self._verifier.start()
+
+    def _verify_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._pending and not self._stopping:
+                    self._wake.wait()
+                if not self._pending:
+                    return
+                copy = self._pending[0]
+            ok, why = (False, "dropped") if copy.dropped else _image_matches(copy)
+            with self._lock:
+                self._pending.remove(copy)
+                if copy.dropped or not ok:
+                    if not copy.dropped:
+                        copy.dropped = True
+                        log.info("memory tier: %s step %d rank %d not kept: %s", copy.resident.job,
+                                 copy.resident.step, copy.resident.rank, why)
+                    self._free(copy, why)
+                    continue
+                older = self._copies.get(copy.key)
+                if older is not None and older.resident.step > copy.resident.step:
+                    copy.dropped = True
+                    self._free(copy, "a newer step of the rank is kept")
+                    continue
+                if older is not None:
+                    self._drop_locked(older, "a newer step is kept")
+                copy.verified = True
+                self._copies[copy.key] = copy
+                r = copy.resident
+                log.info("memory tier: keeping %s step %d rank %d (%d bytes) for a restart on this node",
+                         r.job, r.step, r.rank, r.size)
+            self._on_change()
+
+
+def _read_committed(part_dir: Path) -> tuple[bytes, str]:
+    raw = (part_dir / layout.MANIFEST_FILE).read_bytes()
+    layout.parse_manifest_file(raw, part_dir / layout.MANIFEST_FILE)  # verified: a torn read is refused
+    return raw, layout.chunk_digest(raw)
+
+
+def _image_matches(copy: MemoryCopy) -> tuple[bool, str]:
+    """Whether the arena still holds exactly the committed data file (every digest block)."""
+    r = copy.resident
+    try:
+        manifest = layout.parse_manifest_file(copy.manifest, r.part_dir / layout.MANIFEST_FILE)
+        entry = layout.manifest_files(manifest)[layout.DATA_FILE]
+    except (layout.ManifestError, KeyError) as e:
+        return False, f"manifest: {e}"
+    if entry.size != r.size:
+        return False, f"the image is {r.size} bytes, the part {entry.size}"
+    with r.arena.view[r.offset:r.offset + r.size] as image:
+        got = layout.block_digests(image, entry.chunk_bytes)
+    if list(got) != list(entry.digests):
+        bad = next(i for i, (a, b) in enumerate(zip(got, entry.digests, strict=False)) if a != b)
+        return False, f"block {bad} was overwritten (a later save began)"
+    return True, ""
