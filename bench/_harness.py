@@ -223,6 +223,19 @@ def state_bytes(state: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors_of(state))
 
 
+def distinct_tensors(state: Any) -> list[Any]:
+    """:func:`tensors_of`, each tensor once: one reachable twice (tied weights, GPT-2's ``lm_head.weight``
+    is ``wte.weight``) is one set of bytes, as a checkpoint stores it and as a copy of the state should count it."""
+    seen: set[tuple[Any, ...]] = set()
+    out = []
+    for t in tensors_of(state):
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out
+
+
 # ------------------------------------------------------------ memory-speed peers
 
 
@@ -486,6 +499,17 @@ def _git_state() -> str:
     head = git("rev-parse", "--short", "HEAD").strip()
     dirty = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
     return f"{head} + uncommitted changes to {', '.join(dirty)}" if dirty else head
+
+
+def mem_available() -> int:
+    """``MemAvailable`` from ``/proc/meminfo``, in bytes (0 when it cannot be read)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def print_machine(info: dict[str, Any], out: Callable[[str], None] = print) -> None:
