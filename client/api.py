@@ -36,7 +36,7 @@ from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-_TIERS = {"local": pb.LOCAL, "shared": pb.SHARED}
+_TIERS = {"local": pb.LOCAL, "shared": pb.SHARED, "memory": pb.MEMORY}
 # After losing its session, how long a save waits for a restarting daemon before it fails.
 _REOPEN_WAIT_S = 10.0
 # A deletion waits for saves and drains of the step still in flight (the daemon bounds each wait to 30 s).
@@ -48,7 +48,8 @@ class CheckpointInfo:
     """One step of a job as the daemon knows it."""
 
     step: int
-    tiers: tuple[str, ...]     # tiers holding the step's commit record (and so every rank's part)
+    tiers: tuple[str, ...]     # tiers holding the step's commit record (and so every rank's part); "memory"
+                               # when the daemon keeps every rank's part in memory (the memory tier)
     bytes: int
     created: float             # unix seconds
     complete: bool             # every rank's part is committed somewhere: restorable
@@ -103,6 +104,9 @@ class SaveHandle:
 
     def wait(self, tier: str = "local", timeout: float | None = None) -> None:
         """Returns once the checkpoint is committed on ``tier``; raises :class:`SaveFailed` if it cannot be.
+
+        ``"memory"``: complete in the daemon's memory (every save; with ``[local] persist_every`` above 1
+        the only tier of the steps it does not write to local SSD, whose ``wait("local")`` raises).
 
         With a ``timeout`` it returns or raises :class:`TimeoutError` within
         about that long, also when the daemon does not answer at all (hung or
@@ -365,7 +369,7 @@ class Client:
         """This daemon's complete steps of the job, newest first (at most ``most``)."""
         if most == 1:
             try:
-                resp = self._conn.call("Locate", pb.LocateRequest(job=self.job, latest=True, rank=0))
+                resp = self._conn.call("Locate", pb.LocateRequest(job=self.job, latest=True, rank=0, memory=True))
             except errors.CheckpointNotFound:
                 return []
             return [int(resp.step)]
@@ -417,7 +421,7 @@ class Client:
                 return
 
     def list(self) -> list[CheckpointInfo]:
-        resp = self._conn.call("ListCheckpoints", pb.ListRequest(job=self.job))
+        resp = self._conn.call("ListCheckpoints", pb.ListRequest(job=self.job, memory=True))
         return [_info(c) for c in resp.checkpoints]
 
     def load(self, step: int | None = None, into: Any = None) -> Any:
@@ -490,6 +494,11 @@ class Client:
                 found, state = self._read_memory(memory, step, tree_rank, into)
                 if found:
                     return state
+            if not located.parts[tree_rank]:  # a step kept in memory only, and gone from there since
+                if attempt == tries:
+                    raise errors.CheckpointNotFound(f"{self.job} step {step} was kept in memory only, and the "
+                                                    "daemon no longer holds it")
+                continue
             state, moved = self._load_part(step, tree_rank, located.parts[tree_rank], into, located.commit)
             if not moved:
                 return state
@@ -877,7 +886,7 @@ def _innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 def _tier_code(tier: str) -> int:
     if tier not in _TIERS:
-        raise ValueError(f"tier must be 'local' or 'shared', not {tier!r}")
+        raise ValueError(f"tier must be 'local', 'shared' or 'memory', not {tier!r}")
     return _TIERS[tier]
 
 
@@ -901,7 +910,8 @@ def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
 
 
 def _info(c: pb.CheckpointInfo) -> CheckpointInfo:
-    tiers = tuple(t for t, committed in (("local", c.committed_local), ("shared", c.committed_shared)) if committed)
+    tiers = tuple(t for t, committed in (("local", c.committed_local), ("shared", c.committed_shared),
+                                         ("memory", len(c.ranks_memory) == c.world_size)) if committed)
     return CheckpointInfo(step=c.step, tiers=tiers, bytes=c.bytes, created=c.created, complete=c.complete,
                           world_size=c.world_size, pinned=c.pinned, drain_state=c.drain_state,
                           metrics=dict(c.metrics), attempt=c.attempt, ranks_missing=tuple(c.ranks_missing),

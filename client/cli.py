@@ -85,7 +85,7 @@ def cmd_status(conn: Connection, args: argparse.Namespace) -> int:
 
 
 def cmd_ls(conn: Connection, args: argparse.Namespace) -> int:
-    resp = conn.call("ListCheckpoints", pb.ListRequest(job=args.job))
+    resp = conn.call("ListCheckpoints", pb.ListRequest(job=args.job, memory=True))
 
     def text() -> str:
         quarantined = [f"quarantined: step {q.step} rank {q.rank} {pb.Tier.Name(q.tier).lower()} copy, "

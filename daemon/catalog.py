@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 class TierName(str, Enum):
     LOCAL = "local"
     SHARED = "shared"
+    MEMORY = "memory"  # the memory tier (memtier.py): never a catalogue part, named by waits and reports
 
 
 @dataclass(frozen=True)

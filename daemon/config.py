@@ -342,6 +342,13 @@ class LocalConfig:
     # or the disk has less than min_free_bytes free. None: no such limit.
     max_bytes: int | None = field(default=None, metadata=_kind(_size(1, MAX_TIER_BYTES)))
     min_free_bytes: int | None = field(default=None, metadata=_kind(_size(0, MAX_TIER_BYTES)))
+    # Only steps whose number is a multiple of this are written to local SSD; the others are kept in
+    # memory only (the memory tier), for a restart of the trainer on this node.
+    persist_every: int = field(default=1, metadata=_kind(_int(1, MAX_KEEP_EVERY)))
+
+    def persists(self, step: int) -> bool:
+        """Whether ``step`` is written to local SSD (``persist_every``); every node of a job decides alike."""
+        return step % self.persist_every == 0
 
 
 @dataclass(frozen=True)
@@ -473,6 +480,12 @@ class Config:
                 "socket",
                 f"{self.socket} is longer than {MAX_SOCKET_PATH_BYTES} bytes, "
                 "the limit for a Unix socket path",
+            )
+        if self.shared.drain_every % self.local.persist_every:
+            raise ConfigError(
+                "shared.drain_every",
+                f"{self.shared.drain_every} is not a multiple of local.persist_every ({self.local.persist_every}): "
+                "only steps written to local SSD can be drained",
             )
         shared = self.shared.dir
         # Retention on one tier would delete the other's checkpoints.

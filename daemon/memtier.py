@@ -46,7 +46,13 @@ class Resident:
     arena: Arena
     offset: int   # of the image's first byte in the arena
     size: int     # the data file's size
-    part_dir: Path  # the committed part it is an image of
+    part_dir: Path | None  # the committed part it is an image of; None: a save kept in memory only
+    manifest: bytes | None = None  # a memory-only save's manifest.json (the others' is read from part_dir)
+
+    @property
+    def where(self) -> Path:
+        """What messages name: the part's directory, or where it would be."""
+        return self.part_dir or Path(f"memory:{self.job}/step-{self.step:012d}/rank-{self.rank:05d}")
 
 
 @dataclass
@@ -55,12 +61,29 @@ class MemoryCopy:
     manifest: bytes   # the part's manifest.json, as committed
     digest: str       # its xxh3-64: what the catalog and commit records name
     kept_at: float    # monotonic
+    created: float    # unix seconds, when kept
     verified: bool = False
     dropped: bool = False
 
     @property
+    def memory_only(self) -> bool:
+        return self.resident.part_dir is None
+
+    @property
     def key(self) -> tuple[str, int]:
         return self.resident.job, self.resident.rank
+
+
+@dataclass(frozen=True)
+class MemoryStep:
+    """A step kept in memory only, whole: every rank of one attempt (a job on one node)."""
+
+    job: str
+    step: int
+    world_size: int
+    attempt: str
+    nbytes: int
+    created: float
 
 
 @dataclass(frozen=True)
@@ -106,12 +129,14 @@ class MemoryTier:
         if not self.enabled or resident is None or resident.arena is not arena:
             return False
         try:
-            manifest, digest = _read_committed(resident.part_dir)
+            manifest = resident.manifest if resident.manifest is not None else \
+                (resident.where / layout.MANIFEST_FILE).read_bytes()
+            layout.parse_manifest_file(manifest, resident.where / layout.MANIFEST_FILE)  # a torn read is refused
         except (OSError, layout.ManifestError) as e:
             log.info("memory tier: not keeping %s step %d rank %d: %s", resident.job, resident.step,
                      resident.rank, e)
             return False
-        copy = MemoryCopy(resident, manifest, digest, time.monotonic())
+        copy = MemoryCopy(resident, manifest, layout.chunk_digest(manifest), time.monotonic(), time.time())
         with self._lock:
             if self._stopping:
                 return False
@@ -161,7 +186,24 @@ class MemoryTier:
             copy = self._copies.get((job, rank))
             if copy is None or not copy.verified or copy.resident.step != step:
                 return None
-        return copy if self._committed_digest(job, step, rank) == copy.digest else None
+        committed = self._committed_digest(job, step, rank)
+        if copy.memory_only:  # served while no part of that step and rank is committed on disk
+            return copy if committed is None else None
+        return copy if committed == copy.digest else None
+
+    def memory_steps(self, job: str) -> list[MemoryStep]:
+        """``job``'s steps kept in memory only with every rank of one attempt here, newest first."""
+        with self._lock:
+            only = [c for c in self._copies.values() if c.verified and c.memory_only and c.resident.job == job]
+        groups: dict[tuple[int, str, int], list[MemoryCopy]] = {}
+        for c in only:
+            groups.setdefault((c.resident.step, c.resident.attempt, c.resident.world_size), []).append(c)
+        out = [MemoryStep(job, step, world, attempt, sum(c.resident.size for c in group),
+                          max(c.created for c in group))
+               for (step, attempt, world), group in groups.items()
+               if sorted(c.resident.rank for c in group) == list(range(world))
+               and all(self._servable(job, step, c.resident.rank) is c for c in group)]
+        return sorted(out, key=lambda m: -m.step)
 
     def copies(self, job: str | None = None) -> list[MemoryCopy]:
         with self._lock:
@@ -199,13 +241,15 @@ class MemoryTier:
             self._on_change()
         return len(old)
 
-    def drop_job(self, job: str, step: int | None = None) -> None:
-        """A step (every step when None) of ``job`` was deleted or replaced: its copies go."""
+    def drop_job(self, job: str, step: int | None = None) -> tuple[int, int]:
+        """A step (every step when None) of ``job`` was deleted or replaced: its copies go; (copies, bytes)."""
         with self._lock:
-            for copy in [c for c in list(self._copies.values()) + self._pending if c.resident.job == job
-                         and (step is None or c.resident.step == step)]:
+            gone = [c for c in list(self._copies.values()) + self._pending if c.resident.job == job
+                    and (step is None or c.resident.step == step) and not c.dropped]
+            for copy in gone:
                 self._drop_locked(copy, "the step was deleted or replaced")
         self._on_change()
+        return len(gone), sum(c.resident.size for c in gone)
 
     def shutdown(self) -> None:
         with self._lock:
@@ -273,17 +317,11 @@ class MemoryTier:
             self._on_change()
 
 
-def _read_committed(part_dir: Path) -> tuple[bytes, str]:
-    raw = (part_dir / layout.MANIFEST_FILE).read_bytes()
-    layout.parse_manifest_file(raw, part_dir / layout.MANIFEST_FILE)  # verified: a torn read is refused
-    return raw, layout.chunk_digest(raw)
-
-
 def _image_matches(copy: MemoryCopy) -> tuple[bool, str]:
     """Whether the arena still holds exactly the committed data file (every digest block)."""
     r = copy.resident
     try:
-        manifest = layout.parse_manifest_file(copy.manifest, r.part_dir / layout.MANIFEST_FILE)
+        manifest = layout.parse_manifest_file(copy.manifest, r.where / layout.MANIFEST_FILE)
         entry = layout.manifest_files(manifest)[layout.DATA_FILE]
     except (layout.ManifestError, KeyError) as e:
         return False, f"manifest: {e}"

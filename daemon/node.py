@@ -41,7 +41,7 @@ from ckptstage.daemon.incomplete import IncompleteSteps, why_incomplete
 from ckptstage.daemon.janitor import Deleted, GcAction, Janitor
 from ckptstage.daemon.job_rules import JobRetention, JobRules
 from ckptstage.daemon.manifest_check import parse_manifest
-from ckptstage.daemon.memtier import MemoryTier
+from ckptstage.daemon.memtier import MemoryStep, MemoryTier
 from ckptstage.daemon.metrics import Metrics, StateProbe
 from ckptstage.daemon.persister import Persister, Save
 from ckptstage.daemon.quarantine import Quarantine
@@ -69,6 +69,7 @@ class SettledSave:
     step: int
     rank: int
     error: str | None
+    memory_only: bool = False
 
 
 def node_name(local_dir: Path | None = None) -> str:
@@ -271,7 +272,10 @@ class Node:
             # through this daemon, so that it alone decides what each tier's step is made of.
             self._check_replaceable_here(info, step)
         base = session.stream_base_for_next_save(stream_base)  # may refuse: before any file is created
-        if staged:
+        writer: fsutil.PartWriter | None = None
+        if self._memory_only(session, step, data_bytes, base, overwrite or staged):
+            pass  # kept in the arena only: no file
+        elif staged:
             writer = fsutil.PartWriter(local, self.owner, info.job, step, info.rank, replace=lambda _: True,
                                        final=overwrite_mod.staged_part_dir(local, self.owner, info.job, step,
                                                                            info.rank))
@@ -283,10 +287,12 @@ class Node:
                         base, session.chunk_bytes, writer,
                         direct_io=self.config.persist.direct_io)
         except (OSError, OverflowError, ValueError) as e:
-            writer.abort()
+            if writer is not None:
+                writer.abort()
             raise SaveFailed(f"cannot create the data file for step {step} on {self.config.local.dir}: {e}") from e
         except BaseException:
-            writer.abort()
+            if writer is not None:
+                writer.abort()
             raise
         try:
             session.add_save(save)
@@ -299,6 +305,19 @@ class Node:
             self._owners[save.id] = session
         self.metrics.saves_started.inc()
         return save
+
+    def _memory_only(self, session: Session, step: int, data_bytes: int, base: int, replacing: bool) -> bool:
+        """Whether the save is kept in memory only (``[local] persist_every``): it must lie whole, unwrapped, in
+        the arena (else it is written as usual), and a replacement of a committed step is always written."""
+        arena = session.arena
+        if replacing or self.config.local.persists(step) or not self.memory.enabled or arena is None:
+            return False
+        if base % arena.size + data_bytes > arena.size:
+            log.info("%s step %d rank %d: %d bytes do not lie whole in the %d-byte arena; written to local SSD "
+                     "although [local] persist_every = %d", session.info.job, step, session.info.rank, data_bytes,
+                     arena.size, self.config.local.persist_every)
+            return False
+        return True
 
     def progress(self, save_id: str, copied_upto: int, wait_released: int, timeout: float) -> int:
         save = self._live_save(save_id)
@@ -335,6 +354,12 @@ class Node:
             save = self._settled_record(save)
         if save.error is not None:
             raise SaveFailed(save.error)
+        if tier == TierName.MEMORY:
+            return True  # committed: in the arena, and on disk too unless it is kept in memory only
+        if save.memory_only:
+            raise SaveFailed(f"{save.job} step {save.step} is kept in memory only: [local] persist_every = "
+                             f"{self.config.local.persist_every} writes only steps that are multiples of it to "
+                             "local SSD (wait for 'memory', or save a step that is one)")
         if tier == TierName.LOCAL:
             return True
         if self.drainer is None:
@@ -368,6 +393,16 @@ class Node:
             raise CheckpointNotFound(job, ckpt.step, f"no part for rank {rank} (world size {ckpt.world_size})")
         return ckpt, parts
 
+    def memory_step(self, job: str, step: int | None) -> MemoryStep | None:
+        """The step kept in memory only that a reader of ``step`` (the newest when None) gets: that step, or
+        the newest when it is newer than every complete step on disk."""
+        layout.check_job(job)
+        kept = self.memory.memory_steps(job)
+        if step is not None:
+            return next((m for m in kept if m.step == step), None)
+        disk = self.catalog.latest_complete(job)
+        return kept[0] if kept and (disk is None or kept[0].step > disk.step) else None
+
     def memory_ranks(self, ckpt: Checkpoint) -> list[int]:
         """The ranks of ``ckpt`` whose committed part the memory tier holds."""
         return [r for r in range(ckpt.world_size) if self.memory.has(ckpt.job, ckpt.step, r)]
@@ -388,6 +423,12 @@ class Node:
         layout.check_step(step)
         if tier == TierName.SHARED and self.drainer is None:
             raise InvalidRequest("this daemon has no shared tier ([shared] dir is not set)")
+        if tier == TierName.MEMORY:
+            raise InvalidRequest("a step is not waited for in the memory tier: wait for each save "
+                                 "(SaveHandle.wait('memory'))")
+        if tier is not None and not self.config.local.persists(step) and self.catalog.get(job, step) is None:
+            raise InvalidRequest(f"step {step} is kept in memory only: [local] persist_every = "
+                                 f"{self.config.local.persist_every} writes only steps that are multiples of it")
         if tier == TierName.SHARED and not self.config.shared.drains(step):
             ckpt = self.catalog.get(job, step)
             if ckpt is None or not ckpt.complete_on(TierName.SHARED):
@@ -423,6 +464,9 @@ class Node:
         if self.catalog.get(job, step) is None and self.shared_sync is not None:
             self.shared_sync.fresh(job, step, max_age_s=0.0)  # a step only the shared tier has, not yet indexed
         if self.catalog.get(job, step) is None:
+            copies, nbytes = self.memory.drop_job(job, step)  # a step kept in memory only
+            if copies:
+                return Deleted(copies, nbytes, (TierName.MEMORY,))
             raise CheckpointNotFound(job, step)
         if self.catalog.is_pinned(job, step):
             raise StepPinned(job, step)
@@ -509,6 +553,9 @@ class Node:
                     self.drainer.enqueue(part)
 
     def _on_commit(self, save: Save) -> None:
+        if save.memory_only:
+            self._on_memory_commit(save)
+            return
         assert save.committed_path is not None
         if overwrite_mod.is_staged(self.config.local.dir, self.owner, save.committed_path):
             self.metrics.saves_committed.labels("local").inc()
@@ -551,6 +598,16 @@ class Node:
         self._settle(save)
         self.apply_retention(spec.job, trigger="commit", shared=False)
 
+    def _on_memory_commit(self, save: Save) -> None:
+        """A save kept in memory only is complete in the arena: the session's newest image, for a restart."""
+        spec = save.spec
+        self.metrics.saves_committed.labels("memory").inc()
+        log.info("kept %s step %d rank %d in memory only: %d bytes ([local] persist_every = %d)", spec.job,
+                 spec.step, spec.rank, spec.data_bytes, self.config.local.persist_every)
+        self._owner(save).keep_resident(save)
+        self.memory.superseded(spec.job, spec.rank, spec.step)
+        self._settle(save)
+
     def _on_failure(self, save: Save) -> None:
         self.metrics.saves_failed.inc()
         self._settle(save)
@@ -564,7 +621,8 @@ class Node:
         with self._saves_lock:
             if self._saves.pop(save.id, None) is not None:
                 spec = save.spec
-                self._settled[save.id] = SettledSave(save.id, spec.job, spec.step, spec.rank, save.error)
+                self._settled[save.id] = SettledSave(save.id, spec.job, spec.step, spec.rank, save.error,
+                                                     save.memory_only)
                 while len(self._settled) > MAX_SETTLED_SAVES:
                     old, _ = self._settled.popitem(last=False)
                     self._owners.pop(old, None)
@@ -595,7 +653,7 @@ class Node:
         with self._saves_lock:
             record = self._settled.get(save.id)
         spec = save.spec
-        return record or SettledSave(save.id, spec.job, spec.step, spec.rank, save.error)
+        return record or SettledSave(save.id, spec.job, spec.step, spec.rank, save.error, save.memory_only)
 
     def _live_saves(self) -> list[Save]:
         with self._saves_lock:

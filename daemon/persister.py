@@ -34,8 +34,11 @@ class Save:
     """One part in flight from the arena to the local tier."""
 
     def __init__(self, save_id: str, session_id: str, spec: SaveSpec, arena: Arena, stream_base: int,
-                 chunk_bytes: int, writer: PartWriter, direct_io: bool = False) -> None:
-        """Takes ``writer`` over and creates the data file in it; on any error both are gone."""
+                 chunk_bytes: int, writer: PartWriter | None, direct_io: bool = False) -> None:
+        """Takes ``writer`` over and creates the data file in it; on any error both are gone.
+
+        Without a writer the save is kept in memory only: its chunks are hashed, not written, and its
+        "commit" is the manifest (:attr:`memory_manifest`) vouching for the image in the arena."""
         self.id = save_id
         self.session_id = session_id
         self.spec = spec
@@ -57,11 +60,17 @@ class Save:
             self.error: str | None = None
             self.local_done = threading.Event()
             self.committed_path: Path | None = None
+            self.memory_manifest: bytes | None = None  # a memory-only save's manifest.json, once committed
             self.lock = threading.Lock()
-            self.file = DataFile(writer.path(layout.DATA_FILE), spec.data_bytes, direct_io)  # last: opens an fd
+            if writer is not None:
+                self.file = DataFile(writer.path(layout.DATA_FILE), spec.data_bytes, direct_io)  # last: opens an fd
         except BaseException:
             self.discard()
             raise
+
+    @property
+    def memory_only(self) -> bool:
+        return self.writer is None
 
     @property
     def end(self) -> int:
@@ -83,7 +92,8 @@ class Save:
         if self.file is not None:
             self.file.close()
             self.file = None
-        self.writer.abort()
+        if self.writer is not None:
+            self.writer.abort()
 
     def chunk_span(self, i: int) -> tuple[int, int]:
         start = i * self.chunk_bytes
@@ -125,7 +135,8 @@ class Persister:
                 return
             save.error = reason
         self._close_fd(save)
-        save.writer.abort()
+        if save.writer is not None:
+            save.writer.abort()
         log.warning("save %s (%s step %d rank %d) failed: %s", save.id, save.spec.job, save.spec.step,
                     save.spec.rank, reason)
         self._on_failure(save)
@@ -144,7 +155,7 @@ class Persister:
             # Besides I/O errors: the save may have failed under us (its session
             # closed) and its arena been released, which makes the slice a ValueError.
             complete = False
-            self.fail(save, f"writing {save.writer.final} chunk {i}: {e}")
+            self.fail(save, f"writing {_where(save)} chunk {i}: {e}")
         finally:
             with save.lock:
                 save.inflight -= 1
@@ -159,8 +170,9 @@ class Persister:
         a = (save.stream_base + start) % save.arena.size
         with save.arena.view[a:a + (stop - start)] as piece:
             digests = layout.block_digests(piece, layout.digest_block_bytes(save.chunk_bytes))
-            assert save.file is not None, "a chunk write after the data file closed"
-            save.file.write(piece, start)
+            if not save.memory_only:
+                assert save.file is not None, "a chunk write after the data file closed"
+                save.file.write(piece, start)
         with save.lock:
             # The digest is published only after the write: frontier == n_chunks
             # then means every byte is in the file.
@@ -173,26 +185,29 @@ class Persister:
 
     def _commit(self, save: Save) -> None:
         with save.lock:
-            if save.committed_path is not None or save.error is not None:
+            if save.committed_path is not None or save.memory_manifest is not None or save.error is not None:
                 return
             data_file, save.file = save.file, None
         try:
-            assert data_file is not None
-            try:
-                data_file.sync()  # the data before the manifest that vouches for it
-            finally:
-                data_file.close()
+            if data_file is not None:
+                try:
+                    data_file.sync()  # the data before the manifest that vouches for it
+                finally:
+                    data_file.close()
             manifest = dict(save.spec.manifest)
             manifest["created"] = time.time()
             manifest["metrics"] = save.spec.metrics
             manifest["files"] = {layout.DATA_FILE: layout.FileEntry(
                 save.spec.data_bytes, layout.digest_block_bytes(save.chunk_bytes),
                 tuple(d for i in range(save.n_chunks) for d in save.digests[i])).to_json()}
-            save.committed_path = save.writer.commit(manifest)
+            if save.writer is None:
+                save.memory_manifest = layout.manifest_file_bytes(manifest)
+            else:
+                save.committed_path = save.writer.commit(manifest)
         except Exception as e:  # noqa: BLE001 - whatever it was, the save fails and its temporary goes
             # Raised here, anything but an OSError would end in the pool's unread future: the save
             # would never settle and its temporary would stay until the daemon restarts.
-            self.fail(save, f"committing {save.writer.final}: {e}")
+            self.fail(save, f"committing {_where(save)}: {e}")
             return
         # Index (and queue for draining) before waking waiters: whoever
         # returns from wait("local") may call wait("shared") at once.
@@ -210,3 +225,9 @@ class Persister:
             data_file, save.file = save.file, None
         data_file.close()
 
+
+def _where(save: Save) -> str:
+    """What a save's messages name: its part's final directory, or that it is kept in memory only."""
+    spec = save.spec
+    return str(save.writer.final) if save.writer is not None else \
+        f"{spec.job} step {spec.step} rank {spec.rank} (memory only)"

@@ -36,7 +36,7 @@ from ckptstage.daemon.errors import (
     ShuttingDown,
     StepPinned,
 )
-from ckptstage.daemon.memtier import MemoryTier
+from ckptstage.daemon.memtier import MemoryStep, MemoryTier
 from ckptstage.daemon.node import VERSION, Node
 from ckptstage.daemon.sessions import Session, SessionInfo
 from ckptstage.protos import layout
@@ -60,7 +60,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
 ]
 
-_TIERS = {pb.LOCAL: TierName.LOCAL, pb.SHARED: TierName.SHARED}
+_TIERS = {pb.LOCAL: TierName.LOCAL, pb.SHARED: TierName.SHARED, pb.MEMORY: TierName.MEMORY}
 _TIER_PB = {v: k for k, v in _TIERS.items()}
 # Longest a blocking RPC holds a thread; clients loop for longer waits.
 MAX_BLOCK_S = 30.0
@@ -100,7 +100,7 @@ def _mapped(method: F) -> F:
 
 def _tier(value: int) -> TierName:
     if value not in _TIERS:
-        raise InvalidRequest(f"unknown tier {value}: LOCAL or SHARED")
+        raise InvalidRequest(f"unknown tier {value}: LOCAL, SHARED or MEMORY")
     return _TIERS[value]
 
 
@@ -111,6 +111,23 @@ def _locations(parts: list[Part], memory: MemoryTier | None = None, handoff: str
     if parts and memory is not None and memory.has(parts[0].job, parts[0].step, parts[0].rank):
         out.insert(0, pb.PartLocation(tier=pb.MEMORY, dir=handoff))
     return out
+
+
+def _memory_located(kept: MemoryStep, request: pb.LocateRequest, handoff: str) -> pb.LocateResponse:
+    """Where the parts of a step kept in memory only are: in the memory tier, every rank's."""
+    if not request.all_ranks and request.rank >= kept.world_size:
+        raise CheckpointNotFound(kept.job, kept.step, f"no part for rank {request.rank} (world size "
+                                                      f"{kept.world_size})")
+    here = [pb.PartLocation(tier=pb.MEMORY, dir=handoff)]
+    every = [pb.RankParts(rank=r, locations=here) for r in range(kept.world_size)] if request.all_ranks else []
+    return pb.LocateResponse(step=kept.step, world_size=kept.world_size, locations=here, attempt=kept.attempt,
+                             parts=every, commit=f"memory:{kept.attempt}")
+
+
+def _memory_info(kept: MemoryStep) -> pb.CheckpointInfo:
+    return pb.CheckpointInfo(job=kept.job, step=kept.step, world_size=kept.world_size, bytes=kept.nbytes,
+                             created=kept.created, complete=True, drain_state="memory-only", attempt=kept.attempt,
+                             ranks_memory=range(kept.world_size))
 
 
 def _timeout(requested: float, context: grpc.aio.ServicerContext) -> float:
@@ -282,16 +299,24 @@ class Servicer(pb_grpc.CheckpointerServicer):
     @_mapped
     async def ListCheckpoints(self, request: pb.ListRequest, context: grpc.aio.ServicerContext) -> pb.ListResponse:
         ckpts = await self._run(self.node.checkpoints, request.job)
-        return pb.ListResponse(checkpoints=[self._info(c) for c in ckpts], quarantined=[
+        infos = [self._info(c) for c in ckpts]
+        if request.memory:  # and the steps only the memory tier holds
+            kept = await self._run(self.node.memory.memory_steps, request.job)
+            infos = sorted(infos + [_memory_info(m) for m in kept], key=lambda i: i.step)
+        return pb.ListResponse(checkpoints=infos, quarantined=[
             pb.QuarantinedCopy(step=q.step, rank=q.rank, tier=_TIER_PB[TierName(q.tier)], path=str(q.path),
                                detail=q.detail) for q in self.node.quarantine.moved(request.job)])
 
     @_mapped
     async def Locate(self, request: pb.LocateRequest, context: grpc.aio.ServicerContext) -> pb.LocateResponse:
+        handoff = str(handoff_socket(self.socket_path))
+        if request.memory:  # a step kept in memory only, newer than any on disk (or the one asked for)
+            kept = await self._run(self.node.memory_step, request.job, None if request.latest else request.step)
+            if kept is not None:
+                return _memory_located(kept, request, handoff)
         ckpt, parts = await self._run(self.node.locate, request.job, None if request.latest else request.step,
                                       request.rank, request.all_ranks)
         memory = self.node.memory if request.memory else None  # a reader that asked for it, only
-        handoff = str(handoff_socket(self.socket_path))
         every = [pb.RankParts(rank=r, locations=_locations(ckpt.committed(r), memory, handoff))
                  for r in range(ckpt.world_size)] if request.all_ranks else []
         record = ckpt.record

@@ -169,8 +169,8 @@ class Session:
             return (self.arena.generation if self.arena is not None else 0), self.released()
 
     def keep_resident(self, save: Save) -> None:
-        """``save`` committed to ``part_dir``: its image in the arena is the session's newest, if unbroken."""
-        assert save.committed_path is not None
+        """``save`` committed (on disk, or in memory only): its image in the arena is the session's newest."""
+        assert save.committed_path is not None or save.memory_manifest is not None
         arena, spec = save.arena, save.spec
         offset, size = save.stream_base % arena.size, arena.size
         with self.cond:
@@ -181,7 +181,7 @@ class Session:
             self._resident_base = save.stream_base
             self.resident = Resident(spec.job, spec.step, spec.rank, spec.world_size,
                                      str(spec.manifest.get("attempt", "")), arena, offset, spec.data_bytes,
-                                     save.committed_path)
+                                     save.committed_path, save.memory_manifest)
 
     def settle(self, save: Save) -> None:
         """Drops a committed or failed save; frees arenas nobody uses any more."""

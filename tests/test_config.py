@@ -300,6 +300,8 @@ BAD = [
     ('[local]\nmin_free_bytes = "10 parsecs"', "local.min_free_bytes", "invalid size"),
     ("[shared]\nkeep_last = 0", "shared.keep_last", "integer from 1 to"),
     ("[shared]\nkeep_every = 0", "shared.keep_every", "integer from 1 to"),
+    ("[local]\npersist_every = 2\n[shared]\ndrain_every = 3", "shared.drain_every",
+     "3 is not a multiple of local.persist_every (2): only steps written to local SSD can be drained"),
     ('[shared]\nkeep_best = "val_loss"', "shared.keep_best", "expected a table"),
     ('[shared]\nkeep_best = { mode = "min" }', "shared.keep_best.metric", "non-empty metric name"),
     ('[shared]\nkeep_best = { metric = "l", mode = "lowest" }', "shared.keep_best.mode", '"min" or "max"'),
@@ -494,6 +496,7 @@ OUT_OF_BOUNDS: dict[str, tuple[object, object]] = {
     "retention.incomplete_after_s": (0.99, 86401),
     "memory.keep_s": (0.99, 7 * 86400 + 1),
     "shared.drain_every": (0, 1_000_000_001),
+    "local.persist_every": (0, 1_000_000_001),
 }
 
 

@@ -100,7 +100,7 @@ def test_a_killed_trainer_restarts_from_memory(daemon_factory):
     assert ls.returncode == 0 and ls.stdout.splitlines()[1].split()[:2] == ["1", "local,memory"], ls.stdout
     with Client("flash", socket=d.socket) as c:
         [info] = c.list()
-        assert info.ranks_memory == (0,) and info.tiers == ("local",)
+        assert info.ranks_memory == (0,) and info.tiers == ("local", "memory")
         state = c.load()
         assert c.last_load_tier == "memory"
         assert_same(state, saved_state(1, 8))

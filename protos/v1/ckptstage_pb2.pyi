@@ -261,10 +261,12 @@ class CheckpointInfo(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks_local: _Optional[_Iterable[int]] = ..., ranks_shared: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., created: _Optional[float] = ..., complete: _Optional[bool] = ..., pinned: _Optional[bool] = ..., drain_state: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., attempt: _Optional[str] = ..., committed_local: _Optional[bool] = ..., committed_shared: _Optional[bool] = ..., ranks_missing: _Optional[_Iterable[int]] = ..., ranks_memory: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListRequest(_message.Message):
-    __slots__ = ("job",)
+    __slots__ = ("job", "memory")
     JOB_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     job: str
-    def __init__(self, job: _Optional[str] = ...) -> None: ...
+    memory: bool
+    def __init__(self, job: _Optional[str] = ..., memory: _Optional[bool] = ...) -> None: ...
 
 class ListResponse(_message.Message):
     __slots__ = ("checkpoints", "quarantined")
