@@ -31,6 +31,7 @@ from ckptstage.client.restore import read_part
 from ckptstage.client.rpc import Connection
 from ckptstage.client.snapshot import ArenaMap, CopyThreads, Streamer, ready_events
 from ckptstage.protos import layout
+from ckptstage.protos import handoff
 from ckptstage.protos.handoff import NotInMemory
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
@@ -539,8 +540,11 @@ class Client:
                 raise
             log.error("checkpoint %s step %d rank %d: the memory copy failed verification (%s); reading it "
                       "from disk", self.job, step, rank, e)
-            self._conn.call("ReportCorrupt", pb.ReportCorruptRequest(
-                job=self.job, step=step, rank=rank, tier=pb.MEMORY, detail=str(e)))
+            try:
+                self._conn.call("ReportCorrupt", pb.ReportCorruptRequest(
+                    job=self.job, step=step, rank=rank, tier=pb.MEMORY, detail=str(e)))
+            except errors.CkptStageError as report_error:  # the disk copies are read all the same
+                log.warning("could not report the bad memory copy: %s", report_error)
         else:
             self.last_load_tier = "memory"
             return True, state
@@ -622,6 +626,7 @@ class Client:
         self._closed = True
         self._queue.put(None)
         self._worker.join()
+        self._close_lifeline()  # nothing of this process writes into the arena any more: the daemon may keep it
         try:
             self._conn.call("CloseSession", pb.CloseSessionRequest(session_id=self._session_id), timeout=10)
         except errors.CkptStageError:
@@ -663,8 +668,19 @@ class Client:
             raise errors.DaemonUnavailable(f"daemon refused the session: {first.message}")
         with self._lock:
             self._released_hint = (0, 0)
+        self._close_lifeline()
+        try:
+            self._lifeline: socketlib.socket | None = handoff.lifeline(handoff.socket_path(self._conn.socket),
+                                                                      self._session_id)
+        except OSError as e:  # an older daemon: no memory tier for this session's arena, nothing else lost
+            log.debug("ckptstage: no lifeline to the daemon's memory tier: %s", e)
         threading.Thread(target=self._watch, args=(self._attach, self._session_id), daemon=True,
                          name=f"ckptstage-session-{self.rank}").start()
+
+    def _close_lifeline(self) -> None:
+        lifeline, self._lifeline = getattr(self, "_lifeline", None), None
+        if lifeline is not None:
+            lifeline.close()
 
     def _watch(self, attach: Any, session_id: str) -> None:
         """Follows the session's event stream: the daemon announces arena space as it frees up."""

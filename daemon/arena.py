@@ -32,12 +32,13 @@ _NAME_RE = re.compile(r"ckptstage-(\d+)-[0-9a-f]+-\d+")
 class Budget:
     """The daemon-wide cap on shared memory handed out (``[arena] max_bytes``).
 
-    ``reclaim(n)``, when set, is asked to give back at least ``n`` bytes
-    (by releasing them here) before a grant fails: the memory tier's copies
-    make way for sessions that need the room.
+    ``reclaim(n, owner)``, when set, is asked to give back at least ``n``
+    bytes (by releasing them here) before a grant fails: the memory tier's
+    copies make way for sessions that need the room (``owner``, the asking
+    session's (job, rank), first gives up its own).
     """
 
-    def __init__(self, total: int, reclaim: Callable[[int], None] | None = None) -> None:
+    def __init__(self, total: int, reclaim: Callable[[int, tuple[str, int] | None], None] | None = None) -> None:
         self.total = total
         self.reclaim = reclaim
         self._used = 0
@@ -47,7 +48,7 @@ class Budget:
     def used(self) -> int:
         return self._used
 
-    def grant(self, want: int, unit: int) -> int:
+    def grant(self, want: int, unit: int, owner: tuple[str, int] | None = None) -> int:
         """Reserves up to ``want`` bytes, rounded to ``unit``; at least one unit.
 
         Returns the bytes granted. Raises :class:`ArenaFull` when not even one
@@ -58,7 +59,7 @@ class Budget:
         with self._lock:
             short = want - (self.total - self._used)
         if short > 0 and self.reclaim is not None:
-            self.reclaim(short)  # outside the lock: it calls release()
+            self.reclaim(short, owner)  # outside the lock: it calls release()
         with self._lock:
             free = self.total - self._used
             granted = min(want, free // unit * unit)

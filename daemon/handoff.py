@@ -24,18 +24,25 @@ import logging
 import os
 import socket
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ckptstage.daemon.memtier import MemoryTier
 from ckptstage.daemon.metrics import Metrics
-from ckptstage.protos.handoff import MAX_REQUEST_BYTES, bindable, parse_request
+from ckptstage.protos.handoff import MAX_REQUEST_BYTES, bindable, parse_lifeline, parse_request
 
 log = logging.getLogger(__name__)
 
+REQUEST_S = 5.0  # the whole of one request, however the peer dribbles it
+
 
 class HandoffServer:
-    def __init__(self, path: Path, memory: MemoryTier, metrics: Metrics) -> None:
+    def __init__(self, path: Path, memory: MemoryTier, metrics: Metrics,
+                 lifeline: Callable[[str, socket.socket], bool] = lambda sid, conn: False) -> None:
+        """``lifeline(session_id, conn)`` takes a session's lifeline over (True) or refuses it."""
         self.path = path
+        self._lifeline = lifeline
         self._memory = memory
         self._metrics = metrics
         self._sock: socket.socket | None = None
@@ -78,38 +85,58 @@ class HandoffServer:
                 if self._stopping.is_set():
                     return
                 continue
-            with conn:
-                try:
-                    conn.settimeout(5.0)  # a reader that connects and says nothing does not stall the others
-                    self._answer(conn)
-                except (OSError, ValueError) as e:
-                    log.info("memory handoff: %s", e)
+            kept = False
+            try:
+                kept = self._answer(conn, time.monotonic() + REQUEST_S)
+            except (OSError, ValueError) as e:
+                log.info("memory handoff: %s", e)
+            finally:
+                if not kept:
+                    conn.close()
 
-    def _answer(self, conn: socket.socket) -> None:
-        raw = _read_line(conn)
+    def _answer(self, conn: socket.socket, deadline: float) -> bool:
+        """One request, answered within ``deadline`` whatever the peer does (one reader at a time is served:
+        a slow or silent one must not hold up the others). True: the connection is a session's lifeline, kept."""
+        raw = _read_line(conn, deadline)
+        session_id = parse_lifeline(raw)
+        if session_id is not None:
+            return self._lifeline(session_id, conn)
         try:
             job, step, rank = parse_request(raw)
         except ValueError as e:
             conn.sendall(json.dumps({"error": str(e)}).encode() + b"\n")
-            return
+            return False
         out = self._memory.hand_out(job, step, rank)
         if out is None:
             conn.sendall(json.dumps({"error": f"{job} step {step} rank {rank} is not in memory (any more)"})
                          .encode() + b"\n")
-            return
+            return False
         try:
             head = json.dumps({"offset": out.offset, "size": out.size, "arena_size": out.arena_size,
                                "manifest_bytes": len(out.manifest)}).encode() + b"\n"
+            _budget(conn, deadline)
             socket.send_fds(conn, [head], [out.fd])
-            conn.sendall(out.manifest)
+            for i in range(0, len(out.manifest), 1 << 20):
+                _budget(conn, deadline)
+                conn.sendall(out.manifest[i:i + (1 << 20)])
         finally:
             os.close(out.fd)
         self._metrics.memory_handouts.inc()
+        return False
 
 
-def _read_line(conn: socket.socket) -> bytes:
+def _budget(conn: socket.socket, deadline: float) -> None:
+    """What is left of the request's time, as the socket's timeout; ValueError when none is."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise ValueError(f"the reader took over {REQUEST_S:g}s")
+    conn.settimeout(left)
+
+
+def _read_line(conn: socket.socket, deadline: float) -> bytes:
     buf = b""
     while not buf.endswith(b"\n"):
+        _budget(conn, deadline)
         piece = conn.recv(MAX_REQUEST_BYTES + 1 - len(buf))
         if not piece:
             raise ValueError("the reader hung up before its request ended")

@@ -74,7 +74,8 @@ class Daemon:
         self._stopped = threading.Event()
         self._done = threading.Event()
         self.rpc = RpcServer(self.node, config.socket)
-        self.handoff = HandoffServer(handoff_socket(config.socket), self.node.memory, self.node.metrics)
+        self.handoff = HandoffServer(handoff_socket(config.socket), self.node.memory, self.node.metrics,
+                                     self.node.take_lifeline)
 
     def start(self) -> None:
         """Claims the socket and the metrics port, recovers the local tier, then serves.

@@ -33,6 +33,8 @@ from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
 
+PENDING_WAIT_S = 10.0  # how long a reader waits for a copy still being checked before it reads the disk
+
 
 @dataclass(frozen=True)
 class Resident:
@@ -64,6 +66,7 @@ class MemoryCopy:
     created: float    # unix seconds, when kept
     verified: bool = False
     dropped: bool = False
+    freed: bool = False  # its arena closed and its budget share released
 
     @property
     def memory_only(self) -> bool:
@@ -165,10 +168,11 @@ class MemoryTier:
         return self._servable(job, step, rank) is not None
 
     def holds(self, job: str, rank: int) -> bool:
-        """Whether a verified copy of one of ``job``'s steps for ``rank`` is kept."""
+        """Whether a copy of one of ``job``'s steps for ``rank`` is kept (or being checked to be)."""
         with self._lock:
             copy = self._copies.get((job, rank))
-            return copy is not None and copy.verified
+            return copy is not None and copy.verified or \
+                any(c.key == (job, rank) and not c.dropped for c in self._pending)
 
     def hand_out(self, job: str, step: int, rank: int) -> Handout | None:
         """A duplicate descriptor of the copy's arena, for the reader; the caller closes ``fd``."""
@@ -183,6 +187,9 @@ class MemoryTier:
         """The kept, verified copy of (job, step, rank), if it is the part committed now (its manifest is
         the one the step's commit names: a step deleted or replaced on disk is never read from memory)."""
         with self._lock:
+            # A copy still being checked (a restart right after its trainer died) is waited for, briefly.
+            self._wake.wait_for(lambda: not any(c.key == (job, rank) and c.resident.step == step and not c.dropped
+                                                for c in self._pending), timeout=PENDING_WAIT_S)
             copy = self._copies.get((job, rank))
             if copy is None or not copy.verified or copy.resident.step != step:
                 return None
@@ -217,16 +224,24 @@ class MemoryTier:
 
     # --- letting go -----------------------------------------------------------------------
 
-    def reclaim(self, need: int) -> None:
-        """Drops copies, oldest first, until ``need`` bytes are back in the budget (or none is left)."""
+    def reclaim(self, need: int, owner: tuple[str, int] | None = None) -> None:
+        """Drops copies until ``need`` bytes are back in the budget (or none is left): ``owner``'s own first
+        (the (job, rank) asking: its new arena takes the copy's place; it has read it, or never will), then
+        the oldest checked ones, then those still being checked (waited for: their memory is freed once
+        the check lets go of it)."""
         freed = 0
+        waiting: list[MemoryCopy] = []
         with self._lock:
-            victims = sorted(list(self._copies.values()) + self._pending, key=lambda c: c.kept_at)
+            victims = sorted(list(self._copies.values()) + self._pending,
+                             key=lambda c: (c.key != owner, not c.verified, c.kept_at))
             for copy in victims:
                 if freed >= need:
                     break
                 freed += copy.resident.arena.size
                 self._drop_locked(copy, "a session needed the memory")
+                if not copy.freed:
+                    waiting.append(copy)
+            self._wake.wait_for(lambda: all(c.freed for c in waiting), timeout=30)
         if freed:
             self._on_change()
 
@@ -276,6 +291,8 @@ class MemoryTier:
         log.info("memory tier: dropped %s step %d rank %d (%d bytes): %s", r.job, r.step, r.rank, r.size, why)
         r.arena.close()
         self._budget.release(r.arena.size)
+        copy.freed = True
+        self._wake.notify_all()
 
     # --- verification -----------------------------------------------------------------------
 
@@ -292,7 +309,12 @@ class MemoryTier:
                 if not self._pending:
                     return
                 copy = self._pending[0]
-            ok, why = (False, "dropped") if copy.dropped else _image_matches(copy)
+            try:
+                ok, why = (False, "dropped") if copy.dropped else _image_matches(copy)
+            except Exception as e:  # noqa: BLE001 - the copy must settle (and its budget go back) whatever failed
+                log.exception("memory tier: checking %s step %d rank %d failed", copy.resident.job,
+                              copy.resident.step, copy.resident.rank)
+                ok, why = False, f"the check failed: {e}"
             with self._lock:
                 self._pending.remove(copy)
                 if copy.dropped or not ok:
@@ -311,6 +333,7 @@ class MemoryTier:
                     self._drop_locked(older, "a newer step is kept")
                 copy.verified = True
                 self._copies[copy.key] = copy
+                self._wake.notify_all()
                 r = copy.resident
                 log.info("memory tier: keeping %s step %d rank %d (%d bytes) for a restart on this node",
                          r.job, r.step, r.rank, r.size)
@@ -327,9 +350,13 @@ def _image_matches(copy: MemoryCopy) -> tuple[bool, str]:
         return False, f"manifest: {e}"
     if entry.size != r.size:
         return False, f"the image is {r.size} bytes, the part {entry.size}"
+    if len(entry.digests) != layout.chunk_count(entry.size, entry.chunk_bytes):
+        return False, "the manifest's block list does not cover the image"
+    block = entry.chunk_bytes
     with r.arena.view[r.offset:r.offset + r.size] as image:
-        got = layout.block_digests(image, entry.chunk_bytes)
-    if list(got) != list(entry.digests):
-        bad = next(i for i, (a, b) in enumerate(zip(got, entry.digests, strict=False)) if a != b)
-        return False, f"block {bad} was overwritten (a later save began)"
+        for i, want in enumerate(entry.digests):
+            if copy.dropped:  # evicted meanwhile: its memory is wanted now, not after the whole check
+                return False, "dropped while it was checked"
+            if layout.chunk_digest(image[i * block:(i + 1) * block]) != want:
+                return False, f"block {i} was overwritten (a later save began)"
     return True, ""

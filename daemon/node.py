@@ -185,7 +185,7 @@ class Node:
         deadline = time.monotonic() + timeout
         self.memory.shutdown()  # first: the sessions closed below free their arenas instead of handing them over
         for session in self.sessions.all():
-            for save in session.close():
+            for save in session.close(wait_writer_s=0):
                 self.persister.fail(save, "daemon shutting down before the client finished copying")
         for save in self._live_saves():
             if not save.local_done.wait(max(0.0, deadline - time.monotonic())):
@@ -239,6 +239,11 @@ class Node:
         session = self.sessions.get(session_id)
         session.attach()
         return session
+
+    def take_lifeline(self, session_id: str, conn: socket.socket) -> bool:
+        """A client's lifeline for its session arrived on the handoff socket (see protos/handoff.py)."""
+        session = self.sessions.find(session_id)
+        return session is not None and session.set_lifeline(conn)
 
     def ensure_arena(self, session_id: str, want: int) -> arena_mod.Arena:
         self._check_running()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import select
+import socket
 import threading
 import time
 import uuid
@@ -12,6 +15,11 @@ from ckptstage.daemon.arena import Arena, Budget, arena_name
 from ckptstage.daemon.errors import ArenaFull, InvalidRequest, SessionNotFound
 from ckptstage.daemon.memtier import Resident
 from ckptstage.daemon.persister import Save
+
+
+log = logging.getLogger(__name__)
+
+LIFELINE_WAIT_S = 2.0  # how long a closing session waits for its client's lifeline to close
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,10 @@ class Session:
         # tier keeps when the session closes); a later save may have overwritten it since: checked then.
         self.resident: Resident | None = None
         self._resident_base = 0  # its stream position
+        # The client's lifeline (see protos/handoff.py): closed by the kernel only once no process of the
+        # client's holds it, i.e. once nothing can write into the arena any more.
+        self._lifeline: socket.socket | None = None
+        self._wait_writer_s = LIFELINE_WAIT_S
 
     # --- liveness and change notification -----------------------------------------
 
@@ -105,7 +117,7 @@ class Session:
             if current is not None and (current.size >= want or self.saves):
                 return current
             try:
-                size = self._budget.grant(max(want, min_bytes), self.chunk_bytes)
+                size = self._budget.grant(max(want, min_bytes), self.chunk_bytes, (self.info.job, self.info.rank))
             except ArenaFull:
                 if current is not None:
                     return current  # cannot grow now: the save streams through the arena it has
@@ -188,29 +200,70 @@ class Session:
         with self.cond:
             self.saves.pop(save.id, None)
             self._notify_locked()
-            if self.closed.is_set() and not self.saves and self.arena is not None:
-                self._let_go(self.arena)
-                self.arena = None
+            if self.closed.is_set() and not self.saves:
+                if self.arena is not None:
+                    self._let_go(self.arena)
+                    self.arena = None
+                self._drop_lifeline()
 
-    def close(self) -> list[Save]:
+    def close(self, wait_writer_s: float = LIFELINE_WAIT_S) -> list[Save]:
         """Marks the session closed; returns saves the client never finished.
 
         Saves it did finish keep persisting from the arena (their bytes reached
         the daemon); the arena is freed once the last of them settles.
+        ``wait_writer_s``: how long to wait for the client's lifeline to close
+        before deciding that a writer may be left (0 at the daemon's shutdown).
         """
         with self.cond:
             self.closed.set()
+            self._wait_writer_s = wait_writer_s
             unfinished = [s for s in self.saves.values() if not s.finished]
-            if not self.saves and self.arena is not None:
-                self._let_go(self.arena)
-                self.arena = None
+            if not self.saves:
+                if self.arena is not None:
+                    self._let_go(self.arena)
+                    self.arena = None
+                self._drop_lifeline()
             self._notify_locked()
             return unfinished
 
+    def set_lifeline(self, conn: socket.socket) -> bool:
+        """Takes the client's lifeline over; refused (False) once the session is closed or has one."""
+        with self.cond:
+            if self.closed.is_set() or self._lifeline is not None:
+                return False
+            self._lifeline = conn
+            return True
+
+    def _writer_gone(self) -> bool:
+        """Whether no process can write into the arena any more: the client closed its lifeline after its last
+        write, or died. A client that never opened one, or is alive (its session closed from outside, or its
+        stream broke), may still write: its arena is not kept."""
+        conn, self._lifeline = self._lifeline, None
+        if conn is None:
+            return False
+        try:
+            # At a client's death its descriptors close with the rest of it: allow for the stream's break
+            # arriving first.
+            readable, _, _ = select.select([conn], [], [], self._wait_writer_s)
+            return bool(readable) and conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except OSError:
+            return False
+        finally:
+            conn.close()
+
+    def _drop_lifeline(self) -> None:
+        conn, self._lifeline = self._lifeline, None
+        if conn is not None:
+            conn.close()
+
     def _let_go(self, arena: Arena) -> None:
         """The closed session is done with its arena: the memory tier may keep it, else it is freed."""
-        if self._handover is not None and self._handover(self.resident, arena):
-            return
+        if self._handover is not None and self.resident is not None:
+            if not self._writer_gone():
+                log.info("session %s: arena not kept in memory: its client may still write to it (it has not "
+                         "closed its lifeline)", self.id)
+            elif self._handover(self.resident, arena):
+                return
         self._free(arena)
 
     def _free(self, arena: Arena) -> None:

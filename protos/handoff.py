@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import contextlib
 import json
 import os
@@ -34,6 +35,33 @@ def bindable(path: Path) -> Iterator[str]:
         yield f"/proc/self/fd/{dirfd}/{path.name}"
     finally:
         os.close(dirfd)
+
+
+def lifeline(path: Path, session_id: str, timeout: float = 5.0) -> socket.socket:
+    """Opens the session's lifeline: a connection the daemon holds for the session's life and that closes
+    only when this process closes it (after its last write into the arena) or dies. It is how the daemon
+    knows that no writer is left before it keeps the arena as a memory copy. The caller keeps the socket
+    open (it is close-on-exec: a program this process execs does not hold it) and closes it when done."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        with bindable(path) as address:
+            sock.connect(address)
+        sock.sendall(json.dumps({"session": session_id}).encode() + b"\n")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def parse_lifeline(raw: bytes) -> str | None:
+    """The session id of a lifeline's opening line, or None when the line is a copy request."""
+    try:
+        req: Any = json.loads(raw)
+    except ValueError:
+        return None
+    sid = req.get("session") if isinstance(req, dict) else None
+    return sid if isinstance(sid, str) and 0 < len(sid) <= 64 else None
 
 
 def encode_request(job: str, step: int, rank: int) -> bytes:
@@ -79,22 +107,36 @@ def fetch(path: Path, job: str, step: int, rank: int, timeout: float = 10.0) -> 
         with bindable(path) as address:
             sock.connect(address)
         sock.sendall(encode_request(job, step, rank))
-        msg, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST_BYTES, 1)
+        msg, fds = _recv_fd(sock)
         try:
             head_raw, _, rest = msg.partition(b"\n")
-            head = json.loads(head_raw)
-            if "error" in head:
-                raise NotInMemory(str(head["error"]))
-            if len(fds) != 1:
-                raise NotInMemory("the daemon's answer carried no descriptor")
-            manifest = _read_exact(sock, rest, int(head["manifest_bytes"]))
-            got = Received(fds[0], int(head["offset"]), int(head["size"]), int(head["arena_size"]), manifest)
+            try:
+                head = json.loads(head_raw)
+                if "error" in head:
+                    raise NotInMemory(str(head["error"]))
+                if len(fds) != 1:
+                    raise NotInMemory("the daemon's answer carried no descriptor")
+                manifest = _read_exact(sock, rest, int(head["manifest_bytes"]))
+                got = Received(fds[0], int(head["offset"]), int(head["size"]), int(head["arena_size"]), manifest)
+            except (ValueError, KeyError, TypeError) as e:  # it hung up, or answered something else
+                raise NotInMemory(f"no usable answer from the daemon ({e or 'it hung up'})") from None
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
     _check_fits(got)
     return got
+
+
+def _recv_fd(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """One message and the descriptors it carries, close-on-exec from the start: a child another thread starts
+    meanwhile must not inherit (and pin) the arena. (``socket.recv_fds`` drops its flags before Python 3.12.)"""
+    msg, ancdata, _, _ = sock.recvmsg(MAX_REQUEST_BYTES, socket.CMSG_LEN(4), socket.MSG_CMSG_CLOEXEC)
+    fds = array.array("i")
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+    return msg, list(fds)
 
 
 def _read_exact(sock: socket.socket, have: bytes, n: int) -> bytes:
