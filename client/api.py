@@ -15,6 +15,7 @@ import queue
 import socket as socketlib
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,19 @@ log = logging.getLogger(__name__)
 _TIERS = {"local": pb.LOCAL, "shared": pb.SHARED, "memory": pb.MEMORY}
 # After losing its session, how long a save waits for a restarting daemon before it fails.
 _REOPEN_WAIT_S = 10.0
+
+# Every open client's lifeline (see protos/handoff.py). A forked child (a DataLoader worker) never writes into
+# an arena, so it lets go of its copies at once: the lifeline then closes when the trainer itself dies, not
+# when the last of its workers does.
+_LIFELINES: weakref.WeakSet[socketlib.socket] = weakref.WeakSet()
+
+
+def _drop_lifelines_in_child() -> None:
+    for sock in list(_LIFELINES):
+        sock.close()  # this process's descriptor only: the parent's connection stays open
+
+
+os.register_at_fork(after_in_child=_drop_lifelines_in_child)
 # A deletion waits for saves and drains of the step still in flight (the daemon bounds each wait to 30 s).
 _DELETE_TIMEOUT_S = 120.0
 
@@ -672,6 +686,7 @@ class Client:
         try:
             self._lifeline: socketlib.socket | None = handoff.lifeline(handoff.socket_path(self._conn.socket),
                                                                       self._session_id)
+            _LIFELINES.add(self._lifeline)
         except OSError as e:  # an older daemon: no memory tier for this session's arena, nothing else lost
             log.debug("ckptstage: no lifeline to the daemon's memory tier: %s", e)
         threading.Thread(target=self._watch, args=(self._attach, self._session_id), daemon=True,
