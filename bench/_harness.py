@@ -10,6 +10,7 @@ because on a shared development machine the numbers move with it.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import mmap
@@ -563,6 +564,17 @@ def workdir(base: Path | None, prefix: str) -> Iterator[Path]:
     finally:
         drop_tree(d)
 
+
+
+def state_args(doc: str, states: Sequence[str], rounds: int = 5) -> argparse.ArgumentParser:
+    """The options every state benchmark takes: ``--dir``, ``--rounds``, ``--states``, ``--json``, ``--strict``."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--dir", type=Path, default=None, help="where the tiers and torch files go (default /tmp)")
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--states", nargs="+", default=list(states), choices=list(states))
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    return p
 
 @contextmanager
 def bench_dirs(base: Path | None, name: str) -> Iterator[tuple[Path, Path, dict[str, Any]]]:

@@ -369,14 +369,9 @@ def report(name: str, run: Run, nbytes: int, file_bytes: int) -> list[dict[str, 
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", type=Path, default=None, help="where the tiers and torch files go (default /tmp)")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--states", nargs="+", default=list(STATES), choices=STATES)
+    p = h.state_args(__doc__ or "", STATES)
     p.add_argument("--settle", type=float, default=1.5, help="idle seconds before every measurement "
                    "(default 1.5)")
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     return p.parse_args(argv)
 
 

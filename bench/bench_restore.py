@@ -248,14 +248,7 @@ def report(b: Bench, sizes: dict[str, int]) -> list[dict[str, Any]]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", type=Path, default=None, help="where the tiers and torch files go (default /tmp)")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--states", nargs="+", default=["big", "gpt2", "into", "shared"],
-                   choices=["big", "gpt2", "into", "shared"])
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
-    return p.parse_args(argv)
+    return h.state_args(__doc__ or "", ["big", "gpt2", "into", "shared"]).parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
