@@ -22,7 +22,7 @@ with O_DIRECT, and the part is evicted (``POSIX_FADV_DONTNEED``) before cp.
 Capped (a second daemon with ``[shared] max_bandwidth``): one checkpoint of
 ``--cap-gib``; the achieved rate must be within 10% of the cap.
 
-Target (issue 3): uncapped drain bandwidth >= 80% of cp + sync.
+Target: uncapped drain bandwidth >= 80% of cp + sync.
 """
 
 from __future__ import annotations
@@ -142,9 +142,9 @@ def bench_uncapped(state: Any, nbytes: int, work: Path, droot: Path, args: argpa
     h.print_table(f"[{part_bytes / h.GiB:.3f} GiB part] uncapped drain vs a plain copy (median of rounds)",
                   rows, "drain (client)", out)
     verdicts = [
-        h.verdict("issue 3: drain bw (client) / cp+sync bw", rows[2].seconds / rows[0].seconds * 100, ">=",
+        h.verdict("drain bw (client) / cp+sync bw", rows[2].seconds / rows[0].seconds * 100, ">=",
                   TARGET_OF_CP * 100, "%"),
-        h.verdict("issue 3: drain bw (daemon) / cp+sync bw", rows[2].seconds / rows[1].seconds * 100, ">=",
+        h.verdict("drain bw (daemon) / cp+sync bw", rows[2].seconds / rows[1].seconds * 100, ">=",
                   TARGET_OF_CP * 100, "%"),
     ]
     return {"rows": rows, "runs": runs, "verdicts": verdicts}
@@ -169,7 +169,7 @@ def bench_capped(cap: str, gib: float, work: Path, droot: Path, settle: float, o
     out(f"  achieved {achieved / h.MiB:.0f} MiB/s over {m['daemon_s']:.2f} s (daemon metric); "
         f"{achieved_client / h.MiB:.0f} MiB/s as the client sees it ({m['client_s']:.2f} s)")
     dev = abs(achieved / rate - 1)
-    verdicts = [h.verdict(f"issue 3: |achieved / cap - 1| at {cap}", dev * 100, "<=", CAP_TOLERANCE * 100, "%")]
+    verdicts = [h.verdict(f"|achieved / cap - 1| at {cap}", dev * 100, "<=", CAP_TOLERANCE * 100, "%")]
     return {"cap": cap, "cap_bytes_s": rate, "measured": m, "achieved_bytes_s": achieved, "verdicts": verdicts}
 
 

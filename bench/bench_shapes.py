@@ -60,7 +60,7 @@ ckptstage's measured blocked GB/s; persist and restore at their measured
 GB/s; torch.save/torch.load likewise. They assume an arena as large as the
 state and the same disk; they are labelled as projections everywhere.
 
-Targets (issue 4): blocked <= 1.5x the warm memcpy; restore >= 1.5x faster
+Targets: blocked <= 1.5x the warm memcpy; restore >= 1.5x faster
 than ``torch.load``. The load average is recorded with every measurement.
 """
 
