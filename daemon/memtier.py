@@ -105,11 +105,13 @@ class MemoryTier:
 
     def __init__(self, budget: Budget, enabled: bool, keep_s: float,
                  committed_digest: Callable[[str, int, int], str | None],
+                 newest_complete: Callable[[str], int | None] = lambda job: None,
                  on_change: Callable[[], None] = lambda: None) -> None:
         """``committed_digest(job, step, rank)``: the manifest digest of the part the step's commit names now
-        (None: no such committed part)."""
+        (None: no such committed part); ``newest_complete(job)``: the job's newest complete step on disk."""
         self._budget = budget
         self._committed_digest = committed_digest
+        self._newest_complete = newest_complete
         self.enabled = enabled
         self.keep_s = keep_s
         self._on_change = on_change
@@ -131,6 +133,11 @@ class MemoryTier:
         """
         if not self.enabled or resident is None or resident.arena is not arena:
             return False
+        newest = self._newest_complete(resident.job)
+        if newest is not None and newest > resident.step:
+            log.info("memory tier: not keeping %s step %d rank %d: step %d is newer", resident.job, resident.step,
+                     resident.rank, newest)
+            return False  # a session that closes after its job moved on: a restart would not read it
         try:
             manifest = resident.manifest if resident.manifest is not None else \
                 (resident.where / layout.MANIFEST_FILE).read_bytes()

@@ -98,7 +98,8 @@ class Node:
         self.clock = clock
         self.started = time.monotonic()
         self.budget = arena_mod.Budget(config.arena.max_bytes)
-        self.memory = MemoryTier(self.budget, config.memory.enabled, config.memory.keep_s, self._committed_digest)
+        self.memory = MemoryTier(self.budget, config.memory.enabled, config.memory.keep_s, self._committed_digest,
+                                 self._newest_complete)
         self.budget.reclaim = self.memory.reclaim  # kept copies make way for sessions that need the room
         self.sessions = SessionTable()
         self.owner = node_name(config.local.dir)
@@ -416,6 +417,10 @@ class Node:
         """Whether an arena of ``nbytes`` for (job, rank) granted now would evict that rank's memory copy."""
         return self.memory.holds(job, rank) and self.budget.total - self.budget.used < max(
             nbytes, self.config.arena.min_session_bytes)
+
+    def _newest_complete(self, job: str) -> int | None:
+        ckpt = self.catalog.latest_complete(job)
+        return ckpt.step if ckpt is not None else None
 
     def _committed_digest(self, job: str, step: int, rank: int) -> str | None:
         ckpt = self.catalog.get(job, step)

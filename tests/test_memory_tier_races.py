@@ -262,3 +262,21 @@ def test_a_forked_worker_that_outlives_its_trainer_does_not_keep_the_arena_from_
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, 9)
+
+
+def test_a_session_that_closes_after_its_job_moved_on_keeps_nothing(daemon_factory):
+    """An old process of the job lets go of its arena after a newer one committed a newer step: a restart
+    would read the newer step, so the old image would only hold budget memory."""
+    d = daemon_factory(**SETTINGS).start()
+    old = Client("moved", socket=d.socket, attempt="a1")
+    try:
+        old.save(1, {"w": torch.ones(1 << 18)}).wait("local", timeout=30)
+        with Client("moved", socket=d.socket, attempt="a2") as new:
+            new.save(2, {"w": torch.zeros(1 << 18)}).wait("local", timeout=30)
+            old.close()
+            wait_until(lambda: "moved step 1 rank 0: step 2 is newer" in d.log.read_text(), 20,
+                       "the daemon passing over the old image")
+            assert memory_parts(d) == 0
+    finally:
+        old.close()
+    wait_until(lambda: memory_parts(d) == 1, 20, "the newer session's image kept once it closed")
