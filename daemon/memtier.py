@@ -219,6 +219,25 @@ class MemoryTier:
                and all(self._servable(job, step, c.resident.rank) is c for c in group)]
         return sorted(out, key=lambda m: -m.step)
 
+    def step_for(self, job: str, step: int | None) -> MemoryStep | None:
+        """The step kept in memory only that a reader of ``step`` (the newest when None) gets: that step, or
+        the newest when it is newer than every complete step on disk."""
+        layout.check_job(job)
+        kept = self.memory_steps(job)
+        if step is not None:
+            return next((m for m in kept if m.step == step), None)
+        disk = self._newest_complete(job)
+        return kept[0] if kept and (disk is None or kept[0].step > disk) else None
+
+    def ranks(self, job: str, step: int, world_size: int) -> list[int]:
+        """The ranks of a committed step whose part this tier holds."""
+        return [r for r in range(world_size) if self.has(job, step, r)]
+
+    def at_risk(self, job: str, rank: int, nbytes: int) -> bool:
+        """Whether an arena of ``nbytes`` (the smallest granted, at least) for (job, rank) granted now would
+        evict that rank's copy."""
+        return self.holds(job, rank) and self._budget.total - self._budget.used < nbytes
+
     def copies(self, job: str | None = None) -> list[MemoryCopy]:
         with self._lock:
             return [c for c in self._copies.values() if c.verified and (job is None or c.resident.job == job)]

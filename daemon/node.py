@@ -41,7 +41,7 @@ from ckptstage.daemon.incomplete import IncompleteSteps, why_incomplete
 from ckptstage.daemon.janitor import Deleted, GcAction, Janitor
 from ckptstage.daemon.job_rules import JobRetention, JobRules
 from ckptstage.daemon.manifest_check import parse_manifest
-from ckptstage.daemon.memtier import MemoryStep, MemoryTier
+from ckptstage.daemon.memtier import MemoryTier
 from ckptstage.daemon.metrics import Metrics, StateProbe
 from ckptstage.daemon.persister import Persister, Save
 from ckptstage.daemon.quarantine import Quarantine
@@ -398,25 +398,6 @@ class Node:
         if not parts and not all_ranks:
             raise CheckpointNotFound(job, ckpt.step, f"no part for rank {rank} (world size {ckpt.world_size})")
         return ckpt, parts
-
-    def memory_step(self, job: str, step: int | None) -> MemoryStep | None:
-        """The step kept in memory only that a reader of ``step`` (the newest when None) gets: that step, or
-        the newest when it is newer than every complete step on disk."""
-        layout.check_job(job)
-        kept = self.memory.memory_steps(job)
-        if step is not None:
-            return next((m for m in kept if m.step == step), None)
-        disk = self.catalog.latest_complete(job)
-        return kept[0] if kept and (disk is None or kept[0].step > disk.step) else None
-
-    def memory_ranks(self, ckpt: Checkpoint) -> list[int]:
-        """The ranks of ``ckpt`` whose committed part the memory tier holds."""
-        return [r for r in range(ckpt.world_size) if self.memory.has(ckpt.job, ckpt.step, r)]
-
-    def memory_at_risk(self, job: str, rank: int, nbytes: int) -> bool:
-        """Whether an arena of ``nbytes`` for (job, rank) granted now would evict that rank's memory copy."""
-        return self.memory.holds(job, rank) and self.budget.total - self.budget.used < max(
-            nbytes, self.config.arena.min_session_bytes)
 
     def _newest_complete(self, job: str) -> int | None:
         ckpt = self.catalog.latest_complete(job)

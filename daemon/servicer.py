@@ -179,8 +179,9 @@ class Servicer(pb_grpc.CheckpointerServicer):
         session = await self._run(self.node.open_session, info)
         return pb.OpenSessionResponse(session_id=session.id, chunk_bytes=session.chunk_bytes,
                                       daemon_version=VERSION, expected_bytes=session.info.expected_bytes,
-                                      memory_copy=self.node.memory_at_risk(info.job, info.rank,
-                                                                           session.info.expected_bytes))
+                                      memory_copy=self.node.memory.at_risk(
+                                          info.job, info.rank, max(session.info.expected_bytes,
+                                                                   self.node.config.arena.min_session_bytes)))
 
     async def Attach(self, request: pb.AttachRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionEvent]:
@@ -311,7 +312,7 @@ class Servicer(pb_grpc.CheckpointerServicer):
     async def Locate(self, request: pb.LocateRequest, context: grpc.aio.ServicerContext) -> pb.LocateResponse:
         handoff = str(handoff_socket(self.socket_path))
         if request.memory:  # a step kept in memory only, newer than any on disk (or the one asked for)
-            kept = await self._run(self.node.memory_step, request.job, None if request.latest else request.step)
+            kept = await self._run(self.node.memory.step_for, request.job, None if request.latest else request.step)
             if kept is not None:
                 return _memory_located(kept, request, handoff)
         ckpt, parts = await self._run(self.node.locate, request.job, None if request.latest else request.step,
@@ -387,7 +388,7 @@ class Servicer(pb_grpc.CheckpointerServicer):
             ranks_shared=c.ranks_on(TierName.SHARED), bytes=c.nbytes(), created=c.created, complete=c.complete,
             pinned=c.pinned, drain_state=self.node.drain_state(c), metrics=c.metrics, attempt=c.attempt,
             committed_local=c.complete_on(TierName.LOCAL), committed_shared=c.complete_on(TierName.SHARED),
-            ranks_missing=c.ranks_missing(), ranks_memory=self.node.memory_ranks(c))
+            ranks_missing=c.ranks_missing(), ranks_memory=self.node.memory.ranks(c.job, c.step, c.world_size))
 
     def _tier_status(self, tier: TierName) -> pb.TierStatus:
         cfg = self.node.config
