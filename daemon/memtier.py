@@ -105,8 +105,7 @@ class MemoryTier:
 
     def __init__(self, budget: Budget, enabled: bool, keep_s: float,
                  committed_digest: Callable[[str, int, int], str | None],
-                 newest_complete: Callable[[str], int | None] = lambda job: None,
-                 on_change: Callable[[], None] = lambda: None) -> None:
+                 newest_complete: Callable[[str], int | None] = lambda job: None) -> None:
         """``committed_digest(job, step, rank)``: the manifest digest of the part the step's commit names now
         (None: no such committed part); ``newest_complete(job)``: the job's newest complete step on disk."""
         self._budget = budget
@@ -114,7 +113,6 @@ class MemoryTier:
         self._newest_complete = newest_complete
         self.enabled = enabled
         self.keep_s = keep_s
-        self._on_change = on_change
         self._lock = threading.Lock()
         self._copies: dict[tuple[str, int], MemoryCopy] = {}
         self._verifier: threading.Thread | None = None
@@ -166,7 +164,6 @@ class MemoryTier:
             if copy is None or copy.resident.step >= step:
                 return
             self._drop_locked(copy, "a newer step committed")
-        self._on_change()
 
     # --- serving ------------------------------------------------------------------------
 
@@ -268,8 +265,6 @@ class MemoryTier:
                 if not copy.freed:
                     waiting.append(copy)
             self._wake.wait_for(lambda: all(c.freed for c in waiting), timeout=30)
-        if freed:
-            self._on_change()
 
     def expire(self, now: float | None = None) -> int:
         """Drops copies kept longer than ``keep_s``; returns how many."""
@@ -278,8 +273,6 @@ class MemoryTier:
             old = [c for c in self._copies.values() if now - c.kept_at > self.keep_s]
             for copy in old:
                 self._drop_locked(copy, f"kept {self.keep_s:g}s")
-        if old:
-            self._on_change()
         return len(old)
 
     def drop_job(self, job: str, step: int | None = None) -> tuple[int, int]:
@@ -289,7 +282,6 @@ class MemoryTier:
                     and (step is None or c.resident.step == step) and not c.dropped]
             for copy in gone:
                 self._drop_locked(copy, "the step was deleted or replaced")
-        self._on_change()
         return len(gone), sum(c.resident.size for c in gone)
 
     def shutdown(self) -> None:
@@ -363,7 +355,6 @@ class MemoryTier:
                 r = copy.resident
                 log.info("memory tier: keeping %s step %d rank %d (%d bytes) for a restart on this node",
                          r.job, r.step, r.rank, r.size)
-            self._on_change()
 
 
 def _image_matches(copy: MemoryCopy) -> tuple[bool, str]:
