@@ -1,0 +1,194 @@
+"""Incremental parts: a data file kept as content-addressed chunks in its job's chunk store.
+
+A part written incrementally has no ``data.safetensors`` of its own. Its
+manifest's ``chunks`` names, in file order, the chunks that make up the data
+file, each by the xxh3-128 of its bytes and its length; each chunk is a file
+of the job's chunk store on the same tier::
+
+    <tier>/<job>/chunks/9f/9f2c51a0d3e4b7c8a1b2c3d4e5f60718    the chunk's bytes, nothing else
+
+Two steps whose bytes agree on a chunk share its file: a step stores (and
+drains) only the chunks its tier does not hold yet. Concatenated in the
+manifest's order, the chunks are exactly the data file the manifest's
+``files`` entry describes (size and per-block xxh3-64 digests), so every
+reader verifies an incremental part as it verifies a whole one.
+
+Where a data file is cut (:func:`cut`) is decided by its tensor table, so
+that a tensor whose bytes did not change keeps its chunks from step to step:
+the body of each tensor of :data:`SMALL_TENSOR_BYTES` or more is cut into
+chunks of at most ``body`` bytes that hold nothing else, and what lies between
+those bodies (the header, small tensors, the partial pages at each big
+tensor's ends) into runs of at most :data:`RUN_BYTES`. A changed small tensor
+therefore costs at most a run or two, never a neighbour's body. Every
+boundary but the file's end falls on a 4 KiB page, so a chunk's bytes sit at
+the same offset within a page in its own file as in the data file: a reader
+can read them with O_DIRECT straight into memory laid out for the whole file.
+
+This module is imported by the daemon and the client alike: no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from ckptstage.protos import layout
+
+CHUNKS_DIR = "chunks"
+CHUNK_HASH = "xxh3_128"
+PAGE = 4096
+SMALL_TENSOR_BYTES = 64 << 10   # tensors this big or bigger get chunks of their own
+RUN_BYTES = 256 << 10           # the most a run of small tensors (and the header) puts in one chunk
+BODY_BYTES = 8 << 20            # the most one chunk of a big tensor holds (the default)
+
+_DIGEST_RE = re.compile(r"[0-9a-f]{32}")
+
+
+def digest(data: Any) -> str:
+    """The chunk's name: xxh3-128 of its bytes (any buffer), 32 lower-case hex digits."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def is_chunk_name(name: str) -> bool:
+    return bool(_DIGEST_RE.fullmatch(name))
+
+
+def store_dir(tier_dir: Path, job: str) -> Path:
+    """The chunk store of one job on one tier."""
+    return tier_dir / layout.check_job(job) / CHUNKS_DIR
+
+
+def chunk_path(store: Path, name: str) -> Path:
+    return store / name[:2] / name
+
+
+def store_of(part: Path, job: str) -> Path:
+    """The chunk store a part's manifest refers to: its own job's on the part's tier.
+
+    A committed part lies at ``<tier>/<job>/step-N/rank-R``; a replacement
+    staged for a swap at ``<tier>/.tmp/<node>/replace/<job>/step-N/rank-R``.
+    """
+    job_dir = part.parent.parent
+    parts = job_dir.parts
+    if layout.TMP_DIR in parts:
+        tier = Path(*parts[:parts.index(layout.TMP_DIR)])
+        return store_dir(tier, job)
+    return job_dir / CHUNKS_DIR
+
+
+def _up(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def _down(n: int) -> int:
+    return n // PAGE * PAGE
+
+
+def _split(lo: int, hi: int, most: int) -> Iterator[tuple[int, int]]:
+    for s in range(lo, hi, most):
+        yield s, min(s + most, hi)
+
+
+def cut(size: int, tensors: Iterable[tuple[int, int]], every: int, body: int = BODY_BYTES) -> list[tuple[int, int]]:
+    """Where a data file of ``size`` bytes whose tensors lie at ``(offset, nbytes)`` is cut into chunks.
+
+    Besides the rule in the module's docstring, no chunk straddles a multiple
+    of ``every`` (the daemon's streaming chunk: a chunk is whole in the arena
+    when it is hashed). ``every`` and ``body`` are multiples of :data:`PAGE`.
+    """
+    if every % PAGE or body % PAGE or every <= 0 or body <= 0:
+        raise ValueError(f"chunk sizes must be positive multiples of {PAGE}: every={every}, body={body}")
+    bodies = [(_up(off), _down(off + n)) for off, n in sorted(tensors) if n >= SMALL_TENSOR_BYTES]
+    pieces: list[tuple[int, int]] = []
+    pos = 0
+    for lo, hi in bodies:
+        pieces += _split(pos, lo, RUN_BYTES)
+        pieces += _split(lo, hi, body)
+        pos = hi
+    pieces += _split(pos, size, RUN_BYTES)
+    out: list[tuple[int, int]] = []
+    for lo, hi in pieces:
+        k = (lo // every + 1) * every
+        while k < hi:
+            out.append((lo, k))
+            lo = k
+            k += every
+        out.append((lo, hi))
+    return out
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One chunk of a data file: bytes [lo, hi) of it, stored under ``name``."""
+
+    lo: int
+    hi: int
+    name: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.hi - self.lo
+
+
+def manifest_chunks(manifest: dict[str, Any], file: str = layout.DATA_FILE) -> list[Chunk] | None:
+    """The chunks a manifest lists for ``file``, checked; None when the file is stored whole.
+
+    Raises :class:`layout.ManifestError` when the list does not tile the file
+    exactly (lengths that do not add up to its size, a boundary off a page,
+    a name that is not 32 hex digits).
+    """
+    listed = manifest.get("chunks")
+    if listed is None:
+        return None
+    where = f"manifest of {manifest.get('job')!r} step {manifest.get('step')!r} rank {manifest.get('rank')!r}"
+    if not isinstance(listed, dict) or not isinstance(listed.get(file), list):
+        raise layout.ManifestError(f"{where}: 'chunks' lists nothing for {file}")
+    size = layout.manifest_files(manifest)[file].size
+    out: list[Chunk] = []
+    pos = 0
+    for item in listed[file]:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and is_chunk_name(item[0])
+                and isinstance(item[1], int) and not isinstance(item[1], bool) and item[1] > 0):
+            raise layout.ManifestError(f"{where}: chunk {len(out)} of {file} is not [32 hex digits, length]: "
+                                       f"{str(item)[:80]}")
+        if pos % PAGE:
+            raise layout.ManifestError(f"{where}: chunk {len(out)} of {file} starts at {pos}, off a {PAGE}-byte page")
+        out.append(Chunk(pos, pos + item[1], item[0]))
+        pos += item[1]
+    if pos != size and not (size == 0 and not out):
+        raise layout.ManifestError(f"{where}: the chunks of {file} hold {pos} bytes, the file {size}")
+    return out
+
+
+def chunk_list(chunks: Sequence[Chunk]) -> list[list[Any]]:
+    """The manifest's form of a chunk list."""
+    return [[c.name, c.nbytes] for c in chunks]
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Bytes [lo, hi) of a part's data file are those of ``path`` from file offset ``lo - base``."""
+
+    lo: int
+    hi: int
+    path: Path
+    base: int
+
+
+def extents(part: Path, manifest: dict[str, Any], file: str = layout.DATA_FILE) -> list[Extent]:
+    """Where the bytes of a part's data file are: the file itself, or its chunks in the job's store."""
+    chunks = manifest_chunks(manifest, file)
+    if chunks is None:
+        return [Extent(0, layout.manifest_files(manifest)[file].size, part / file, 0)]
+    store = store_of(part, str(manifest["job"]))
+    return [Extent(c.lo, c.hi, chunk_path(store, c.name), c.lo) for c in chunks]
+
+
+def referenced(manifest: dict[str, Any]) -> set[str]:
+    """The chunk names a manifest refers to (none for a part stored whole)."""
+    return {c.name for name in manifest.get("chunks") or {} for c in manifest_chunks(manifest, name) or ()}
