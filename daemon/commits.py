@@ -31,7 +31,7 @@ from pathlib import Path
 from ckptstage.daemon import fsutil
 from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.errors import AlreadyExists
-from ckptstage.protos import layout
+from ckptstage.protos import chunks, layout
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +178,8 @@ class Commits:
             return None
         # The index trusts parts by name and inode; a record is forever, so read the manifests themselves.
         fresh: dict[int, Part] = {}
+        store = chunks.store_dir(self.shared_dir, job)
+        incremental = store.is_dir()  # some part of the job was written incrementally
         for rank, part in parts.items():
             again = Part.from_disk(layout.PartRef(job, step, rank, part.path, part.ino), TierName.SHARED)
             if again.attempt != attempt or again.digest != part.digest:
@@ -185,6 +187,13 @@ class Commits:
                 self.catalog.sync_job(TierName.SHARED, self.shared_dir, job, step)
                 return None
             fresh[rank] = again
+            gone = chunks.missing(store, chunks.referenced(layout.read_manifest(part.path))) if incremental else []
+            if gone:
+                # Another node's sweep took a chunk before this part was published; its drain puts it
+                # back, then seals the step itself. Until then the step must not exist.
+                log.info("not sealing %s step %d on the shared tier yet: rank %d lacks %d chunks there",
+                         job, step, rank, len(gone))
+                return None
         return self._publish(TierName.SHARED, self.shared_dir, job, step, attempt, world, fresh)
 
     def _replaced_here(self, job: str, step: int, attempt: str, shared: dict[int, Part]) -> list[int]:

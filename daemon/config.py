@@ -403,6 +403,12 @@ class PersistConfig:
     # Niceness added to the writer and drain threads (0-19): under CPU contention the trainer and the
     # daemon's control plane (e.g. the FinishSave answer a trainer waits for) run first.
     nice: int = field(default=10, metadata=_kind(_int(0, 19)))
+    # Incremental parts: each tier stores (and the drain copies) only the chunks of a part that the
+    # job's chunk store there lacks; unchanged tensors cost nothing (docs/FORMAT.md, "Incremental parts").
+    incremental: bool = field(default=False, metadata=_kind(_BOOL))
+    # A chunk no part refers to is removed only once nobody wrote or reused it for this long: the margin
+    # for a save or drain on another node that relies on it before its part is published.
+    chunk_grace_s: float = field(default=600.0, metadata=_kind(_seconds(0.01, 7 * 86400)))
 
 
 @dataclass(frozen=True)

@@ -36,19 +36,22 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import shutil
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ckptstage.daemon import fsutil, overwrite
 from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
+from ckptstage.daemon.chunkstore import ChunkStore
 from ckptstage.daemon.config import SharedConfig
 from ckptstage.daemon.errors import SaveFailed
 from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.overwrite import Swapper
-from ckptstage.protos import layout
+from ckptstage.protos import chunks, layout
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +121,10 @@ class Drainer:
     def __init__(self, config: SharedConfig, local_dir: Path, owner: str, catalog: Catalog, metrics: Metrics,
                  on_drained: Callable[[Part], None], on_corrupt: Callable[[Part, str], None] | None = None,
                  on_indexed: Callable[[], None] | None = None, nice: int = 0,
-                 on_published: Callable[[Part], None] | None = None, swapper: Swapper | None = None) -> None:
+                 on_published: Callable[[Part], None] | None = None, swapper: Swapper | None = None,
+                 chunk_stores: dict[TierName, ChunkStore] | None = None) -> None:
         assert config.dir is not None
+        self._chunk_stores = chunk_stores or {}  # where incremental parts' chunks land, per destination tier
         self._nice = nice  # added to the drain threads' niceness ([persist] nice)
         self.config = config
         self.shared_dir = config.dir
@@ -604,19 +609,88 @@ class Drainer:
             return self._reuse(final, manifest, part, tier)
         writer = fsutil.PartWriter(tier_dir, self.owner, part.job, part.step, part.rank,
                                    replace=lambda f: self._replaceable(f, manifest), final=final)
+        names = chunks.referenced(manifest)
+        store = self._chunk_store(tier, names)
+        leased: list[set[str]] = []
         try:
-            for name, entry in layout.manifest_files(manifest).items():
-                self._copy_file(part.path / name, writer.path(name), entry, rate_limited)
+            if names:
+                leased.append(names)
+                self._copy_chunks(part, store, tier, names, rate_limited)
+            else:
+                for name, entry in layout.manifest_files(manifest).items():
+                    self._copy_file(part.path / name, writer.path(name), entry, rate_limited)
             try:
                 dest = writer.commit(manifest)
             except OSError:
                 if final.exists():  # published meanwhile (by ourselves before a crash, or a race)
                     return self._reuse(final, manifest, part, tier)
                 raise
+            # Another node's sweep may have taken a chunk this part relied on before the part was
+            # published (see chunkstore): put back what it took, before anyone commits the step.
+            for _ in range(3):
+                gone = chunks.missing(chunks.store_dir(tier_dir, part.job), names) if names else []
+                if not gone:
+                    break
+                leased.append(set(gone))
+                self._copy_chunks(part, store, tier, set(gone), rate_limited)
+            else:
+                raise OSError(f"chunks of {dest} keep vanishing from {tier_dir}: is another daemon sweeping with "
+                              "a shorter [persist] chunk_grace_s?")
             return Part(part.job, part.step, part.rank, part.world_size, tier, dest, part.nbytes, part.created,
                         part.metrics, attempt, writer.manifest_digest, writer.ino)
         finally:
+            for held in leased:
+                store.release(part.job, held)
             writer.abort()
+
+    def _chunk_store(self, tier: TierName, names: set[str]) -> ChunkStore:
+        store = self._chunk_stores.get(tier)
+        if names and store is None:
+            raise OSError(f"an incremental part cannot be copied to the {tier.value} tier: no chunk store for it")
+        return store  # type: ignore[return-value]  # only used when names is not empty
+
+    def _copy_chunks(self, part: Part, store: ChunkStore, tier: TierName, names: set[str],
+                     rate_limited: bool) -> None:
+        """Copies the chunks among ``names`` that ``store`` lacks from the part's own store (each checked
+        against its name, the xxh3-128 of its bytes), touching those it holds; leases them all."""
+        source = chunks.store_of(part.path, part.job)
+        tmp = layout.tmp_root(store.tier_dir, self.owner) / f"chunks.{uuid.uuid4().hex[:12]}"
+        fsutil.makedirs_durable(tmp.parent, within=store.tier_dir)
+        tmp.mkdir()
+        try:
+            self._copy_missing(part, store, source, tmp, names, rate_limited, tier)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _copy_missing(self, part: Part, store: ChunkStore, source: Path, tmp: Path, names: set[str],
+                      rate_limited: bool, tier: TierName) -> None:
+        added = []
+        reused = 0
+        for name in sorted(names):
+            if self._stop.is_set():
+                raise _Stopping()
+            if store.reuse(part.job, name):
+                reused += os.stat(store.path(part.job, name)).st_size
+                continue
+            src = chunks.chunk_path(source, name)
+            try:
+                data = src.read_bytes()
+            except FileNotFoundError as e:
+                raise CorruptSource(f"{src}: a chunk of {part.path} is missing") from e
+            if chunks.digest(data) != name:
+                raise CorruptSource(f"{src}: its bytes do not hash to its name (a chunk of {part.path})")
+            if rate_limited:
+                self._limiter.acquire(len(data))
+            out = fsutil.DataFile(tmp / name, len(data), direct_io=True)
+            try:
+                out.write(memoryview(data), 0)
+                out.sync()
+            finally:
+                out.close()
+            store.add(part.job, name, tmp / name)
+            added.append(name)
+        store.sync(part.job, added)
+        self.metrics.chunks_reused.labels(tier.value).inc(reused)
 
     @staticmethod
     def _replaceable(final: Path, manifest: dict[str, object]) -> bool:

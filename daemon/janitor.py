@@ -11,12 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptstage.daemon import fsutil, overwrite, retention
-from ckptstage.daemon.catalog import Catalog, Part, TierName
+from ckptstage.daemon import chunkstore
+from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
+from ckptstage.daemon.chunkstore import ChunkStore
 from ckptstage.daemon.config import Config
 from ckptstage.daemon.drainer import Drainer
 from ckptstage.daemon.job_rules import JobRetention, JobRules
 from ckptstage.daemon.metrics import Metrics
-from ckptstage.protos import layout
+from ckptstage.protos import chunks, layout
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,8 @@ class Janitor:
     """
 
     def __init__(self, config: Config, catalog: Catalog, metrics: Metrics, owner: str, drainer: Drainer | None,
-                 job_rules: JobRules, in_flight: Callable[[str, int, int], bool]) -> None:
+                 job_rules: JobRules, in_flight: Callable[[str, int, int], bool],
+                 chunk_stores: dict[TierName, ChunkStore] | None = None) -> None:
         self.config = config
         self.catalog = catalog
         self.metrics = metrics
@@ -57,6 +60,10 @@ class Janitor:
         self.drainer = drainer
         self.job_rules = job_rules
         self._in_flight = in_flight
+        self.chunk_stores = chunk_stores or {}
+        # Per (job, tier), per part (path, inode): its chunks, from its manifest (None: stored whole).
+        self._chunk_lists: dict[tuple[str, TierName], dict[tuple[Path, int], tuple[tuple[str, int], ...] | None]] = {}
+        self._cache_lock = threading.Lock()
         self._locks = {TierName.LOCAL: threading.Lock(), TierName.SHARED: threading.Lock()}
 
     def apply(self, job: str, dry_run: bool = False, trigger: str = "gc", local: bool = True,
@@ -76,9 +83,11 @@ class Janitor:
             with self._locks[tier]:
                 planned = self._plan(job, tier)
                 if not dry_run:
-                    self._remove_stragglers(job, tier)
+                    removed = self._remove_stragglers(job, tier)
                     for action in planned:
                         self._delete(action)
+                    if planned or removed or trigger != "commit":
+                        self._sweep(job, tier)
             actions += planned
         if not dry_run and tiers:
             self.metrics.retention_passes.labels(trigger).inc()
@@ -153,7 +162,9 @@ class Janitor:
     def _plan(self, job: str, tier: TierName) -> list[GcAction]:
         records = []
         d = self.drainer
-        for c in self.catalog.checkpoints(job):
+        ckpts = self.catalog.checkpoints(job)
+        stored = self._stored_bytes(job, tier, ckpts)
+        for c in ckpts:
             ranks = sorted(p.rank for p in c.on_tier(tier))
             if not ranks:
                 continue
@@ -166,10 +177,10 @@ class Janitor:
                         not c.complete_on(TierName.SHARED) and \
                         all(TierName.SHARED in c.parts.get(r, {}) for r in range(c.world_size)):
                     drained = False  # every part is there but not yet its record: this is still the only commit
-                records.append(retention.Record(c.step, c.nbytes(tier), drained=drained, pinned=c.pinned,
-                                                complete=c.complete, metrics=c.metrics))
+                records.append(retention.Record(c.step, stored.get(c.step, c.nbytes(tier)), drained=drained,
+                                                pinned=c.pinned, complete=c.complete, metrics=c.metrics))
             else:
-                records.append(retention.Record(c.step, c.nbytes(tier), pinned=c.pinned,
+                records.append(retention.Record(c.step, stored.get(c.step, c.nbytes(tier)), pinned=c.pinned,
                                                 complete=c.complete_on(tier), metrics=c.metrics))
         if tier == TierName.LOCAL:
             # The job's rules as its sessions here set them: the local pass never reads the shared tier.
@@ -179,6 +190,33 @@ class Janitor:
             plan = retention.plan_shared(records, self._shared_rules(),
                                          *self._job_shared_rules(self.job_rules.for_job(job)))
         return [GcAction(job, s, tier, why, _nbytes(records, s)) for s, why in sorted(plan.delete.items())]
+
+    def _stored_bytes(self, job: str, tier: TierName, ckpts: list[Checkpoint]) -> dict[int, int]:
+        """What each step of a job holds on ``tier`` when some of it is incremental (see
+        :func:`chunkstore.stored_bytes`); empty when the job has no chunk store there (every part counts
+        its own bytes). A part's chunk list is read from its manifest once (parts never change)."""
+        if not chunks.store_dir(self._tier_dir(tier), job).is_dir():
+            return {}
+        with self._cache_lock:
+            known = self._chunk_lists.get((job, tier), {})
+        seen: dict[tuple[Path, int], tuple[tuple[str, int], ...] | None] = {}
+        rows: list[tuple[int, int, tuple[tuple[str, int], ...] | None]] = []
+        for c in ckpts:
+            for part in c.on_tier(tier):
+                key = (part.path, part.ino)
+                if key in known:
+                    seen[key] = known[key]
+                else:
+                    try:
+                        listed = chunks.manifest_chunks(layout.read_manifest(part.path))
+                    except layout.ManifestError:
+                        rows.append((c.step, part.nbytes, None))  # unreadable now: counted whole, read next pass
+                        continue
+                    seen[key] = None if listed is None else tuple((x.name, x.nbytes) for x in listed)
+                rows.append((c.step, part.nbytes, seen[key]))
+        with self._cache_lock:
+            self._chunk_lists[(job, tier)] = seen  # parts gone since the last pass leave the cache
+        return chunkstore.stored_bytes(rows)
 
     def _local_rules(self, job: JobRetention) -> retention.LocalRules:
         c = self.config.local
@@ -208,16 +246,31 @@ class Janitor:
         assert tier_dir is not None
         return tier_dir
 
-    def _remove_stragglers(self, job: str, tier: TierName) -> None:
+    def _remove_stragglers(self, job: str, tier: TierName) -> int:
         """Removes what no reader will ever use on ``tier``: parts of a complete step that its commit
         record does not name (an earlier attempt's, left by a crashed run), and records whose parts
-        are all gone (a deletion cut short)."""
+        are all gone (a deletion cut short). Returns how many parts went."""
+        removed = 0
         for ckpt in self.catalog.checkpoints(job):
             if tier in ckpt.records and not ckpt.on_tier(tier):
                 self._delete_record(job, ckpt.step, tier, "its parts are gone")
             for part in ckpt.stragglers():
                 if part.tier == tier:
-                    self._delete_part(part, tier, "straggler")
+                    removed += self._delete_part(part, tier, "straggler")
+        return removed
+
+    def _sweep(self, job: str, tier: TierName) -> None:
+        """Removes the job's chunks that no part on ``tier`` refers to any more (incremental parts)."""
+        store = self.chunk_stores.get(tier)
+        if store is None:
+            return
+        try:
+            swept = store.sweep(job)
+        except OSError as e:
+            log.error("retention could not sweep the chunks of %s on %s: %s", job, tier.value, e)
+            return
+        self.metrics.chunks_swept.labels(tier.value).inc(swept.removed)
+        self.metrics.chunk_bytes_swept.labels(tier.value).inc(swept.freed)
 
     def _delete_record(self, job: str, step: int, tier: TierName, why: str) -> None:
         """Deletes a step's commit record (after its parts: a half-deleted step never reads complete)."""

@@ -54,6 +54,12 @@ class Metrics:
                                         ["trigger"], registry=r)
         self.evictions = Counter("ckptstage_evictions", "Parts deleted by retention, by tier and rule.",
                                  ["tier", "rule"], registry=r)
+        self.chunks_swept = Counter("ckptstage_chunks_swept", "Chunks of incremental parts removed because no "
+                                    "part on the tier refers to them any more, by tier.", ["tier"], registry=r)
+        self.chunk_bytes_swept = Counter("ckptstage_chunk_bytes_swept", "Bytes of the chunks swept, by tier.",
+                                         ["tier"], registry=r)
+        self.chunks_reused = Counter("ckptstage_chunk_bytes_reused", "Bytes of parts written incrementally that "
+                                     "a tier held already (not written again), by tier.", ["tier"], registry=r)
         self.corrupt = Counter("ckptstage_corrupt_parts", "Parts that failed verification, by tier.",
                                ["tier"], registry=r)
         self.corrupt_reports = Counter("ckptstage_corrupt_reports",

@@ -23,6 +23,7 @@ from pathlib import Path
 from ckptstage.daemon import arena as arena_mod
 from ckptstage.daemon import fsutil
 from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
+from ckptstage.daemon.chunkstore import ChunkStore
 from ckptstage.daemon import overwrite as overwrite_mod
 from ckptstage.daemon.commits import Commits, complete_attempt
 from ckptstage.daemon.config import Config
@@ -115,6 +116,11 @@ class Node:
         self.tier_probes: dict[TierName, TierProbe] = {TierName.LOCAL: TierProbe("local", config.local.dir)}
         if config.shared.dir is not None:
             self.tier_probes[TierName.SHARED] = TierProbe("shared", config.shared.dir)
+        grace = config.persist.chunk_grace_s
+        self.chunk_stores = {TierName.LOCAL: ChunkStore(config.local.dir, self.owner, grace)}
+        if config.shared.enabled:
+            assert config.shared.dir is not None
+            self.chunk_stores[TierName.SHARED] = ChunkStore(config.shared.dir, self.owner, grace)
         self.persister = Persister(config.persist.workers, self._on_commit, self._on_failure, self._on_progress,
                                    config.persist.nice)
         self.commits = Commits(self.catalog, config.local.dir, config.shared.dir if config.shared.enabled else None,
@@ -131,7 +137,7 @@ class Node:
                                    on_indexed=self._on_shared_indexed,
                                    nice=config.persist.nice,
                                    on_published=lambda part: self.commits.seal_shared(part.job, part.step),
-                                   swapper=self.swapper)
+                                   swapper=self.swapper, chunk_stores=self.chunk_stores)
             self.shared_sync = SharedSync(self.catalog, config.shared.dir,
                                           watched=lambda: {s.info.job for s in self.sessions.all()})
         self.quarantine = Quarantine(self.catalog, self.metrics)
@@ -139,7 +145,7 @@ class Node:
                                           busy=lambda job, step: any(s.spec.job == job and s.spec.step == step
                                                                      for s in self._live_saves()), clock=clock)
         self.janitor = Janitor(config, self.catalog, self.metrics, self.owner, self.drainer, self.job_rules,
-                               self._in_flight)
+                               self._in_flight, self.chunk_stores)
         self.metrics.add_state(self._probe())
 
     # --- life cycle -------------------------------------------------------------
@@ -291,7 +297,8 @@ class Node:
         try:
             save = Save(uuid.uuid4().hex[:16], session.id, spec, session.arena,
                         base, session.chunk_bytes, writer,
-                        direct_io=self.config.persist.direct_io)
+                        direct_io=self.config.persist.direct_io,
+                        store=self.chunk_stores[TierName.LOCAL] if self.config.persist.incremental else None)
         except (OSError, OverflowError, ValueError) as e:
             if writer is not None:
                 writer.abort()
@@ -548,6 +555,8 @@ class Node:
             self._on_memory_commit(save)
             return
         assert save.committed_path is not None
+        if save.chunks is not None:
+            self.metrics.chunks_reused.labels("local").inc(save.chunks.reused_bytes)
         if overwrite_mod.is_staged(self.config.local.dir, self.owner, save.committed_path):
             self.metrics.saves_committed.labels("local").inc()
             self.metrics.bytes_persisted.labels("local").inc(save.spec.data_bytes)

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ckptstage.daemon.chunkstore import ChunkStore, PartChunks
 from ckptstage.daemon.errors import InvalidRequest, SaveFailed
 from ckptstage.daemon.fsutil import DataFile, PartWriter, lower_thread_priority
 from ckptstage.daemon.manifest_check import SaveSpec
@@ -34,11 +35,14 @@ class Save:
     """One part in flight from the arena to the local tier."""
 
     def __init__(self, save_id: str, session_id: str, spec: SaveSpec, arena: Arena, stream_base: int,
-                 chunk_bytes: int, writer: PartWriter | None, direct_io: bool = False) -> None:
+                 chunk_bytes: int, writer: PartWriter | None, direct_io: bool = False,
+                 store: ChunkStore | None = None) -> None:
         """Takes ``writer`` over and creates the data file in it; on any error both are gone.
 
         Without a writer the save is kept in memory only: its chunks are hashed, not written, and its
-        "commit" is the manifest (:attr:`memory_manifest`) vouching for the image in the arena."""
+        "commit" is the manifest (:attr:`memory_manifest`) vouching for the image in the arena. With a
+        ``store`` the part is written incrementally: no data file, only the chunks the store lacks
+        (:class:`PartChunks`)."""
         self.id = save_id
         self.session_id = session_id
         self.spec = spec
@@ -48,6 +52,7 @@ class Save:
         self.writer = writer
         self.started = time.monotonic()
         self.file: DataFile | None = None
+        self.chunks: PartChunks | None = None
         try:
             self.n_chunks = layout.chunk_count(spec.data_bytes, chunk_bytes)
             # Digests of written chunks (one per digest block), by chunk index: memory follows the bytes
@@ -62,7 +67,11 @@ class Save:
             self.committed_path: Path | None = None
             self.memory_manifest: bytes | None = None  # a memory-only save's manifest.json, once committed
             self.lock = threading.Lock()
-            if writer is not None:
+            if writer is not None and store is not None:
+                self.chunks = PartChunks(store, spec.job, spec.data_bytes,
+                                         [(t["offset"], t["nbytes"]) for t in spec.manifest["tensors"]],
+                                         chunk_bytes, writer.path(".new"), direct_io)
+            elif writer is not None:
                 self.file = DataFile(writer.path(layout.DATA_FILE), spec.data_bytes, direct_io)  # last: opens an fd
         except BaseException:
             self.discard()
@@ -92,8 +101,14 @@ class Save:
         if self.file is not None:
             self.file.close()
             self.file = None
+        self.release_chunks()
         if self.writer is not None:
             self.writer.abort()
+
+    def release_chunks(self) -> None:
+        """Ends the leases on the chunks an incremental part reuses or adds (published, or failed)."""
+        if self.chunks is not None:
+            self.chunks.release()
 
     def chunk_span(self, i: int) -> tuple[int, int]:
         start = i * self.chunk_bytes
@@ -135,6 +150,7 @@ class Persister:
                 return
             save.error = reason
         self._close_fd(save)
+        save.release_chunks()
         if save.writer is not None:
             save.writer.abort()
         log.warning("save %s (%s step %d rank %d) failed: %s", save.id, save.spec.job, save.spec.step,
@@ -170,7 +186,9 @@ class Persister:
         a = (save.stream_base + start) % save.arena.size
         with save.arena.view[a:a + (stop - start)] as piece:
             digests = layout.block_digests(piece, layout.digest_block_bytes(save.chunk_bytes))
-            if not save.memory_only:
+            if save.chunks is not None:
+                save.chunks.write(i, piece, start)
+            elif not save.memory_only:
                 assert save.file is not None, "a chunk write after the data file closed"
                 save.file.write(piece, start)
         with save.lock:
@@ -203,7 +221,10 @@ class Persister:
             if save.writer is None:
                 save.memory_manifest = layout.manifest_file_bytes(manifest)
             else:
+                if save.chunks is not None:
+                    manifest["chunks"] = {layout.DATA_FILE: save.chunks.publish()}
                 save.committed_path = save.writer.commit(manifest)
+                save.release_chunks()  # published: every later sweep marks its chunks
         except Exception as e:  # noqa: BLE001 - whatever it was, the save fails and its temporary goes
             # Raised here, anything but an OSError would end in the pool's unread future: the save
             # would never settle and its temporary would stay until the daemon restarts.

@@ -25,11 +25,12 @@ from pathlib import Path
 
 from ckptstage.daemon.catalog import Catalog, Part
 from ckptstage.daemon.metrics import Metrics
-from ckptstage.protos import layout
+from ckptstage.protos import chunks, layout
 
 log = logging.getLogger(__name__)
 
 CORRUPT_PREFIX = ".corrupt-"
+CORRUPT_CHUNKS_DIR = ".corrupt"  # in a job's chunk store: chunks that failed verification
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Quarantined:
 
 class Quarantine:
     def __init__(self, catalog: Catalog, metrics: Metrics,
-                 verify: Callable[[Path], None] = layout.verify_part) -> None:
+                 verify: Callable[[Path], None] = chunks.verify_part) -> None:
         self._catalog = catalog
         self._metrics = metrics
         self._verify = verify
@@ -108,8 +109,8 @@ class Quarantine:
         self._metrics.corrupt_reports.labels(tier, "corrupt").inc()
         self._metrics.corrupt.labels(tier).inc()
 
-    def _own_verdict(self, path: Path) -> str | None:
-        """None if the copy verifies; why, if the daemon's own read proves it corrupt.
+    def _own_verdict(self, path: Path) -> layout.ManifestError | None:
+        """None if the copy verifies; the failure, if the daemon's own read proves it corrupt.
 
         Raises OSError when the read itself failed: then nothing is known.
         """
@@ -121,10 +122,13 @@ class Quarantine:
             if not layout.is_verification_failure(e):
                 assert isinstance(e.__cause__, OSError)
                 raise e.__cause__ from e
-            return str(e)
+            return e
         return None
 
-    def _move_aside(self, part: Part, why: str) -> None:
+    def _move_aside(self, part: Part, failure: layout.ManifestError) -> None:
+        why = str(failure)
+        if isinstance(failure, layout.ChecksumMismatch):
+            _move_chunk_aside(failure.path)
         self._catalog.remove(part)
         target = part.path.parent / f"{CORRUPT_PREFIX}{part.path.name}-{uuid.uuid4().hex[:6]}"
         try:
@@ -136,6 +140,22 @@ class Quarantine:
             self._moved.append(Quarantined(part.job, part.step, part.rank, part.tier.value, target, why))
         log.error("quarantined the %s copy of %s step %d rank %d as %s: %s", part.tier.value, part.job,
                   part.step, part.rank, target, why)
+
+
+def _move_chunk_aside(path: Path) -> None:
+    """Moves a corrupt chunk of an incremental part out of its store (into ``chunks/.corrupt/``): no
+    later save may reuse it, and the next that has its bytes writes them again."""
+    store = path.parent.parent
+    if store.name != chunks.CHUNKS_DIR or not chunks.is_chunk_name(path.name):
+        return  # a part's own file: it goes with the part
+    target = store / CORRUPT_CHUNKS_DIR / f"{path.name}-{uuid.uuid4().hex[:6]}"
+    try:
+        target.parent.mkdir(exist_ok=True)
+        os.rename(path, target)
+    except OSError as e:
+        log.error("cannot quarantine the chunk %s: %s", path, e)
+        return
+    log.error("quarantined the corrupt chunk %s as %s", path, target)
 
 
 def _subdirs(path: Path, prefix: str = "") -> list[Path]:

@@ -29,6 +29,7 @@ This module is imported by the daemon and the client alike: no torch.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -192,3 +193,55 @@ def extents(part: Path, manifest: dict[str, Any], file: str = layout.DATA_FILE) 
 def referenced(manifest: dict[str, Any]) -> set[str]:
     """The chunk names a manifest refers to (none for a part stored whole)."""
     return {c.name for name in manifest.get("chunks") or {} for c in manifest_chunks(manifest, name) or ()}
+
+
+def missing(store: Path, names: Iterable[str]) -> list[str]:
+    """The chunks among ``names`` that are not in ``store`` (a sweep took them, or they never arrived)."""
+    return [n for n in names if not chunk_path(store, n).is_file()]
+
+
+def verify_part(part: Path, manifest: dict[str, Any] | None = None) -> None:
+    """Re-reads every byte of a part (its files, or its chunks) and checks sizes and block checksums.
+
+    Raises :class:`layout.ChecksumMismatch` naming the file or chunk and the first bad block.
+    """
+    manifest = manifest if manifest is not None else layout.read_manifest(part)
+    for name, entry in layout.manifest_files(manifest).items():
+        block = entry.chunk_bytes
+        buf = bytearray(block)
+        view = memoryview(buf)
+        fill = index = 0
+        where = part / name
+
+        def check(n: int) -> None:
+            got = layout.chunk_digest(view[:n])
+            if index >= len(entry.digests) or got != entry.digests[index]:
+                want = entry.digests[index] if index < len(entry.digests) else "nothing"
+                raise layout.ChecksumMismatch(where, f"chunk {index} (bytes {index * block}..) {layout.CHECKSUM} "
+                                                     f"{got} != {want} in the manifest")
+
+        for ext in extents(part, manifest, name):
+            where = ext.path
+            try:
+                f = open(ext.path, "rb", buffering=0)  # noqa: SIM115 - closed below, on every path
+            except OSError as e:
+                raise layout.ChecksumMismatch(ext.path, f"missing: {e}") from e
+            with f:
+                size = os.fstat(f.fileno()).st_size
+                if size != ext.hi - ext.base:
+                    raise layout.ChecksumMismatch(ext.path, f"size {size} != {ext.hi - ext.base} in the manifest")
+                f.seek(ext.lo - ext.base)
+                left = ext.hi - ext.lo
+                while left:
+                    n = f.readinto(view[fill:fill + min(block - fill, left)])
+                    if not n:
+                        raise layout.ChecksumMismatch(ext.path, "shorter than the manifest says")
+                    fill, left = fill + n, left - n
+                    if fill == block:
+                        check(block)
+                        fill, index = 0, index + 1
+        if fill or index == 0:
+            check(fill)
+            index += 1
+        if index != len(entry.digests):
+            raise layout.ChecksumMismatch(part / name, f"{index} blocks read, the manifest lists {len(entry.digests)}")

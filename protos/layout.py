@@ -296,20 +296,6 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def file_digests(path: Path, chunk_bytes: int) -> list[str]:
-    """Reads a file once and returns its per-chunk digests."""
-    digests = []
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(chunk_bytes)
-        view = memoryview(buf)
-        while True:
-            n = f.readinto(view)
-            if not n:
-                break
-            digests.append(chunk_digest(view[:n]))
-    return digests or [chunk_digest(b"")]
-
-
 # --- the manifest -------------------------------------------------------------
 
 
@@ -448,27 +434,6 @@ def manifest_files(manifest: dict[str, Any]) -> dict[str, FileEntry]:
 
 def part_bytes(manifest: dict[str, Any]) -> int:
     return sum(entry.size for entry in manifest_files(manifest).values())
-
-
-def verify_part(part: Path, manifest: dict[str, Any] | None = None) -> None:
-    """Re-reads every file of a part and checks sizes and checksums.
-
-    Raises :class:`ChecksumMismatch` naming the file and the first bad chunk.
-    """
-    manifest = manifest if manifest is not None else read_manifest(part)
-    for name, entry in manifest_files(manifest).items():
-        path = part / name
-        try:
-            size = path.stat().st_size
-        except OSError as e:
-            raise ChecksumMismatch(path, f"missing: {e}") from e
-        if size != entry.size:
-            raise ChecksumMismatch(path, f"size {size} != {entry.size} in the manifest")
-        got = file_digests(path, entry.chunk_bytes)
-        for i, (a, b) in enumerate(zip(got, entry.digests)):
-            if a != b:
-                raise ChecksumMismatch(path, f"chunk {i} (bytes {i * entry.chunk_bytes}..) "
-                                             f"{CHECKSUM} {a} != {b} in the manifest")
 
 
 # --- the commit record --------------------------------------------------------

@@ -338,7 +338,7 @@ BAD = [
     ("[retention]\nmax_job_keep_last = 0", "retention.max_job_keep_last", "integer from 1 to"),
     ("[shared]\nkeep_lst = 3", "shared.keep_lst", "unknown key (did you mean 'keep_last'?)"),
     ("[sharde]\ndir = '/x'", "sharde", "unknown section (did you mean 'shared'?)"),
-    ("[persist]\nfrobnicate = 1", "persist.frobnicate", "unknown key (known: chunk_bytes, direct_io"),
+    ("[persist]\nfrobnicate = 1", "persist.frobnicate", "unknown key (known: chunk_bytes, chunk_grace_s, direct_io"),
     ("local_dir = '/x'", "local_dir", "unknown key"),
     ("arena = 3", "arena", "expected a [arena] table"),
 ]
@@ -490,6 +490,7 @@ OUT_OF_BOUNDS: dict[str, tuple[object, object]] = {
     "persist.workers": (0, 65),
     "persist.chunk_bytes": (0, "1025MiB"),
     "persist.shutdown_timeout_s": (0.99, 3601),
+    "persist.chunk_grace_s": (0.005, 7 * 86400 + 1),
     "persist.nice": (-1, 20),
     "retention.interval_s": (0.09, 86401),
     "retention.max_job_keep_last": (0, 10001),

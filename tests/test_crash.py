@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 from ckptstage.client import CkptStageError, Client
-from ckptstage.protos import layout
+from ckptstage.protos import chunks, layout
 from support import assert_same, wait_until
 
 T = TypeVar("T")
@@ -387,7 +387,7 @@ def test_trainer_sigkill_after_its_snapshot_still_commits(daemon_factory, tmp_pa
         proc.wait(timeout=30)
     wait_until(lambda: committed_steps(d.local, "orphan") == [7], 120, "the orphaned save to commit")
     part = layout.part_dir(d.local, "orphan", 7, 0)
-    layout.verify_part(part)
+    chunks.verify_part(part)
     assert layout.read_manifest(part)["files"][layout.DATA_FILE]["size"] > mib << 20
     with Client("orphan", socket=d.socket) as c:
         loaded = c.load(7)["big"]

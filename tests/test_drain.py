@@ -25,7 +25,7 @@ import torch
 from ckptstage.client import Client
 from ckptstage.client.errors import SaveFailed
 from ckptstage.daemon.drainer import RateLimiter
-from ckptstage.protos import layout
+from ckptstage.protos import chunks, layout
 from support import drain, free_port, metric, scrape, wait_metric, wait_until
 
 MiB = 1 << 20
@@ -71,7 +71,7 @@ def assert_no_torn_parts(shared: Path) -> None:
     for job_dir in (p for p in shared.iterdir() if p.name != layout.TMP_DIR):
         for rank_dir in job_dir.glob("step-*/rank-*"):
             assert (rank_dir / layout.MANIFEST_FILE).is_file(), f"torn part without manifest: {rank_dir}"
-            layout.verify_part(rank_dir)
+            chunks.verify_part(rank_dir)
 
 
 def _mount(*args: str) -> None:
@@ -160,7 +160,7 @@ def test_drained_copy_is_bit_exact_and_loads_from_shared_alone(daemon_factory: A
         assert (shared_part / layout.MANIFEST_FILE).is_file()
         assert filecmp.cmp(local_part / layout.DATA_FILE, shared_part / layout.DATA_FILE, shallow=False)
         assert layout.read_manifest(shared_part) == layout.read_manifest(local_part)
-        layout.verify_part(shared_part)
+        chunks.verify_part(shared_part)
         wait_until(lambda: [i.tiers for i in c.list()] == [("local", "shared")], 10, "list to show both tiers")
     d.stop()
     shutil.rmtree(local_part)
@@ -339,7 +339,7 @@ def test_two_daemons_drain_ranks_of_one_job_into_one_shared_dir(daemon_factory: 
         for s in (3, 4):
             for r in (0, 1):
                 part = layout.part_dir(shared, JOB, s, r)
-                layout.verify_part(part)
+                chunks.verify_part(part)
                 assert layout.read_manifest(part)["rank"] == r
         assert_no_torn_parts(shared)
         owners = [p.name for p in (shared / layout.TMP_DIR).iterdir()]

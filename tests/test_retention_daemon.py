@@ -18,7 +18,7 @@ import pytest
 import torch
 from ckptstage.client import Client
 from ckptstage.client.errors import CheckpointNotFound
-from ckptstage.protos import layout
+from ckptstage.protos import chunks, layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
 import support
@@ -237,7 +237,7 @@ def test_prefetch_stages_a_shared_only_checkpoint_back_onto_local(daemon_factory
         resp = conn.call("Prefetch", pb.PrefetchRequest(job=JOB, latest=True))
         assert (resp.step, resp.parts) == (3, 1)
         local, shared = (layout.part_dir(t, JOB, 3, 0) for t in (d.local, d.shared))
-        layout.verify_part(local)
+        chunks.verify_part(local)
         assert filecmp.cmp(local / layout.DATA_FILE, shared / layout.DATA_FILE, shallow=False)
         assert [(i.step, i.tiers) for i in c.list()][-1] == (3, ("local", "shared"))
         resp = conn.call("Prefetch", pb.PrefetchRequest(job=JOB, step=3))

@@ -1,0 +1,292 @@
+"""Incremental parts through a real daemon: what each tier stores, drains and sweeps.
+
+A daemon with ``[persist] incremental`` writes each part as content-addressed
+chunks in its job's store (protos/chunks.py); these tests check what lands on
+disk (only the chunks a tier lacks), that the files still verify and read
+without ckptstage, and that retention's sweep removes exactly the chunks no
+part refers to, whatever runs beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ckptstage.client import Client
+from ckptstage.daemon.chunkstore import CONDEMNED_DIR, ChunkStore
+from ckptstage.protos import chunks, layout
+
+from support import wait_until
+
+JOB = "incr"
+INCREMENTAL = {"persist.incremental": True, "persist.chunk_grace_s": 0.01}
+
+
+def lora_like(step: int) -> dict[str, Any]:
+    """A frozen base (big tensors, never changing) with small adapters and their optimizer state that do."""
+    g = torch.Generator().manual_seed(0)
+    base = {f"layer{i}.weight": torch.randn(256, 1024, generator=g) for i in range(4)}  # 1 MiB each
+    torch.manual_seed(step)
+    adapters = {f"layer{i}.lora_{ab}": torch.randn(8, 256) for i in range(4) for ab in "AB"}
+    return {"model": {**base, **adapters}, "optim": {k: torch.randn(8, 256) for k in adapters}, "step": step}
+
+
+def store(tier: Path, job: str = JOB) -> dict[str, int]:
+    """The chunks in a job's store on a tier: name -> bytes."""
+    root = chunks.store_dir(tier, job)
+    out = {}
+    for p in root.glob("??/*"):
+        try:
+            if chunks.is_chunk_name(p.name):
+                out[p.name] = p.stat().st_size
+        except FileNotFoundError:
+            pass  # swept while we looked
+    return out
+
+
+def read_without_ckptstage(part: Path) -> dict[str, torch.Tensor]:
+    """The part's data file rebuilt from its manifest and chunk files alone, as docs/FORMAT.md describes."""
+    manifest = json.loads(part.joinpath(layout.MANIFEST_FILE).read_bytes().split(b"\n")[0])
+    job_dir = part.parent.parent
+    data = b"".join((job_dir / "chunks" / name[:2] / name).read_bytes() for name, _ in manifest["chunks"]["data.safetensors"])
+    from safetensors.torch import load
+
+    header = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])
+    assert header["__metadata__"]["format"] == layout.FORMAT
+    return load(data)
+
+
+def save(c: Client, step: int, state: dict[str, Any], tier: str = "local") -> None:
+    c.save(step, state).wait(tier, timeout=60)
+
+
+def test_unchanged_tensors_cost_nothing_on_either_tier(daemon_factory):
+    d = daemon_factory("n", **INCREMENTAL).start()
+    with Client(JOB, socket=d.socket) as c:
+        save(c, 1, lora_like(1), "shared")
+        first_local, first_shared = store(d.local), store(d.shared)
+        assert first_local == first_shared and sum(first_local.values()) >= 4 << 20
+        part = layout.part_dir(d.local, JOB, 1, 0)
+        assert sorted(os.listdir(part)) == [layout.MANIFEST_FILE]  # no data file: its chunks are in the store
+        save(c, 2, lora_like(2), "shared")
+        added = {n: b for n, b in store(d.local).items() if n not in first_local}
+        full = layout.read_manifest(layout.part_dir(d.local, JOB, 2, 0))["files"][layout.DATA_FILE]["size"]
+        # The adapters and their optimizer state changed (64 KiB of the 4.2 MiB); the base did not.
+        assert 0 < sum(added.values()) <= 0.1 * full, (sum(added.values()), full)
+        assert {n for n in store(d.shared) if n not in first_shared} == set(added)  # the drain copied those only
+        for tier in (d.local, d.shared):
+            for step in (1, 2):
+                chunks.verify_part(layout.part_dir(tier, JOB, step, 0))
+        got = read_without_ckptstage(layout.part_dir(d.shared, JOB, 2, 0))
+        want = lora_like(2)
+        assert torch.equal(got["['model']['layer3.weight']"], want["model"]["layer3.weight"])
+        assert torch.equal(got["['optim']['layer1.lora_B']"], want["optim"]["layer1.lora_B"])
+
+
+def test_a_changed_state_costs_a_full_part_and_identical_chunks_are_stored_once(daemon_factory):
+    d = daemon_factory("n", **INCREMENTAL, **{"shared.dir": ""}).start()
+    zeros = {"m": torch.zeros(1 << 20), "v": torch.zeros(1 << 20)}  # like AdamW's state before its first step
+    with Client(JOB, socket=d.socket) as c:
+        save(c, 1, zeros)
+        first = sum(store(d.local).values())
+        assert first <= 3 << 20  # 8 MiB of zeros: each distinct chunk once
+        save(c, 2, {"m": torch.randn(1 << 20), "v": torch.randn(1 << 20)})
+        assert sum(store(d.local).values()) - first >= 8 << 20  # every byte changed: a full part
+
+
+def test_retention_sweeps_the_chunks_no_retained_step_refers_to(daemon_factory):
+    d = daemon_factory("n", **INCREMENTAL, **{"shared.dir": "", "local.keep_last": 1}).start()
+    with Client(JOB, socket=d.socket) as c:
+        save(c, 1, lora_like(1))
+        only_1 = set(store(d.local))
+        save(c, 2, lora_like(2))
+        refs_2 = chunks.referenced(layout.read_manifest(layout.part_dir(d.local, JOB, 2, 0)))
+        # Step 1 goes (keep_last 1): its adapters' chunks with it, the base's stay (step 2 has them).
+        wait_until(lambda: set(store(d.local)) == refs_2, timeout=10, what="step 1's own chunks swept")
+        assert only_1 - refs_2 and only_1 & refs_2
+        chunks.verify_part(layout.part_dir(d.local, JOB, 2, 0))
+        assert torch.equal(c.load(2)["model"]["layer0.weight"], lora_like(2)["model"]["layer0.weight"])
+
+
+def test_a_sweep_puts_back_a_condemned_chunk_a_part_published_meanwhile_refers_to(tmp_path):
+    # Another node's drain touches a chunk just before this sweep condemns it, and publishes its part
+    # before the sweep marks again: the chunk must come back, not go.
+    tier = tmp_path / "tier"
+    s = ChunkStore(tier, "node-a", grace_s=0)
+    name = chunks.digest(b"x" * 4096)
+    path = s.path(JOB, name)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"x" * 4096)
+    os.utime(path, (time.time() - 10, time.time() - 10))
+    marks = iter([set(), {name}])
+    swept = s.sweep(JOB, mark=lambda: next(marks))
+    assert swept.restored == 1 and swept.removed == 0 and path.read_bytes() == b"x" * 4096
+    marks = iter([set(), set()])
+    assert s.sweep(JOB, mark=lambda: next(marks)).removed == 1 and not path.exists()
+
+
+def test_a_chunk_leased_by_a_save_in_flight_is_never_swept(tmp_path):
+    tier = tmp_path / "tier"
+    s = ChunkStore(tier, "node-a", grace_s=0)
+    name = chunks.digest(b"y")
+    path = s.path(JOB, name)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"y")
+    assert s.reuse(JOB, name)  # a save relies on it; its manifest is not published yet
+    assert s.sweep(JOB, mark=set).removed == 0 and path.exists()
+    # Released during a sweep (the part was published after the sweep's first mark): still kept by it.
+    marks = iter([set(), set()])
+
+    def mark() -> set[str]:
+        m = next(marks)
+        s.release(JOB, [name])
+        return m
+
+    assert s.sweep(JOB, mark=mark).removed == 0 and path.exists()
+    assert s.sweep(JOB, mark=set).removed == 1 and not path.exists()
+
+
+def test_a_sweep_killed_midway_is_finished_by_the_next_daemon(daemon_factory):
+    d = daemon_factory("n", **INCREMENTAL, **{"shared.dir": ""}).start()
+    with Client(JOB, socket=d.socket) as c:
+        save(c, 1, lora_like(1))
+    d.kill()
+    # As a SIGKILL between condemning and marking again leaves it: a live chunk and an orphan condemned.
+    live = next(iter(chunks.referenced(layout.read_manifest(layout.part_dir(d.local, JOB, 1, 0)))))
+    root = chunks.store_dir(d.local, JOB)
+    (root / CONDEMNED_DIR).mkdir()
+    os.rename(chunks.chunk_path(root, live), root / CONDEMNED_DIR / live)
+    orphan = chunks.digest(b"orphan")
+    (root / CONDEMNED_DIR / orphan).write_bytes(b"orphan")
+    d.start()
+    wait_until(lambda: not any((root / CONDEMNED_DIR).iterdir()), timeout=10, what="the sweep finished")
+    assert chunks.chunk_path(root, live).is_file() and not chunks.chunk_path(root, orphan).exists()
+    chunks.verify_part(layout.part_dir(d.local, JOB, 1, 0))
+
+
+def test_a_corrupt_chunk_is_quarantined_and_written_again_by_the_next_save(daemon_factory):
+    d = daemon_factory("n", **INCREMENTAL, **{"shared.dir": ""}).start()
+    with Client(JOB, socket=d.socket) as c:
+        save(c, 1, lora_like(1))
+        part = layout.part_dir(d.local, JOB, 1, 0)
+        manifest = layout.read_manifest(part)
+        big = max(chunks.manifest_chunks(manifest) or [], key=lambda ch: ch.nbytes)
+        path = chunks.chunk_path(chunks.store_dir(d.local, JOB), big.name)
+        raw = bytearray(path.read_bytes())
+        raw[100] ^= 1
+        path.write_bytes(bytes(raw))
+        with pytest.raises(layout.ChecksumMismatch):
+            chunks.verify_part(part)
+        with pytest.raises(Exception):  # noqa: B017 - no other copy: the load fails, and reports it
+            c.load(1)
+        wait_until(lambda: not path.exists(), timeout=10, what="the corrupt chunk moved aside")
+        save(c, 2, lora_like(1))  # the same bytes again: the chunk is written anew, not reused
+        assert path.is_file()
+        chunks.verify_part(layout.part_dir(d.local, JOB, 2, 0))
+
+
+def _orphans(root: Path, n: int) -> set[str]:
+    """``n`` chunk files no part refers to (a crashed save's, say), old enough for any sweep."""
+    names = set()
+    old = time.time() - 3600
+    for i in range(n):
+        data = i.to_bytes(4, "little")
+        name = chunks.digest(data)
+        path = chunks.chunk_path(root, name)
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(data)
+        os.utime(path, (old, old))
+        names.add(name)
+    return names
+
+
+def test_sigkill_during_a_sweep_loses_no_chunk_a_part_refers_to(daemon_factory):
+    d = daemon_factory("n", **INCREMENTAL, **{"shared.dir": ""}).start()
+    with Client(JOB, socket=d.socket) as c:
+        save(c, 1, lora_like(1))
+    d.kill()
+    part = layout.part_dir(d.local, JOB, 1, 0)
+    live = chunks.referenced(layout.read_manifest(part))
+    root = chunks.store_dir(d.local, JOB)
+    orphans = _orphans(root, 20_000)
+    d.start(wait=False)  # its start-up retention pass sweeps: kill it in the middle
+    left = wait_until(lambda: (n := len(orphans & set(store(d.local)))) < len(orphans) and n, timeout=30,
+                      what="the sweep under way")
+    d.kill()
+    assert 0 < left < len(orphans)  # killed mid-sweep: some condemned or deleted, some not
+    assert chunks.missing(root, live) == [] or (root / CONDEMNED_DIR).is_dir()
+    d.start()
+    wait_until(lambda: not set(store(d.local)) - live and not any((root / CONDEMNED_DIR).glob("*")), timeout=30,
+               what="the next daemon's sweep finished")
+    assert set(store(d.local)) == live
+    chunks.verify_part(part)
+
+
+def test_saves_reusing_chunks_that_retention_is_sweeping_always_commit_whole(daemon_factory):
+    # Steps alternate between two states, and keep_last 1 deletes (and sweeps) the previous step as each
+    # commits: every save reuses chunks that a sweep, run every 0.1 s with a grace of 10 ms, is deciding about.
+    d = daemon_factory("n", **INCREMENTAL, **{"shared.dir": "", "local.keep_last": 1,
+                                              "retention.interval_s": 0.1}).start()
+    states = [lora_like(1), lora_like(2)]
+    with Client(JOB, socket=d.socket) as c:
+        for step in range(1, 41):
+            save(c, step, states[step % 2])
+            part = layout.part_dir(d.local, JOB, step, 0)
+            if part.is_dir():  # not yet retired by the next pass
+                try:
+                    chunks.verify_part(part)
+                except layout.ChecksumMismatch:
+                    if part.is_dir():  # a part that still exists must verify
+                        raise
+    wait_until(lambda: set(store(d.local)) == chunks.referenced(layout.read_manifest(
+        layout.part_dir(d.local, JOB, 40, 0))), timeout=10, what="only step 40's chunks left")
+
+
+def test_a_sweep_on_another_node_never_tears_a_step_this_node_drains(daemon_factory):
+    # Node B shares the shared tier and sweeps it every 0.1 s with a 10 ms grace: shorter than a drain, so
+    # B condemns chunks that A's drain has just touched. A's check after publishing puts them back, and
+    # no step is sealed while a chunk is missing: every step sealed on the shared tier verifies.
+    a = daemon_factory("a", **INCREMENTAL, **{"shared.keep_last": 1, "local.keep_last": 1}).start()
+    b = daemon_factory("b", **INCREMENTAL, **{"shared.dir": str(a.shared), "shared.keep_last": 1,
+                                              "retention.interval_s": 0.1}).start()
+    states = [lora_like(1), lora_like(2), lora_like(3)]
+    with Client(JOB, socket=a.socket) as c:
+        for step in range(1, 31):
+            save(c, step, states[step % 3], "shared")
+            record = layout.commit_path(a.shared, JOB, step)
+            part = layout.part_dir(a.shared, JOB, step, 0)
+            if record.exists() and part.is_dir():
+                try:
+                    chunks.verify_part(part)
+                except layout.ChecksumMismatch:
+                    if record.exists():  # not deleted by retention since: it must verify
+                        raise
+    assert b.proc.poll() is None
+
+
+def test_stored_bytes_counts_each_chunk_once_with_the_newest_step_that_names_it():
+    from ckptstage.daemon.chunkstore import stored_bytes
+
+    got = stored_bytes([(1, 999, [("a", 10), ("b", 5)]), (2, 999, [("a", 10), ("c", 7)]), (3, 100, None),
+                        (2, 999, [("d", 1)])])
+    assert got == {1: 5, 2: 18, 3: 100}  # deleting step 1 frees b only: a lives on in step 2
+
+
+def test_the_local_size_limit_counts_what_the_tier_holds_not_each_steps_full_size(daemon_factory):
+    # Six LoRA-like steps of 4.2 MiB each hold about 4.9 MiB on the tier: a 5.5 MiB limit keeps them all
+    # (counting each step's full size, it would keep one).
+    d = daemon_factory("n", **INCREMENTAL, **{"local.keep_last": 20, "local.max_bytes": "5.5MiB"}).start()
+    with Client(JOB, socket=d.socket) as c:
+        for step in range(1, 7):
+            save(c, step, lora_like(step), "shared")
+        c.save(7, lora_like(7)).wait("shared", timeout=60)  # a pass after the sixth drained
+        held = {ref.step for ref in layout.scan_tier(d.local, JOB)}
+        assert len(held) >= 6, held
+        total = sum(store(d.local).values())
+        assert total <= 5.5 * (1 << 20) + 300_000, total
