@@ -58,12 +58,18 @@ class Swept:
     restored: int = 0
 
 
-def referenced(tier_dir: Path, job: str) -> set[str]:
+_Seen = dict[Path, tuple[tuple[int, int, int], frozenset[str]]]
+
+
+def referenced(tier_dir: Path, job: str, seen: _Seen | None = None) -> set[str]:
     """The chunks every part of ``job`` on the tier refers to: committed or not, staged replacements too.
 
     A manifest that fails its own checks names nothing (that part is unreadable
     anyway, and quarantine removes it); one that cannot be read at all (EIO, a
     permission) raises :class:`MarkFailed`, since its chunks may be live.
+    ``seen`` (updated in place) remembers each manifest's names under its
+    inode, size and modification time, so that a mark reads only the
+    manifests that are new since the last one.
     """
     names: set[str] = set()
     dirs = [p.path for p in layout.scan_tier(tier_dir, job)]
@@ -71,13 +77,29 @@ def referenced(tier_dir: Path, job: str) -> set[str]:
     for owner in _subdirs(tmp):
         staged_job = owner / "replace" / job
         dirs += [r for s in _subdirs(staged_job) for r in _subdirs(s)]
+    known = dict(seen or {})
+    if seen is not None:
+        seen.clear()
     for part in dirs:
+        path = part / layout.MANIFEST_FILE
         try:
-            names |= chunks.referenced(layout.read_manifest(part))
+            st = os.stat(path)
+            key = (st.st_ino, st.st_size, st.st_mtime_ns)
+            if path in known and known[path][0] == key:
+                found = known[path][1]
+            else:
+                found = frozenset(chunks.referenced(layout.read_manifest(part)))
+        except FileNotFoundError:
+            continue  # gone since the walk: its chunks are not its anymore
+        except OSError as e:
+            raise MarkFailed(f"cannot read {path}: {e}") from e
         except layout.ManifestError as e:
             if isinstance(e.__cause__, OSError) and not isinstance(e.__cause__, FileNotFoundError):
-                raise MarkFailed(f"cannot read {part / layout.MANIFEST_FILE}: {e.__cause__}") from e
-            # Corrupt (it names nothing we can trust), or gone since the walk (its chunks are not its anymore).
+                raise MarkFailed(f"cannot read {path}: {e.__cause__}") from e
+            continue  # corrupt: it names nothing we can trust
+        names |= found
+        if seen is not None:
+            seen[path] = (key, found)
     return names
 
 
@@ -147,6 +169,7 @@ class ChunkStore:
         self._leases: Counter[tuple[str, str]] = Counter()
         self._sweeping: Counter[str] = Counter()
         self._released: dict[str, set[str]] = {}  # per job being swept: leases let go during the sweep
+        self._seen: dict[str, _Seen] = {}  # per job: what each manifest named at the last mark
 
     # ------------------------------------------------------------------ writers
 
@@ -209,7 +232,7 @@ class ChunkStore:
         store = chunks.store_dir(self.tier_dir, job)
         if not store.is_dir():
             return Swept()
-        mark = mark or (lambda: referenced(self.tier_dir, job))
+        mark = mark or (lambda: referenced(self.tier_dir, job, self._seen.setdefault(job, {})))
         with self._lock:
             self._sweeping[job] += 1
             self._released.setdefault(job, set())

@@ -64,6 +64,7 @@ class Janitor:
         # Per (job, tier), per part (path, inode): its chunks, from its manifest (None: stored whole).
         self._chunk_lists: dict[tuple[str, TierName], dict[tuple[Path, int], tuple[tuple[str, int], ...] | None]] = {}
         self._cache_lock = threading.Lock()
+        self._swept_at: dict[tuple[str, TierName], float] = {}  # monotonic time of each job's last sweep
         self._locks = {TierName.LOCAL: threading.Lock(), TierName.SHARED: threading.Lock()}
 
     def apply(self, job: str, dry_run: bool = False, trigger: str = "gc", local: bool = True,
@@ -86,8 +87,7 @@ class Janitor:
                     removed = self._remove_stragglers(job, tier)
                     for action in planned:
                         self._delete(action)
-                    if planned or removed or trigger != "commit":
-                        self._sweep(job, tier)
+                    self._sweep(job, tier, deleted=bool(planned or removed), trigger=trigger)
             actions += planned
         if not dry_run and tiers:
             self.metrics.retention_passes.labels(trigger).inc()
@@ -259,11 +259,20 @@ class Janitor:
                     removed += self._delete_part(part, tier, "straggler")
         return removed
 
-    def _sweep(self, job: str, tier: TierName) -> None:
-        """Removes the job's chunks that no part on ``tier`` refers to any more (incremental parts)."""
+    def _sweep(self, job: str, tier: TierName, deleted: bool, trigger: str) -> None:
+        """Removes the job's chunks that no part on ``tier`` refers to any more (incremental parts).
+
+        After a pass that deleted parts, and at start and on request; on the timer (what is left: a failed
+        save's or drain's chunks) at most once per ``[persist] chunk_grace_s``, since none is older."""
         store = self.chunk_stores.get(tier)
         if store is None:
             return
+        now = time.monotonic()
+        last = self._swept_at.get((job, tier))
+        if not deleted and (trigger == "commit" or
+                            trigger == "timer" and last is not None and now - last < store.grace_s):
+            return
+        self._swept_at[(job, tier)] = now
         try:
             swept = store.sweep(job)
         except OSError as e:

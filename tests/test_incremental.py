@@ -290,3 +290,27 @@ def test_the_local_size_limit_counts_what_the_tier_holds_not_each_steps_full_siz
         assert len(held) >= 6, held
         total = sum(store(d.local).values())
         assert total <= 5.5 * (1 << 20) + 300_000, total
+
+
+def _manifest_naming(part: Path, names: list[str]) -> None:
+    manifest = {"format": layout.FORMAT, "job": JOB, "step": 1, "rank": 0, "world_size": 1, "tensors": [],
+                "tree": {}, "files": {layout.DATA_FILE: {"size": 4096 * len(names), "chunk_bytes": 1 << 20,
+                                                         layout.CHECKSUM: ["0" * 16]}},
+                "chunks": {layout.DATA_FILE: [[n, 4096] for n in names]}}
+    tmp = part / "manifest.new"
+    tmp.write_bytes(layout.manifest_file_bytes(manifest))
+    os.rename(tmp, part / layout.MANIFEST_FILE)  # a new file, as every writer makes one
+
+
+def test_a_mark_rereads_a_manifest_replaced_since_the_last_one(tmp_path):
+    from ckptstage.daemon.chunkstore import referenced
+
+    part = layout.part_dir(tmp_path, JOB, 1, 0)
+    part.mkdir(parents=True)
+    x, y = chunks.digest(b"x"), chunks.digest(b"y")
+    seen: dict[Any, Any] = {}
+    _manifest_naming(part, [x])
+    assert referenced(tmp_path, JOB, seen) == {x}
+    _manifest_naming(part, [y])  # the step saved again with overwrite: same path, another manifest
+    assert referenced(tmp_path, JOB, seen) == {y}
+    assert referenced(tmp_path, JOB, seen) == {y} and list(seen) == [part / layout.MANIFEST_FILE]
