@@ -39,6 +39,8 @@ class DaemonProc:
                                      "shared.dir": str(self.shared), "arena.max_bytes": "512MiB",
                                      "persist.chunk_bytes": "1MiB", "arena.min_session_bytes": "1MiB",
                                      "shared.retry_initial_s": 0.2, "shared.retry_max_s": 1.0}
+        if os.environ.get("CKPTSTAGE_TEST_INCREMENTAL") == "1":
+            overrides["persist.incremental"] = True  # the whole suite, every part written incrementally
         overrides.update(self.settings)
         if overrides.get("shared.dir") in (None, ""):
             overrides["shared.dir"] = ""
