@@ -180,7 +180,7 @@ class ChunkStore:
         """Leases ``name`` for a part being written; True when the store holds it (it is touched then).
 
         Either way the lease holds until :meth:`release`: a chunk that is not
-        there yet is written and :meth:`add`-ed under it.
+        there yet is written and :meth:`put` under it.
         """
         with self._lock:
             self._leases[(job, name)] += 1
@@ -254,8 +254,8 @@ class ChunkStore:
     def _unmarked(store: Path, marked: set[str]) -> list[Path]:
         out = []
         for sub in _subdirs(store):
-            if sub.name == CONDEMNED_DIR:
-                continue
+            if sub.name.startswith("."):
+                continue  # .condemned, and the quarantine's .corrupt
             with os.scandir(sub) as it:
                 out += [Path(e.path) for e in it if chunks.is_chunk_name(e.name) and e.name not in marked]
         return out
