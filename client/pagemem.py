@@ -28,22 +28,28 @@ class PageCache:
     cached).
     """
 
-    def __init__(self, path: Path, use_cachestat: bool = True) -> None:
-        self.fd = os.open(path, os.O_RDONLY)
+    def __init__(self, path: Path, use_cachestat: bool = True, fd: int | None = None) -> None:
+        """``fd``: a descriptor of ``path`` already open, which this object then owns (and closes)."""
+        self.fd = os.open(path, os.O_RDONLY) if fd is None else fd
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
         self._cachestat = use_cachestat and _CACHESTAT is not None
 
     def cached(self, lo: int, hi: int) -> bool:
         """Whether at least half of the pages of [lo, hi) are cached (then a copy from memory wins)."""
+        return self.cached_bytes(lo, hi) * 2 >= hi - lo
+
+    def cached_bytes(self, lo: int, hi: int) -> int:
+        """About how much of [lo, hi) is cached: its cached pages' bytes, or where only the first page
+        can be asked about, all of it or nothing (so that the parts of a file kept in several add up)."""
         if self._cachestat:
             pages = _cachestat_pages(self.fd, lo, hi - lo)
             if pages is not None:
-                return pages * 2 * PAGE >= hi - lo
+                return pages * PAGE
             self._cachestat = False
         try:
-            return os.preadv(self.fd, [bytearray(1)], lo, os.RWF_NOWAIT) == 1
+            return hi - lo if os.preadv(self.fd, [bytearray(1)], lo, os.RWF_NOWAIT) == 1 else 0
         except OSError:  # EAGAIN: not cached; EOPNOTSUPP: cannot tell, so read it as cold
-            return False
+            return 0
 
     def close(self) -> None:
         os.close(self.fd)

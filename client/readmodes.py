@@ -3,18 +3,25 @@
 Which of ``O_DIRECT`` and buffered reads is faster depends on the disk and
 the file system (a local NVMe or virtual disk favours direct; some network
 and FUSE file systems are slow with it), so :class:`Adaptive` compares them
-on the checkpoint being read and keeps the winner per device; every few
-restores it compares again. docs/ARCHITECTURE.md ("Restore") gives the
-measurements behind the defaults.
+on the checkpoint being read and keeps the winner per device (and apart
+for parts stored as chunks, :data:`Device`); every few restores it compares
+again. docs/ARCHITECTURE.md ("Restore") gives the measurements behind the
+defaults.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 HASH_BLOCK = 256 << 10  # bytes hashed right after they are copied, while they are still in the CPU cache
+
+# What a choice is kept for: a device number (``st_dev``) for parts stored whole, ``(st_dev, "chunks")``
+# for parts stored as chunks (read file by file: the kernel's readahead, and so buffered reads, fare
+# differently there), so that neither kind of part decides for the other.
+Device = Hashable
 
 
 @dataclass(frozen=True)
@@ -37,10 +44,10 @@ CACHED = Mode("cached", readers=2, request=HASH_BLOCK)
 class Policy(Protocol):
     """Chooses how cold units are read; told what each choice achieved (a seam for tests)."""
 
-    def choose(self, device: int, can_direct: bool) -> list[Mode]:
+    def choose(self, device: Device, can_direct: bool) -> list[Mode]:
         """One mode to read every cold unit with, or several to compare on the first units."""
 
-    def record(self, device: int, results: dict[Mode, float]) -> Mode:
+    def record(self, device: Device, results: dict[Mode, float]) -> Mode:
         """Bytes per second each compared mode achieved; returns the one to read the rest with."""
 
 
@@ -50,10 +57,10 @@ class Fixed:
 
     mode: Mode
 
-    def choose(self, device: int, can_direct: bool) -> list[Mode]:
+    def choose(self, device: Device, can_direct: bool) -> list[Mode]:
         return [self.mode if can_direct or self.mode.kind != "direct" else BUFFERED]
 
-    def record(self, device: int, results: dict[Mode, float]) -> Mode:
+    def record(self, device: Device, results: dict[Mode, float]) -> Mode:
         return self.mode
 
 
@@ -69,11 +76,11 @@ class Adaptive:
     candidates: tuple[Mode, ...] = (DIRECT, BUFFERED)
     retrial_every: int = 16
     margin: float = 0.10
-    _best: dict[int, Mode] = field(default_factory=dict)
-    _uses: dict[int, int] = field(default_factory=dict)
+    _best: dict[Device, Mode] = field(default_factory=dict)
+    _uses: dict[Device, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def choose(self, device: int, can_direct: bool) -> list[Mode]:
+    def choose(self, device: Device, can_direct: bool) -> list[Mode]:
         if not can_direct:
             return [BUFFERED]
         with self._lock:
@@ -84,7 +91,7 @@ class Adaptive:
             return list(self.candidates)
         return [best]
 
-    def record(self, device: int, results: dict[Mode, float]) -> Mode:
+    def record(self, device: Device, results: dict[Mode, float]) -> Mode:
         # The first candidate (direct) keeps its place unless another is clearly faster: it leaves no
         # page-cache copy of the checkpoint taking the trainer's memory, and the comparison is slanted
         # its way by at most the readahead that spills out of a buffered slice into the next one.
@@ -96,7 +103,7 @@ class Adaptive:
             self._best[device] = best
         return best
 
-    def best(self, device: int) -> Mode | None:
+    def best(self, device: Device) -> Mode | None:
         return self._best.get(device)
 
 

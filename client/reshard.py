@@ -11,7 +11,9 @@ block that a read only partly needs is read whole (it is the unit of
 verification) and kept for the next fragment in it. Boxes are read in row
 pieces of a few MiB on a few threads, so one large part, or one large
 tensor, is read in parallel too. A copy that fails verification is reported
-and the part's next copy (normally the shared tier's) is read instead.
+and the part's next copy (normally the shared tier's) is read instead. A part
+stored as chunks (:mod:`ckptstage.protos.chunks`) is read through its
+extents like a whole one (:class:`restore.ExtentFiles`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import threading
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
@@ -33,8 +34,8 @@ import torch
 from ckptstage.client import shards, tree
 from ckptstage.client.fileplan import dtype_from_name
 from ckptstage.client.pagemem import Prefaulter
-from ckptstage.client.restore import bytes_of
-from ckptstage.protos import layout
+from ckptstage.client.restore import ExtentFiles, bytes_of
+from ckptstage.protos import chunks, layout
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ _READERS = 4          # reads in flight (a cold disk wants more than the 2 cores
 _CACHED_BLOCKS = 2    # partly used verified blocks each reading thread keeps for the next fragment in them
 _SPAN = 16 << 20      # the largest single read of whole blocks
 _PIECE = 32 << 20     # a box is read in row pieces of about this size, so one tensor spreads over the readers
+_KEEP_OPEN = _READERS  # a part's chunk files kept open while no read is using them (a whole part has one)
 
 Report = Callable[[int, int, str], None]  # (rank, index of the copy, what failed)
 
@@ -50,9 +52,10 @@ class PartReader:
     """Verified reads of byte ranges of one part's data file, from its best copy that verifies.
 
     Thread-safe: several threads read one part at once (positional reads on
-    one descriptor), each with its own cache of partly used blocks; a copy
-    that fails verification is abandoned for the next by whichever thread
-    finds it, and the others follow on their next read.
+    the same descriptors), each with its own cache of partly used blocks; a
+    copy that fails verification (or cannot be read here) is abandoned for
+    the next by whichever thread finds it, and the others follow on their
+    next read.
     """
 
     def __init__(self, rank: int, dirs: list[Path], report: Report | None = None) -> None:
@@ -63,9 +66,10 @@ class PartReader:
         self._report = report
         self._lock = threading.Lock()
         self._copy = -1
-        self._fd = -1
+        self._files: ExtentFiles | None = None  # the current copy's, opened at the first read
+        self._extents: list[chunks.Extent] = []
         self._exhausted: BaseException | None = None  # every copy failed: what the last one did
-        self._fds: list[int] = []  # closed only at close(): another thread may still read an abandoned copy
+        self._opened: list[ExtentFiles] = []  # closed only at close(): another thread may still read an abandoned copy
         self._local = threading.local()
         self.bytes_read = 0
         self.manifest: dict[str, Any] = {}
@@ -81,6 +85,7 @@ class PartReader:
             try:
                 manifest = layout.read_manifest(self.dirs[self._copy])
                 entry = layout.manifest_files(manifest)[layout.DATA_FILE]
+                extents = chunks.extents(self.dirs[self._copy], manifest)
             except (layout.ManifestError, KeyError) as e:
                 failure = self._failed(self._copy, e)
                 continue
@@ -93,7 +98,8 @@ class PartReader:
                 continue
             # The data file is opened at the first read: a rank that reads from two parts of a
             # thousand-rank step holds two descriptors, not a thousand.
-            self._fd, self.manifest, self.file = -1, self.manifest or manifest, entry
+            self._files, self._extents = None, extents
+            self.manifest, self.file = self.manifest or manifest, entry
             return
 
     def _failed(self, copy: int, e: BaseException) -> BaseException:
@@ -109,10 +115,10 @@ class PartReader:
         self._cache().clear()
 
     def close(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds.clear()
-        self._fd = -1
+        for files in self._opened:
+            files.close()
+        self._opened.clear()
+        self._files = None
 
     def read(self, offset: int, dest: memoryview) -> None:
         """Fills ``dest`` with the file's bytes at ``offset``, every block they touch verified."""
@@ -120,32 +126,24 @@ class PartReader:
             with self._lock:
                 if self._exhausted is not None:  # another thread found the last copy bad
                     raise self._exhausted
-                if self._fd < 0 and not self._open():
-                    continue
-                copy, fd = self._copy, self._fd
+                if self._files is None:
+                    self._files = ExtentFiles(self.dirs[self._copy] / layout.DATA_FILE, self._extents, _KEEP_OPEN)
+                    self._opened.append(self._files)
+                copy, files = self._copy, self._files
             try:
-                self._read(copy, fd, offset, dest)
+                self._read(copy, files, offset, dest)
                 return
-            except layout.ChecksumMismatch as e:
+            except (layout.ManifestError, OSError) as e:
+                # A bad copy (a flipped byte, a missing chunk), or one this process cannot read (its
+                # own trouble, reported to no one): either way the next copy may serve.
+                failure = e
+                if not isinstance(e, layout.ManifestError):
+                    failure = layout.ManifestError(f"{self.dirs[copy] / layout.DATA_FILE}: cannot read: {e}")
+                    failure.__cause__ = e
                 with self._lock:
                     if self._copy == copy and self._exhausted is None:  # else another thread moved on already
-                        self._next_copy(self._failed(copy, e))
+                        self._next_copy(self._failed(copy, failure))
                 self.drop_cache()
-
-    def _open(self) -> bool:
-        """Opens the current copy's data file (under the lock); False when it cannot be and the next copy is due."""
-        path = self.dirs[self._copy] / layout.DATA_FILE
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as e:
-            failure = layout.ManifestError(f"{path}: cannot open the data file: {e}")
-            failure.__cause__ = e
-            self._next_copy(self._failed(self._copy, failure))
-            return False
-        self._fds.append(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        self._fd = fd
-        return True
 
     def _cache(self) -> OrderedDict[tuple[int, int], bytearray]:
         cache = getattr(self._local, "cache", None)
@@ -153,7 +151,7 @@ class PartReader:
             cache = self._local.cache = OrderedDict()
         return cache
 
-    def _read(self, copy: int, fd: int, offset: int, dest: memoryview) -> None:
+    def _read(self, copy: int, files: ExtentFiles, offset: int, dest: memoryview) -> None:
         bs, end, pos = self.file.chunk_bytes, offset + len(dest), offset
         while pos < end:
             b0 = pos // bs * bs
@@ -161,21 +159,21 @@ class PartReader:
                 # Whole blocks, straight into dest: one read of up to _SPAN bytes, then a digest per block.
                 n = min(end, self.file.size) - pos
                 n = min(max(bs, _SPAN // bs * bs), n if end >= self.file.size else n // bs * bs)
-                self._pread_verified(copy, fd, pos, dest[pos - offset:pos - offset + n])
+                self._pread_verified(copy, files, pos, dest[pos - offset:pos - offset + n])
                 pos += n
                 continue
             stop = min(end, b0 + bs)
-            block = self._block(copy, fd, pos // bs)
+            block = self._block(copy, files, pos // bs)
             dest[pos - offset:stop - offset] = memoryview(block)[pos - b0:stop - b0]
             pos = stop
 
-    def _block(self, copy: int, fd: int, b: int) -> bytearray:
+    def _block(self, copy: int, files: ExtentFiles, b: int) -> bytearray:
         cache = self._cache()
         buf = cache.get((copy, b))
         if buf is None:
             bs = self.file.chunk_bytes
             buf = bytearray(min(bs, self.file.size - b * bs))
-            self._pread_verified(copy, fd, b * bs, memoryview(buf))
+            self._pread_verified(copy, files, b * bs, memoryview(buf))
             cache[(copy, b)] = buf
             while len(cache) > _CACHED_BLOCKS:
                 cache.popitem(last=False)
@@ -183,24 +181,19 @@ class PartReader:
             cache.move_to_end((copy, b))
         return buf
 
-    def _pread_verified(self, copy: int, fd: int, offset: int, view: memoryview) -> None:
+    def _pread_verified(self, copy: int, files: ExtentFiles, offset: int, view: memoryview) -> None:
         """Reads whole blocks at ``offset`` (block-aligned) into ``view`` and checks each one's digest."""
-        path = self.dirs[copy] / layout.DATA_FILE
-        got = 0
-        while got < len(view):
-            n = os.preadv(fd, [view[got:]], offset + got)
-            if n <= 0:
-                raise layout.ChecksumMismatch(path, f"unexpected end of file at byte {offset + got}")
-            got += n
+        files.pread_exact("buffered", [view], offset)
         with self._lock:
-            self.bytes_read += got
+            self.bytes_read += len(view)
         bs = self.file.chunk_bytes
         for at in range(0, len(view), bs):
             b = (offset + at) // bs
             digest = layout.chunk_digest(view[at:at + bs])
             if digest != self.file.digests[b]:
-                raise layout.ChecksumMismatch(path, f"block {b} (bytes {b * bs}..) "
-                                                    f"{layout.CHECKSUM} {digest} != {self.file.digests[b]}")
+                raise layout.ChecksumMismatch(files.path, f"block {b} (bytes {b * bs}..) {layout.CHECKSUM} "
+                                                          f"{digest} != {self.file.digests[b]}"
+                                                          f"{files.where(b * bs, (b + 1) * bs)}")
 
 
 @dataclass(frozen=True)

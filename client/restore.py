@@ -24,10 +24,18 @@ not assumed (:mod:`ckptstage.client.readmodes`); file systems that refuse
 ``O_DIRECT`` are read buffered. Fresh tensors' pages are mapped ahead of the
 readers by :class:`pagemem.Prefaulter`.
 docs/ARCHITECTURE.md ("Restore") gives the measurements behind the choices.
+
+A part written incrementally has no data file of its own: its bytes are
+chunk files in the job's chunk store (:mod:`ckptstage.protos.chunks`). Every
+read goes through :class:`ExtentFiles`, which cuts it where one file ends and
+the next begins; a whole part is a single extent, so both are read, probed
+and verified by the same code. Chunks begin on page boundaries, so the
+aligned memory and page-aligned O_DIRECT reads above work unchanged.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import mmap
@@ -35,6 +43,7 @@ import os
 import statistics
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -49,12 +58,13 @@ from ckptstage.client import tree
 from ckptstage.client.fileplan import dtype_from_name
 from ckptstage.client.pagemem import PAGE as _PAGE
 from ckptstage.client.pagemem import PageCache, Prefaulter
-from ckptstage.client.readmodes import CACHED, DIRECT, HASH_BLOCK, POLICY, Mode, Policy
-from ckptstage.protos import layout
+from ckptstage.client.readmodes import CACHED, DIRECT, HASH_BLOCK, POLICY, Device, Mode, Policy
+from ckptstage.protos import chunks, layout
 
 _UNIT = 8 << 20          # what one reader takes at a time (rounded to whole digest blocks)
 _DIRECT_MIN = 1 << 20    # smaller fresh tensors go through the bounce buffer in direct mode
 _MAX_IOV = 512           # buffers in one preadv (the kernel allows 1024)
+_KEEP_OPEN = 8           # extents whose descriptors stay open while no read is using them
 
 
 _TRIAL_UNITS = 4        # units per slice of a comparison: one per direct reader
@@ -116,49 +126,29 @@ def read_part(part: Path, into: Any = None, policy: Policy | None = None) -> tup
     if len(entry.digests) != layout.chunk_count(entry.size, entry.chunk_bytes):
         raise layout.ChecksumMismatch(path, "the manifest's chunk list does not cover the file")
     targets = _targets(into, len(entries))
-    fd = os.open(path, os.O_RDONLY)
+    files = ExtentFiles(path, chunks.extents(part, manifest))
     try:
-        direct_fd = _open_direct(path)
-    except BaseException:
-        os.close(fd)
-        raise
-    try:
-        st = os.fstat(fd)
-        if st.st_size != entry.size:
-            raise layout.ChecksumMismatch(path, f"size {st.st_size} != {entry.size} in the manifest")
-        placed = [_destination(e, targets[i] if targets else None, direct_fd is not None)
-                  for i, e in enumerate(entries)]
+        device, can_direct = files.first()
+        key: Device = (device, "chunks") if files.chunked else device  # each kind of part measured apart
+        placed = [_destination(e, targets[i] if targets else None, can_direct) for i, e in enumerate(entries)]
         spans = [_Span(0, memoryview(bytearray(data_start)))] + [s for _, s in placed if s is not None]
         if sum(len(s.view) for s in spans) != entry.size:
             raise layout.ManifestError(f"{path}: the tensors do not cover the file exactly")
-        os.posix_fadvise(fd, 0, entry.size, os.POSIX_FADV_SEQUENTIAL)
         units = _units(sorted(spans, key=lambda s: s.offset), entry.chunk_bytes)
+        for u in units:
+            files.expect(u.lo, u.hi)
         stats = Stats()
         fresh = [s for i, (d, s) in enumerate(placed)
                  if s is not None and len(s.view) >= _DIRECT_MIN and (targets is None or d is not targets[i])]
-        file = _File(path, fd, direct_fd, entry, stats)
-        try:
-            with Prefaulter([s.region() for s in sorted(fresh, key=lambda s: s.offset)]):
-                file.read(units, st.st_dev, policy or POLICY)
-        finally:
-            file.cache.close()
+        file = _File(path, files, entry, stats)
+        with Prefaulter([s.region() for s in sorted(fresh, key=lambda s: s.offset)]):
+            file.read(units, key, can_direct, policy or POLICY)
         last_stats = stats
     finally:
-        os.close(fd)
-        if direct_fd is not None:
-            os.close(direct_fd)
+        files.close()
     out = [_finish(d, targets[i] if targets else None) for i, (d, _) in enumerate(placed)]
     state = tree.unflatten(manifest["tree"], out.__getitem__)
     return manifest, state
-
-
-def _open_direct(path: Path) -> int | None:
-    try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError as e:
-        if e.errno == errno.EINVAL:  # tmpfs (before Linux 6.6) and some others refuse O_DIRECT
-            return None
-        raise
 
 
 def _destination(t: layout.TensorEntry, target: torch.Tensor | None,
@@ -247,36 +237,36 @@ class _Verifier:
         self.hasher = xxhash.xxh3_64()
         want = self.file.entry.digests[i]
         if digest != want:
-            raise layout.ChecksumMismatch(self.file.path, f"chunk {i} (bytes {i * self.file.entry.chunk_bytes}..) "
-                                                          f"{layout.CHECKSUM} {digest} != {want}")
+            bs = self.file.entry.chunk_bytes
+            where = self.file.files.where(i * bs, (i + 1) * bs)  # the chunk files holding the block, if any
+            raise layout.ChecksumMismatch(self.file.path, f"chunk {i} (bytes {i * bs}..) {layout.CHECKSUM} "
+                                                          f"{digest} != {want}{where}")
 
 
 class _File:
-    """One read_part's data file: its descriptors, its digests, and the reader threads' bounce buffers."""
+    """One read_part's data file: its extents' descriptors, its digests, and the reader threads' bounce buffers."""
 
-    def __init__(self, path: Path, fd: int, direct_fd: int | None, entry: layout.FileEntry, stats: Stats) -> None:
+    def __init__(self, path: Path, files: ExtentFiles, entry: layout.FileEntry, stats: Stats) -> None:
         self.path = path
-        self.fd = fd
-        self.direct_fd = direct_fd
+        self.files = files
         self.entry = entry
         self.stats = stats
-        self.cache = PageCache(path)
         self._local = threading.local()
         self._failed = threading.Event()
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ scheduling
 
-    def read(self, units: list[_Unit], device: int, policy: Policy) -> None:
+    def read(self, units: list[_Unit], device: Device, can_direct: bool, policy: Policy) -> None:
         """Reads every unit: cached ones through the cache, cold ones the way ``policy`` says (or finds)."""
-        modes = policy.choose(device, self.direct_fd is not None)
+        modes = policy.choose(device, can_direct)
         with ThreadPoolExecutor(max_workers=max(m.readers for m in modes)) as pool:
             todo = iter(units)
             if len(modes) > 1:
                 whole = len(modes) * _TRIAL_UNITS * _TRIAL_ROUNDS
                 trial = _take(todo, whole)
                 # A comparison needs every mode's slices; a small file (or cached data) says nothing.
-                if len(trial) == whole and not self.cache.cached(trial[0].lo, trial[0].hi):
+                if len(trial) == whole and not self.files.cached(trial[0].lo, trial[0].hi):
                     rates = self._compare(pool, trial, modes)
                     self.stats.trial = {m.kind: r for m, r in rates.items()}
                     modes = [policy.record(device, rates)]
@@ -314,7 +304,7 @@ class _File:
                     return
                 try:
                     # Only direct reads ask: buffered ones take cached pages from the cache anyway.
-                    cached = cold.kind == "direct" and self.cache.cached(u.lo, u.hi)
+                    cached = cold.kind == "direct" and self.files.cached(u.lo, u.hi)
                     self._unit(u, CACHED if cached else cold)
                 except BaseException:
                     self._failed.set()  # the other readers stop at their next unit
@@ -331,13 +321,14 @@ class _File:
         if mode.kind == "direct":
             self._direct(u, verifier)
         else:
-            self._buffered(self.cache.fd if mode is CACHED else self.fd, u, verifier, mode.request)
+            self._buffered(CACHED.kind if mode is CACHED else "buffered", u, verifier, mode.request)
         if verifier.pos != u.hi:
             raise layout.ChecksumMismatch(self.path, f"bytes {verifier.pos}..{u.hi} were not read")
+        self.files.done(u.lo, u.hi)
         with self._lock:
             self.stats.bytes[mode.kind] = self.stats.bytes.get(mode.kind, 0) + u.hi - u.lo
 
-    def _buffered(self, fd: int, u: _Unit, verifier: _Verifier, request: int) -> None:
+    def _buffered(self, kind: str, u: _Unit, verifier: _Verifier, request: int) -> None:
         """preadv through the page cache into the spans' own bytes, ``request`` bytes per call."""
         pending = list(u.spans)
         while pending:
@@ -351,14 +342,13 @@ class _File:
                 if not pending[0].view:
                     pending.pop(0)
                 size += take
-            self._pread_exact(fd, [s.view for s in batch], batch[0].offset)
+            self.files.pread_exact(kind, [s.view for s in batch], batch[0].offset)
             for s in batch:
                 for at in range(0, len(s.view), HASH_BLOCK):
                     verifier.feed(s.view[at:at + HASH_BLOCK])
 
     def _direct(self, u: _Unit, verifier: _Verifier) -> None:
         """O_DIRECT: into windows where a tensor has one, else through the reader's bounce buffer."""
-        assert self.direct_fd is not None
         spans = u.spans
         i = 0
         while i < len(spans):
@@ -374,16 +364,16 @@ class _File:
             i = j
 
     def _direct_window(self, s: _Span, verifier: _Verifier) -> None:
-        assert self.direct_fd is not None and s.window is not None
+        assert s.window is not None
         pos = s.offset
         while pos < s.end:
             # Whole pages from the page holding pos; unit boundaries are page-aligned, so pages
             # outside [offset, end) are the window's slack, never another tensor's bytes.
             lo = pos // _PAGE * _PAGE
             hi = min(lo + DIRECT.request, _page_up(s.end))
-            got = lo + os.preadv(self.direct_fd, [s.window[lo - s.base:hi - s.base]], lo)
+            got = lo + self.files.pread("direct", [s.window[lo - s.base:hi - s.base]], lo)
             if got <= pos:
-                raise layout.ChecksumMismatch(self.path, f"unexpected end of file at byte {pos}")
+                raise self.files.eof(pos)
             got = min(got, s.end)
             verifier.feed(s.view[pos - s.offset:got - s.offset])
             pos = got
@@ -393,10 +383,9 @@ class _File:
 
         Hashed and copied block by block, so the copy reads what the hash just brought into the CPU cache.
         """
-        assert self.direct_fd is not None
         start, end = spans[0].offset, spans[-1].end
         bounce = self._bounce()
-        self._pread_exact(self.direct_fd, [bounce[:_page_up(end) - lo]], lo, need=end - lo)
+        self.files.pread_exact("direct", [bounce[:_page_up(end) - lo]], lo, need=end - lo)
         k = 0
         for at in range(start, end, HASH_BLOCK):
             stop = min(end, at + HASH_BLOCK)
@@ -420,16 +409,249 @@ class _File:
             buf = self._local.bounce = memoryview(mmap.mmap(-1, DIRECT.request))
         return buf
 
-    def _pread_exact(self, fd: int, views: list[memoryview], offset: int, need: int | None = None) -> None:
-        """preadv until ``need`` bytes (all of ``views`` by default) are in; EOF before that is an error."""
+
+# ---------------------------------------------------------------------- the files behind a data file
+
+
+@dataclass
+class _Handle:
+    """The descriptors open on one extent's file, by kind of read."""
+
+    fds: dict[str, int] = field(default_factory=dict)  # "buffered", "direct" (the buffered one if refused)
+    cache: PageCache | None = None                      # "cached": the page-cache probe's, no readahead
+    users: int = 0                                      # reads and probes using it right now
+    finished: bool = False                              # no read is due any more: close when the last lets go
+
+    def fd(self, kind: str) -> int:
+        if kind == CACHED.kind:
+            assert self.cache is not None
+            return self.cache.fd
+        return self.fds[kind]
+
+    def close(self) -> None:
+        for fd in set(self.fds.values()):
+            os.close(fd)
+        if self.cache is not None:
+            self.cache.close()
+
+
+class ExtentFiles:
+    """Positional reads of a part's data file, whether stored whole or as chunks (:func:`chunks.extents`).
+
+    A read at an offset of the data file goes to the extent holding it, at
+    ``offset - base`` of that extent's file, and stops where the extent ends
+    (a short read: callers go on from there). Every extent but the last
+    ends on a page, so page-aligned O_DIRECT reads stay page-aligned in every
+    file, and past the last one they stop at its end of file as usual.
+
+    An extent's file is opened at its first read, one descriptor per kind of
+    read: ``buffered`` (sequential readahead), ``direct`` (O_DIRECT; the
+    buffered descriptor where the file system refuses it) and ``cached``
+    (:class:`PageCache`: the probe's, without readahead). Its descriptors
+    are closed once every range announced with :meth:`expect` that touches
+    it is :meth:`done` with; and whenever more than ``keep`` extents that no
+    read is using are open, the least recently used are closed (opened again
+    if read again). A whole part so keeps its one file open throughout, and
+    a part of a thousand chunks holds a few dozen descriptors at most.
+
+    A file that is not there is a :class:`layout.ManifestError` caused by the
+    FileNotFoundError (:func:`layout.is_verification_failure`: the copy is
+    bad), one of another size than the manifest's a :class:`layout.ChecksumMismatch`;
+    other errors (EMFILE, EACCES: the process's own trouble) are raised as
+    they are. Thread-safe.
+    """
+
+    def __init__(self, path: Path, extents: Sequence[chunks.Extent], keep: int = _KEEP_OPEN) -> None:
+        self.path = path  # the data file the extents make up (the reads' errors name it, or its chunks)
+        self.extents = list(extents)
+        self._starts = [e.lo for e in self.extents]
+        self._keep = keep
+        self._due = [0] * len(self.extents)  # ranges expected and not done yet, per extent
+        self._open: OrderedDict[int, _Handle] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()
+
+    @property
+    def chunked(self) -> bool:
+        """Whether the data file is kept as chunks (not as the file itself)."""
+        return any(e.path != self.path for e in self.extents)
+
+    def index(self, offset: int) -> int:
+        """The extent holding ``offset``."""
+        return max(0, bisect.bisect_right(self._starts, offset) - 1)
+
+    def _range(self, lo: int, hi: int) -> range:
+        return range(self.index(lo), self.index(max(lo, hi - 1)) + 1) if self.extents else range(0)
+
+    def where(self, lo: int, hi: int) -> str:
+        """`` in <chunk files>`` when bytes [lo, hi) are kept in chunks (for error messages), else nothing."""
+        paths = [str(self.extents[i].path) for i in self._range(lo, hi) if self.extents[i].path != self.path]
+        return f" in {', '.join(paths)}" if paths else ""
+
+    def first(self) -> tuple[int, bool]:
+        """(device, whether it takes O_DIRECT) of the first extent's file, opened and its size checked."""
+        if not self.extents:
+            return os.stat(self.path.parent).st_dev, False
+        h = self._acquire(0, "direct")
+        try:
+            return os.fstat(h.fds["direct"]).st_dev, h.fds["direct"] != h.fds.get("buffered")
+        finally:
+            self._let_go(0)
+
+    # ------------------------------------------------------------------ reads
+
+    def pread(self, kind: str, views: list[memoryview], offset: int) -> int:
+        """One preadv of ``views`` at ``offset``, up to the end of the extent holding it; bytes read."""
+        if not self.extents:
+            return 0
+        i = self.index(offset) if len(self._starts) > 1 else 0
+        e = self.extents[i]
+        room = _page_up(e.hi) - offset
+        if room <= 0:
+            return 0
+        if sum(len(v) for v in views) > room:
+            views = _head(views, room)
+        h = self._acquire(i, kind)
+        try:
+            return os.preadv(h.fd(kind), views, offset - e.base)
+        finally:
+            self._let_go(i)
+
+    def pread_exact(self, kind: str, views: list[memoryview], offset: int, need: int | None = None) -> None:
+        """Reads until ``need`` bytes (all of ``views`` by default) are in; an end of file before is an error."""
         total = sum(len(v) for v in views) if need is None else need
         done = 0
         while done < total:
-            n = os.preadv(fd, _skip(views, done), offset + done)
+            n = self.pread(kind, _skip(views, done), offset + done)
             if n <= 0:
-                raise layout.ChecksumMismatch(self.path, f"unexpected end of file at byte {offset + done}")
+                raise self.eof(offset + done)
             done += n
 
+    def eof(self, offset: int) -> layout.ChecksumMismatch:
+        """The error for a file that ends before byte ``offset`` of the data file."""
+        e = self.extents[self.index(offset)] if self.extents else chunks.Extent(0, 0, self.path, 0)
+        return layout.ChecksumMismatch(e.path, f"unexpected end of file at byte {offset - e.base}")
+
+    def cached(self, lo: int, hi: int) -> bool:
+        """Whether at least half of bytes [lo, hi) are in the page cache (:meth:`PageCache.cached`)."""
+        got = 0
+        for i in self._range(lo, hi):
+            e = self.extents[i]
+            h = self._acquire(i, CACHED.kind)
+            try:
+                assert h.cache is not None
+                got += h.cache.cached_bytes(max(lo, e.lo) - e.base, min(hi, e.hi) - e.base)
+            finally:
+                self._let_go(i)
+        return got * 2 >= hi - lo
+
+    # ------------------------------------------------------------------ descriptors
+
+    def expect(self, lo: int, hi: int) -> None:
+        """Bytes [lo, hi) will be read, and then :meth:`done` with: their files stay open until then."""
+        for i in self._range(lo, hi):
+            self._due[i] += 1
+
+    def done(self, lo: int, hi: int) -> None:
+        """Bytes [lo, hi) are read: the files that no other expected range needs are closed."""
+        with self._lock:
+            for i in self._range(lo, hi):
+                self._due[i] -= 1
+                h = self._open.get(i)
+                if self._due[i] == 0 and h is not None:
+                    h.finished = True
+                    if not h.users:
+                        self._open.pop(i).close()
+
+    def close(self) -> None:
+        with self._lock:
+            while self._open:
+                self._open.popitem()[1].close()
+
+    def _acquire(self, i: int, kind: str) -> _Handle:
+        """Extent ``i``'s descriptors with one of ``kind`` among them, marked in use until :meth:`_let_go`."""
+        with self._lock:
+            h = self._open.get(i)
+            if h is None:
+                h = self._open[i] = _Handle()
+            elif len(self._open) > 1:
+                self._open.move_to_end(i)
+            h.users += 1
+            if kind in h.fds or (kind == CACHED.kind and h.cache is not None):
+                return h
+            try:
+                self._ensure(self.extents[i], h, kind)
+            except BaseException:
+                h.users -= 1
+                if not h.users and not h.fds and h.cache is None:
+                    del self._open[i]
+                raise
+            self._trim()
+            return h
+
+    def _let_go(self, i: int) -> None:
+        with self._lock:
+            h = self._open[i]
+            h.users -= 1
+            if not h.users and h.finished:
+                self._open.pop(i).close()
+            elif len(self._open) > self._keep:
+                self._trim()
+
+    def _trim(self) -> None:
+        """Closes the least recently used extents no read is using, down to ``keep`` of them (under the lock)."""
+        idle = [i for i, h in self._open.items() if not h.users]
+        for i in idle[:max(0, len(idle) - self._keep)]:
+            self._open.pop(i).close()
+
+    @staticmethod
+    def _ensure(e: chunks.Extent, h: _Handle, kind: str) -> None:
+        if kind == CACHED.kind:
+            if h.cache is None:
+                fd = _open_extent(e, os.O_RDONLY)
+                try:
+                    h.cache = PageCache(e.path, fd=fd)
+                except BaseException:
+                    os.close(fd)
+                    raise
+        elif kind not in h.fds:
+            if kind == "direct":
+                try:
+                    h.fds[kind] = _open_extent(e, os.O_RDONLY | os.O_DIRECT)
+                except OSError as err:
+                    if err.errno != errno.EINVAL:  # tmpfs (before Linux 6.6) and some others refuse O_DIRECT
+                        raise
+                    ExtentFiles._ensure(e, h, "buffered")
+                    h.fds[kind] = h.fds["buffered"]
+            else:
+                fd = h.fds[kind] = _open_extent(e, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+
+def _open_extent(e: chunks.Extent, flags: int) -> int:
+    """A descriptor of the extent's file, whose size the manifest's must be."""
+    try:
+        fd = os.open(e.path, flags)
+    except FileNotFoundError as err:
+        raise layout.ManifestError(f"{e.path}: missing ({err.strerror})") from err
+    try:
+        size = os.fstat(fd).st_size
+        if size != e.hi - e.base:
+            raise layout.ChecksumMismatch(e.path, f"size {size} != {e.hi - e.base} in the manifest")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _head(views: list[memoryview], n: int) -> list[memoryview]:
+    """The first ``n`` bytes of ``views``."""
+    out = []
+    for v in views:
+        if n <= 0:
+            break
+        out.append(v[:n] if len(v) > n else v)
+        n -= len(v)
+    return out
 
 def _skip(views: list[memoryview], n: int) -> list[memoryview]:
     """``views`` without their first ``n`` bytes."""
