@@ -78,7 +78,11 @@ class Janitor:
         is the shared-tier thread's pass.
         """
         actions: list[GcAction] = []
-        tiers = [t for t, on in ((TierName.LOCAL, local), (TierName.SHARED, shared and self.drainer is not None))
+        # The shared tier first: what it deletes can change what the local rules decide (a step sealed
+        # there, then deleted there, is drained), and a local pass must see that deletion whole. Run the
+        # other way round, the pass after a job's last drain could find a shared step mid-deletion (its
+        # record dropped, its part not yet) and keep the local copy until the timer came round.
+        tiers = [t for t, on in ((TierName.SHARED, shared and self.drainer is not None), (TierName.LOCAL, local))
                  if on]
         for tier in tiers:
             with self._locks[tier]:
@@ -88,7 +92,7 @@ class Janitor:
                     for action in planned:
                         self._delete(action)
                     self._sweep(job, tier, deleted=bool(planned or removed), trigger=trigger)
-            actions += planned
+            actions = planned + actions if tier == TierName.LOCAL else actions + planned  # reported local first
         if not dry_run and tiers:
             self.metrics.retention_passes.labels(trigger).inc()
         return actions
