@@ -67,6 +67,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h  # noqa: E402
 from bench_restore import empty_like_state, gpt2_state  # noqa: E402
 
+from ckptstage.daemon.fsutil import fsync_file  # noqa: E402
+
 TARGET_X_MEMCPY = 2.0
 STATES = ("big", "gpt2")
 
@@ -144,7 +146,7 @@ class StateBench:
             self.memory_d.start()
             self.disk_d.start()
             torch.save(state, self.pt)
-            _fsync(self.pt)
+            fsync_file(self.pt)
             with Client(name, socket=self.disk_d.socket) as c:
                 c.save(1, state).wait("local", timeout=600)
             self.disk_client = Client(name, socket=self.disk_d.socket)
@@ -312,12 +314,6 @@ def _check_equal(got: Any, want: Any) -> None:
         raise RuntimeError("the state loaded from memory differs from the state saved")
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 ROWS = [("memory first", "load() from memory, first after the copy was kept"),

@@ -130,14 +130,6 @@ def stored_bytes(parts: Iterable[tuple[int, int, Sequence[tuple[str, int]] | Non
 SYNC_THREADS = 8  # fsyncs in flight at once when chunks are made durable
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _each(fn: Callable[[Path], None], paths: Iterable[Path]) -> None:
     """``fn`` on every path, :data:`SYNC_THREADS` at once (fsync releases the GIL); the first error is raised."""
     paths = list(paths)
@@ -202,7 +194,7 @@ class ChunkStore:
         """
         if not written:
             return
-        _each(_fsync_file, written.values())
+        _each(fsutil.fsync_file, written.values())
         parents = {self.path(job, n).parent for n in written}
         for d in parents:
             if not d.is_dir():

@@ -131,6 +131,15 @@ class DataFile:
         self.fd = self.direct_fd = -1
 
 
+def fsync_file(path: Path) -> None:
+    """Makes a file's bytes durable (it was written through another descriptor, or by another process)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_file_durable(path: Path, data: bytes, dir_fd: int | None = None) -> None:
     """Creates ``path`` (0600; never through a link, never over an existing file), writes, fsyncs."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE,
