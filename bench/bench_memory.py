@@ -314,8 +314,6 @@ def _check_equal(got: Any, want: Any) -> None:
         raise RuntimeError("the state loaded from memory differs from the state saved")
 
 
-
-
 ROWS = [("memory first", "load() from memory, first after the copy was kept"),
         ("memory repeat", "load() from memory, again"),
         ("memory into=", "load(into=) from memory, touched tensors"),
