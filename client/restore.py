@@ -44,7 +44,7 @@ import statistics
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,7 +64,7 @@ from ckptstage.protos import chunks, layout
 _UNIT = 8 << 20          # what one reader takes at a time (rounded to whole digest blocks)
 _DIRECT_MIN = 1 << 20    # smaller fresh tensors go through the bounce buffer in direct mode
 _MAX_IOV = 512           # buffers in one preadv (the kernel allows 1024)
-_KEEP_OPEN = 8           # extents whose descriptors stay open while no read is using them
+_PROBE_EXTENTS = 8       # a unit's chunk files asked whether it is cached, at most (the largest)
 
 
 _TRIAL_UNITS = 4        # units per slice of a comparison: one per direct reader
@@ -318,17 +318,18 @@ class _File:
 
     def _unit(self, u: _Unit, mode: Mode) -> None:
         verifier = _Verifier(self, u.lo)
+        io = self.files.pass_over(u.lo, u.hi)
         if mode.kind == "direct":
-            self._direct(u, verifier)
+            self._direct(io, u, verifier)
         else:
-            self._buffered(CACHED.kind if mode is CACHED else "buffered", u, verifier, mode.request)
+            self._buffered(io, CACHED.kind if mode is CACHED else "buffered", u, verifier, mode.request)
         if verifier.pos != u.hi:
             raise layout.ChecksumMismatch(self.path, f"bytes {verifier.pos}..{u.hi} were not read")
-        self.files.done(u.lo, u.hi)
+        io.close()
         with self._lock:
             self.stats.bytes[mode.kind] = self.stats.bytes.get(mode.kind, 0) + u.hi - u.lo
 
-    def _buffered(self, kind: str, u: _Unit, verifier: _Verifier, request: int) -> None:
+    def _buffered(self, io: _Pass, kind: str, u: _Unit, verifier: _Verifier, request: int) -> None:
         """preadv through the page cache into the spans' own bytes, ``request`` bytes per call."""
         pending = list(u.spans)
         while pending:
@@ -342,28 +343,28 @@ class _File:
                 if not pending[0].view:
                     pending.pop(0)
                 size += take
-            self.files.pread_exact(kind, [s.view for s in batch], batch[0].offset)
+            io.pread_exact(kind, [s.view for s in batch], batch[0].offset)
             for s in batch:
                 for at in range(0, len(s.view), HASH_BLOCK):
                     verifier.feed(s.view[at:at + HASH_BLOCK])
 
-    def _direct(self, u: _Unit, verifier: _Verifier) -> None:
+    def _direct(self, io: _Pass, u: _Unit, verifier: _Verifier) -> None:
         """O_DIRECT: into windows where a tensor has one, else through the reader's bounce buffer."""
         spans = u.spans
         i = 0
         while i < len(spans):
             s = spans[i]
             if s.window is not None:
-                self._direct_window(s, verifier)
+                self._direct_window(io, s, verifier)
                 i += 1
                 continue
             j, lo = i, s.offset // _PAGE * _PAGE
             while j < len(spans) and spans[j].window is None and _page_up(spans[j].end) - lo <= DIRECT.request:
                 j += 1
-            self._direct_bounce(spans[i:j], lo, verifier)
+            self._direct_bounce(io, spans[i:j], lo, verifier)
             i = j
 
-    def _direct_window(self, s: _Span, verifier: _Verifier) -> None:
+    def _direct_window(self, io: _Pass, s: _Span, verifier: _Verifier) -> None:
         assert s.window is not None
         pos = s.offset
         while pos < s.end:
@@ -371,21 +372,21 @@ class _File:
             # outside [offset, end) are the window's slack, never another tensor's bytes.
             lo = pos // _PAGE * _PAGE
             hi = min(lo + DIRECT.request, _page_up(s.end))
-            got = lo + self.files.pread("direct", [s.window[lo - s.base:hi - s.base]], lo)
+            got = lo + io.pread("direct", [s.window[lo - s.base:hi - s.base]], lo)
             if got <= pos:
                 raise self.files.eof(pos)
             got = min(got, s.end)
             verifier.feed(s.view[pos - s.offset:got - s.offset])
             pos = got
 
-    def _direct_bounce(self, spans: list[_Span], lo: int, verifier: _Verifier) -> None:
+    def _direct_bounce(self, io: _Pass, spans: list[_Span], lo: int, verifier: _Verifier) -> None:
         """One O_DIRECT read of the pages holding ``spans`` (consecutive), then a copy into each.
 
         Hashed and copied block by block, so the copy reads what the hash just brought into the CPU cache.
         """
         start, end = spans[0].offset, spans[-1].end
         bounce = self._bounce()
-        self.files.pread_exact("direct", [bounce[:_page_up(end) - lo]], lo, need=end - lo)
+        io.pread_exact("direct", [bounce[:_page_up(end) - lo]], lo, need=end - lo)
         k = 0
         for at in range(start, end, HASH_BLOCK):
             stop = min(end, at + HASH_BLOCK)
@@ -417,22 +418,16 @@ class _File:
 class _Handle:
     """The descriptors open on one extent's file, by kind of read."""
 
-    fds: dict[str, int] = field(default_factory=dict)  # "buffered", "direct" (the buffered one if refused)
-    cache: PageCache | None = None                      # "cached": the page-cache probe's, no readahead
-    users: int = 0                                      # reads and probes using it right now
-    finished: bool = False                              # no read is due any more: close when the last lets go
-
-    def fd(self, kind: str) -> int:
-        if kind == CACHED.kind:
-            assert self.cache is not None
-            return self.cache.fd
-        return self.fds[kind]
+    # "buffered", "direct" (the buffered one where O_DIRECT is refused), "cached" (the probe's, no readahead)
+    fds: dict[str, int] = field(default_factory=dict)
+    cache: PageCache | None = None  # the probe, on fds["cached"]
+    users: int = 0                  # reads using it right now (counted only where extents are closed for room)
+    finished: bool = False          # no read is due any more: closed when the last user lets go
+    checked: bool = False           # its file's size is the manifest's
 
     def close(self) -> None:
         for fd in set(self.fds.values()):
             os.close(fd)
-        if self.cache is not None:
-            self.cache.close()
 
 
 class ExtentFiles:
@@ -447,12 +442,20 @@ class ExtentFiles:
     An extent's file is opened at its first read, one descriptor per kind of
     read: ``buffered`` (sequential readahead), ``direct`` (O_DIRECT; the
     buffered descriptor where the file system refuses it) and ``cached``
-    (:class:`PageCache`: the probe's, without readahead). Its descriptors
-    are closed once every range announced with :meth:`expect` that touches
-    it is :meth:`done` with; and whenever more than ``keep`` extents that no
-    read is using are open, the least recently used are closed (opened again
-    if read again). A whole part so keeps its one file open throughout, and
-    a part of a thousand chunks holds a few dozen descriptors at most.
+    (:class:`PageCache`, the probe's: no readahead). When they are closed:
+
+    * ``keep=None`` (a restore, which knows its reads in advance): once no
+      read is due. Every range to be read is announced with :meth:`expect`;
+      a :meth:`pass_over` it lets go of each extent as its reads move past,
+      and an extent that every announced range has let go of is closed. What
+      is open is the readers' current extents and the few that a probe
+      (:meth:`cached`) of the range a reader takes next opened, and reads
+      take no lock once a file is open (none is closed under a read).
+    * ``keep=N`` (reads in no known order): the least recently used extents
+      that no read is using are closed whenever more than ``N`` are open.
+
+    A whole part keeps its one file open while it is read either way; a part
+    of a thousand chunks holds a few dozen descriptors at most.
 
     A file that is not there is a :class:`layout.ManifestError` caused by the
     FileNotFoundError (:func:`layout.is_verification_failure`: the copy is
@@ -461,12 +464,14 @@ class ExtentFiles:
     they are. Thread-safe.
     """
 
-    def __init__(self, path: Path, extents: Sequence[chunks.Extent], keep: int = _KEEP_OPEN) -> None:
+    def __init__(self, path: Path, extents: Sequence[chunks.Extent], keep: int | None = None) -> None:
         self.path = path  # the data file the extents make up (the reads' errors name it, or its chunks)
         self.extents = list(extents)
         self._starts = [e.lo for e in self.extents]
         self._keep = keep
-        self._due = [0] * len(self.extents)  # ranges expected and not done yet, per extent
+        # No use counts where no extent is ever closed for room: all are kept, or closed only when due.
+        self._counted = keep is not None and len(self.extents) > keep
+        self._due = [0] * len(self.extents)  # announced ranges that have not let go of each extent yet
         self._open: OrderedDict[int, _Handle] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
 
@@ -477,6 +482,8 @@ class ExtentFiles:
 
     def index(self, offset: int) -> int:
         """The extent holding ``offset``."""
+        if len(self._starts) == 1:
+            return 0
         return max(0, bisect.bisect_right(self._starts, offset) - 1)
 
     def _range(self, lo: int, hi: int) -> range:
@@ -499,32 +506,37 @@ class ExtentFiles:
 
     # ------------------------------------------------------------------ reads
 
-    def pread(self, kind: str, views: list[memoryview], offset: int) -> int:
-        """One preadv of ``views`` at ``offset``, up to the end of the extent holding it; bytes read."""
+    def pread(self, kind: str, views: list[memoryview], offset: int, size: int = -1, io: _Pass | None = None) -> int:
+        """One preadv of ``views`` (``size`` bytes, if the caller knows) at ``offset``, up to the end of the
+        extent holding it; bytes read. ``io``: the pass it is part of, which lets go of the extents before."""
         if not self.extents:
             return 0
-        i = self.index(offset) if len(self._starts) > 1 else 0
+        i = self.index(offset)
+        if io is not None and io.next < i:
+            io.past(i)
         e = self.extents[i]
         room = _page_up(e.hi) - offset
-        if room <= 0:
-            return 0
-        if sum(len(v) for v in views) > room:
+        if (size if size >= 0 else sum(len(v) for v in views)) > room:
+            if room <= 0:
+                return 0
             views = _head(views, room)
-        h = self._acquire(i, kind)
-        try:
-            return os.preadv(h.fd(kind), views, offset - e.base)
-        finally:
+        if self._counted:
+            h = self._acquire(i, kind)
+            try:
+                return os.preadv(h.fds[kind], views, offset - e.base)
+            finally:
+                self._let_go(i)
+        # Nothing closes an extent under a read here: no use count, and no lock once its file is open.
+        found = self._open.get(i)
+        fd = found.fds.get(kind) if found is not None else None
+        if fd is None:
+            fd = self._acquire(i, kind).fds[kind]
             self._let_go(i)
+        return os.preadv(fd, views, offset - e.base)
 
     def pread_exact(self, kind: str, views: list[memoryview], offset: int, need: int | None = None) -> None:
         """Reads until ``need`` bytes (all of ``views`` by default) are in; an end of file before is an error."""
-        total = sum(len(v) for v in views) if need is None else need
-        done = 0
-        while done < total:
-            n = self.pread(kind, _skip(views, done), offset + done)
-            if n <= 0:
-                raise self.eof(offset + done)
-            done += n
+        _read_exact(self.pread, self.eof, kind, views, offset, need)
 
     def eof(self, offset: int) -> layout.ChecksumMismatch:
         """The error for a file that ends before byte ``offset`` of the data file."""
@@ -532,9 +544,17 @@ class ExtentFiles:
         return layout.ChecksumMismatch(e.path, f"unexpected end of file at byte {offset - e.base}")
 
     def cached(self, lo: int, hi: int) -> bool:
-        """Whether at least half of bytes [lo, hi) are in the page cache (:meth:`PageCache.cached`)."""
+        """Whether at least half of bytes [lo, hi) are in the page cache (:meth:`PageCache.cached`).
+
+        Asked of the range's :data:`_PROBE_EXTENTS` largest extents at most
+        (all of a whole file's range), through their ``cached`` descriptors,
+        which cached reads of the range then use.
+        """
+        parts = [(min(hi, self.extents[i].hi) - max(lo, self.extents[i].lo), i) for i in self._range(lo, hi)]
+        if len(parts) > _PROBE_EXTENTS:
+            parts = sorted(parts, reverse=True)[:_PROBE_EXTENTS]
         got = 0
-        for i in self._range(lo, hi):
+        for _, i in parts:
             e = self.extents[i]
             h = self._acquire(i, CACHED.kind)
             try:
@@ -542,33 +562,43 @@ class ExtentFiles:
                 got += h.cache.cached_bytes(max(lo, e.lo) - e.base, min(hi, e.hi) - e.base)
             finally:
                 self._let_go(i)
-        return got * 2 >= hi - lo
+        return got * 2 >= sum(n for n, _ in parts)
 
     # ------------------------------------------------------------------ descriptors
 
     def expect(self, lo: int, hi: int) -> None:
-        """Bytes [lo, hi) will be read, and then :meth:`done` with: their files stay open until then."""
+        """Bytes [lo, hi) will be read in one :meth:`pass_over`: their files stay open until it lets go."""
         for i in self._range(lo, hi):
             self._due[i] += 1
 
-    def done(self, lo: int, hi: int) -> None:
-        """Bytes [lo, hi) are read: the files that no other expected range needs are closed."""
+    def pass_over(self, lo: int, hi: int) -> _Pass:
+        """The reads of an expected range, in file order; :meth:`_Pass.close` it when they are done."""
+        return _Pass(self, lo, hi)
+
+    def _release(self, i: int) -> None:
+        """One announced range is past extent ``i``: closed once none is due."""
         with self._lock:
-            for i in self._range(lo, hi):
-                self._due[i] -= 1
-                h = self._open.get(i)
-                if self._due[i] == 0 and h is not None:
-                    h.finished = True
-                    if not h.users:
-                        self._open.pop(i).close()
+            self._due[i] -= 1
+            h = self._open.get(i)
+            if self._due[i] or h is None:
+                return
+            h.finished = True
+            if h.users:
+                return  # a probe: it closes them as it lets go
+            del self._open[i]
+        h.close()
 
     def close(self) -> None:
         with self._lock:
-            while self._open:
-                self._open.popitem()[1].close()
+            handles = list(self._open.values())
+            self._open.clear()
+        for h in handles:
+            h.close()
 
-    def _acquire(self, i: int, kind: str) -> _Handle:
-        """Extent ``i``'s descriptors with one of ``kind`` among them, marked in use until :meth:`_let_go`."""
+    # Descriptors are opened and closed outside the lock: readers on other extents never wait for a system call.
+
+    def _acquire(self, i: int, kind: str | None) -> _Handle:
+        """Extent ``i``'s descriptors (with one for ``kind`` among them), in use until :meth:`_let_go`."""
         with self._lock:
             h = self._open.get(i)
             if h is None:
@@ -576,63 +606,122 @@ class ExtentFiles:
             elif len(self._open) > 1:
                 self._open.move_to_end(i)
             h.users += 1
-            if kind in h.fds or (kind == CACHED.kind and h.cache is not None):
+            if kind is None or kind in h.fds:
                 return h
-            try:
-                self._ensure(self.extents[i], h, kind)
-            except BaseException:
-                h.users -= 1
-                if not h.users and not h.fds and h.cache is None:
-                    del self._open[i]
-                raise
-            self._trim()
-            return h
+            check = not h.checked
+        try:
+            fd, cache, refused = _open_kind(self.extents[i], kind, check)
+        except BaseException:
+            self._let_go(i)
+            raise
+        spare: list[_Handle] = []
+        with self._lock:
+            h.checked = True
+            if kind in h.fds:  # another reader opened it meanwhile
+                spare.append(_Handle({kind: fd}))
+            elif refused and "buffered" in h.fds:  # O_DIRECT refused: the buffered descriptor reads for it
+                spare.append(_Handle({kind: fd}))
+                h.fds[kind] = h.fds["buffered"]
+            else:
+                h.fds[kind] = fd
+                if refused:
+                    h.fds["buffered"] = fd
+                if cache is not None:
+                    h.cache = cache
+            spare += self._trim()
+        for x in spare:
+            x.close()
+        return h
 
     def _let_go(self, i: int) -> None:
         with self._lock:
             h = self._open[i]
             h.users -= 1
-            if not h.users and h.finished:
-                self._open.pop(i).close()
-            elif len(self._open) > self._keep:
-                self._trim()
-
-    def _trim(self) -> None:
-        """Closes the least recently used extents no read is using, down to ``keep`` of them (under the lock)."""
-        idle = [i for i, h in self._open.items() if not h.users]
-        for i in idle[:max(0, len(idle) - self._keep)]:
-            self._open.pop(i).close()
-
-    @staticmethod
-    def _ensure(e: chunks.Extent, h: _Handle, kind: str) -> None:
-        if kind == CACHED.kind:
-            if h.cache is None:
-                fd = _open_extent(e, os.O_RDONLY)
-                try:
-                    h.cache = PageCache(e.path, fd=fd)
-                except BaseException:
-                    os.close(fd)
-                    raise
-        elif kind not in h.fds:
-            if kind == "direct":
-                try:
-                    h.fds[kind] = _open_extent(e, os.O_RDONLY | os.O_DIRECT)
-                except OSError as err:
-                    if err.errno != errno.EINVAL:  # tmpfs (before Linux 6.6) and some others refuse O_DIRECT
-                        raise
-                    ExtentFiles._ensure(e, h, "buffered")
-                    h.fds[kind] = h.fds["buffered"]
+            if not h.users and (h.finished or not h.fds):
+                del self._open[i]
+                spare = [h]
             else:
-                fd = h.fds[kind] = _open_extent(e, os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                spare = self._trim()
+        for x in spare:
+            x.close()
+
+    def _trim(self) -> list[_Handle]:
+        """Takes out the least recently used extents no read is using, down to ``keep`` of them (under the
+        lock); the caller closes them."""
+        if self._keep is None or len(self._open) <= self._keep:
+            return []
+        idle = [i for i, h in self._open.items() if not h.users]
+        return [self._open.pop(i) for i in idle[:max(0, len(idle) - self._keep)]]
 
 
-def _open_extent(e: chunks.Extent, flags: int) -> int:
-    """A descriptor of the extent's file, whose size the manifest's must be."""
+class _Pass:
+    """The reads of one expected range of an :class:`ExtentFiles`, in file order: each extent is let go
+    of as soon as a read begins past it, and the rest at :meth:`close`."""
+
+    def __init__(self, files: ExtentFiles, lo: int, hi: int) -> None:
+        self.files = files
+        self.next, self._last = (files.index(lo), files.index(max(lo, hi - 1))) if files.extents else (0, -1)
+
+    def past(self, i: int) -> None:
+        """The reads have moved on to extent ``i``: lets go of those before it."""
+        while self.next < i:
+            self.files._release(self.next)
+            self.next += 1
+
+    def pread(self, kind: str, views: list[memoryview], offset: int, size: int = -1) -> int:
+        return self.files.pread(kind, views, offset, size, self)
+
+    def pread_exact(self, kind: str, views: list[memoryview], offset: int, need: int | None = None) -> None:
+        _read_exact(self.pread, self.files.eof, kind, views, offset, need)
+
+    def close(self) -> None:
+        self.past(self._last + 1)
+
+
+def _read_exact(pread: Callable[[str, list[memoryview], int, int], int],
+                eof: Callable[[int], layout.ChecksumMismatch], kind: str, views: list[memoryview], offset: int,
+                need: int | None) -> None:
+    """``pread`` until ``need`` bytes (all of ``views`` by default) are in; an end of file before is ``eof``."""
+    size = sum(len(v) for v in views)
+    total = size if need is None else need
+    done = 0
+    while done < total:
+        n = pread(kind, _skip(views, done) if done else views, offset + done, size - done)
+        if n <= 0:
+            raise eof(offset + done)
+        done += n
+
+
+def _open_kind(e: chunks.Extent, kind: str, check: bool) -> tuple[int, PageCache | None, bool]:
+    """A new descriptor of extent ``e``'s file for reads of ``kind``: (it, its probe for "cached", whether
+    O_DIRECT was refused and it is a buffered one instead)."""
+    refused = False
+    if kind == "direct":
+        try:
+            return _open_extent(e, os.O_RDONLY | os.O_DIRECT, check), None, False
+        except OSError as err:
+            if err.errno != errno.EINVAL:  # tmpfs (before Linux 6.6) and some others refuse O_DIRECT
+                raise
+        refused = True
+    fd = _open_extent(e, os.O_RDONLY, check)
+    try:
+        if kind == CACHED.kind:
+            return fd, PageCache(e.path, fd=fd), False  # POSIX_FADV_RANDOM: its reads start no readahead
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, None, refused
+
+
+def _open_extent(e: chunks.Extent, flags: int, check: bool = True) -> int:
+    """A descriptor of the extent's file; ``check``: its size must be the manifest's (once per extent is enough)."""
     try:
         fd = os.open(e.path, flags)
     except FileNotFoundError as err:
         raise layout.ManifestError(f"{e.path}: missing ({err.strerror})") from err
+    if not check:
+        return fd
     try:
         size = os.fstat(fd).st_size
         if size != e.hi - e.base:
