@@ -3,6 +3,9 @@
     .venv/bin/python bench/bench_restore.py                  # all states, 5 rounds, files under /tmp
     .venv/bin/python bench/bench_restore.py --rounds 3 --states big
     .venv/bin/python bench/bench_restore.py --dir /local_ssd/x --json out.json
+    .venv/bin/python bench/bench_restore.py --chunked --states big gpt2   # + incremental copies
+    .venv/bin/python bench/bench_restore.py --chunked --read-mode buffered  # cold reads one way only
+    .venv/bin/python bench/bench_restore.py --chunked --peers ckptstage chunked --cold-only --rounds 15
 
 States, each saved once through a real ``ckptstaged`` (local and shared tier
 in ``--dir``) and with ``torch.save`` beside it:
@@ -23,10 +26,19 @@ and the load peers also warm (files read into the cache first):
 * ``torch.load``  of the same state saved by ``torch.save`` to the same directory;
 * ``dd``          ``dd if=<data file> iflag=direct bs=1M of=/dev/null`` (the disk, no allocation);
 * ``cat``         ``cat <data file> > /dev/null`` (the page-cache path; the reference for the shared tier).
+* ``chunked``     with ``--chunked``: ``client.load()`` of the same state saved under another job and
+                  rewritten as an incremental part (``_harness.to_chunks``: the data file in content-addressed
+                  chunks cut as the daemon cuts them, on each tier), so whole and chunked reads share rounds.
+
+The daemons keep no memory tier (``memory.enabled = false``): every load
+reads the disk, and each is checked to have read the tier it should. Cold
+data is read the way the adaptive policy finds faster per device (and kind of
+part), unless ``--read-mode direct|buffered`` fixes it for every load.
 
 Targets (cold): ckptstage's bandwidth >= 0.8x dd's on the same file; >= 1.5x
-faster than ``torch.load``; from the shared tier >= 0.8x ``cat``. Medians of
-the rounds; every run printed with the load average. Not a test: exit 0
+faster than ``torch.load``; from the shared tier >= 0.8x ``cat``; a chunked
+part <= 1.1x the whole one's time (the median of the rounds' ratios). Medians
+of the rounds; every run printed with the load average. Not a test: exit 0
 unless ``--strict`` and a target is missed.
 """
 
@@ -48,6 +60,7 @@ import _harness as h
 TARGET_X_DD = 0.8
 TARGET_X_TORCH = 1.5
 TARGET_X_CAT = 0.8
+TARGET_CHUNKED_X = 1.1  # chunked cold time / whole cold time
 SETTLE_S = 1.5
 
 
@@ -101,8 +114,9 @@ class Bench:
     def __init__(self, work: Path, daemon_root: Path) -> None:
         self.work = work
         self.shared = work / "shared"
-        big: dict[str, Any] = {"arena.max_bytes": "3GiB"}
-        small: dict[str, Any] = {"arena.max_bytes": "256MiB"}
+        # No memory tier: a load after the saving session closed would map the arena it kept, not read the disk.
+        big: dict[str, Any] = {"arena.max_bytes": "3GiB", "memory.enabled": False}
+        small: dict[str, Any] = {"arena.max_bytes": "256MiB", "memory.enabled": False}
         self.daemon = h.Daemon(daemon_root / "a", work / "local", self.shared, **big).start()
         # Its own empty local tier, the same shared tier: everything it restores comes from there.
         self.reader = h.Daemon(daemon_root / "b", work / "local-b", self.shared, **small)
@@ -125,6 +139,20 @@ class Bench:
         finally:
             os.close(fd)
         return layout.part_dir(self.work / "local", job, 1, 0) / layout.DATA_FILE, pt
+
+    def save_chunked(self, job: str, state: Any) -> tuple[Path, Path]:
+        """Saves ``state`` as step 1 of ``job``, then rewrites both tiers' copies as incremental parts;
+        (the local chunk store, the shared one)."""
+        from ckptstage.client import Client
+        from ckptstage.protos import layout
+
+        with Client(job, socket=self.daemon.socket) as c:
+            c.save(1, state).wait("shared", timeout=600)
+        with h.Timer() as t:
+            stores = [h.to_chunks(layout.part_dir(tier, job, 1, 0)) for tier in (self.work / "local", self.shared)]
+        chunks = sum(1 for p in stores[0].rglob("*") if p.is_file())
+        print(f"  {job}: rewritten as {chunks} chunks per tier in {t.s:.1f} s", flush=True)
+        return stores[0], stores[1]
 
     def add(self, key: str, seconds: float) -> None:
         self.runs.setdefault(key, []).append(seconds)
@@ -162,7 +190,19 @@ def cat(path: Path) -> None:
         subprocess.run(["cat", str(path)], check=True, stdout=null)
 
 
-def run_rounds(b: Bench, rounds: int, states: list[str]) -> dict[str, int]:
+def loader(client: Any, tier: str, into: Any = None) -> Callable[[], Any]:
+    """``client.load(into=into)``, failing unless it read ``tier`` (a memory-tier or fallback read is no disk read)."""
+    def load() -> Any:
+        out = client.load(into=into)
+        if client.last_load_tier != tier:
+            raise RuntimeError(f"{client.job}: load() read the {client.last_load_tier!r} tier, not {tier!r}")
+        return out
+
+    return load
+
+
+def run_rounds(b: Bench, rounds: int, states: list[str], chunked: bool = False, only: list[str] | None = None,
+               cold_only: bool = False) -> dict[str, int]:
     import torch
     from ckptstage.client import Client, restore
 
@@ -172,13 +212,17 @@ def run_rounds(b: Bench, rounds: int, states: list[str]) -> dict[str, int]:
     if "big" in states or "shared" in states:
         state = h.make_state(h.GiB)
         data, pt = b.save("big", state)
+        stores = b.save_chunked("big-chunks", state) if chunked else None
         sizes["big"] = sizes["shared"] = data.stat().st_size
         del state
         if "big" in states:
             for warm in (False, True):
                 w = "warm" if warm else "cold"
-                peers += [(f"big/ckptstage/{w}", [data], client.load, warm),
+                peers += [(f"big/ckptstage/{w}", [data], loader(client, "local"), warm),
                           (f"big/torch.load/{w}", [pt], call(torch.load, pt), warm)]
+                if stores:
+                    peers.append((f"big/chunked/{w}", [stores[0]],
+                                  loader(Client("big-chunks", socket=b.daemon.socket), "local"), warm))
             peers.append(("big/dd/cold", [data], call(dd_direct, data), False))
         if "shared" in states:
             from ckptstage.protos import layout
@@ -186,31 +230,42 @@ def run_rounds(b: Bench, rounds: int, states: list[str]) -> dict[str, int]:
             b.reader.start()
             shared_client = Client("big", socket=b.reader.socket)
             shared_data = layout.part_dir(b.shared, "big", 1, 0) / layout.DATA_FILE
-            peers += [("shared/ckptstage/cold", [shared_data], shared_client.load, False),
+            peers += [("shared/ckptstage/cold", [shared_data], loader(shared_client, "shared"), False),
                       ("shared/cat/cold", [shared_data], lambda: cat(shared_data), False),
                       ("shared/dd/cold", [shared_data], lambda: dd_direct(shared_data), False)]
+            if stores:
+                peers.append(("shared/chunked/cold", [stores[1]],
+                              loader(Client("big-chunks", socket=b.reader.socket), "shared"), False))
     if "gpt2" in states or "into" in states:
         state = gpt2_state()
         data, pt = b.save("gpt2", state)
+        stores = b.save_chunked("gpt2-chunks", state) if chunked else None
         sizes["gpt2"] = sizes["into"] = data.stat().st_size  # a tied tensor once, as stored
         gpt2 = Client("gpt2", socket=b.daemon.socket)
+        gpt2c = Client("gpt2-chunks", socket=b.daemon.socket)
         into = empty_like_state(state)
         del state
         for warm in (False, True):
             w = "warm" if warm else "cold"
             if "gpt2" in states:
-                peers += [(f"gpt2/ckptstage/{w}", [data], gpt2.load, warm),
+                peers += [(f"gpt2/ckptstage/{w}", [data], loader(gpt2, "local"), warm),
                           (f"gpt2/torch.load/{w}", [pt], call(torch.load, pt), warm)]
+                if stores:
+                    peers.append((f"gpt2/chunked/{w}", [stores[0]], loader(gpt2c, "local"), warm))
             if "into" in states:
-                peers += [(f"into/ckptstage/{w}", [data], lambda: gpt2.load(into=into), warm),
+                peers += [(f"into/ckptstage/{w}", [data], loader(gpt2, "local", into), warm),
                           (f"into/torch.load/{w}", [pt], call(load_into, pt, into), warm)]
+                if stores:
+                    peers.append((f"into/chunked/{w}", [stores[0]], loader(gpt2c, "local", into), warm))
         peers += [(f"{s}/dd/cold", [data], call(dd_direct, data), False)
                   for s in ("gpt2", "into") if s in states]
+    # --peers / --cold-only: fewer peers per round, so the ones compared run closer together.
+    peers = [p for p in peers if (only is None or p[0].split("/")[1] in only) and not (cold_only and p[3])]
     for r in range(rounds):
         order = peers[r % len(peers):] + peers[:r % len(peers)]
         for key, files, fn, warm in order:
             b.time(key, files, fn, warm)
-            if key.endswith("ckptstage/cold") and restore.last_stats.chosen:
+            if key.endswith("/cold") and key.split("/")[1] in ("ckptstage", "chunked") and restore.last_stats.chosen:
                 print(f"    {key}: {b.runs[key][-1]:.3f} s, read {restore.last_stats.chosen}"
                       f"{' after comparing ' + _rates(restore.last_stats.trial) if restore.last_stats.trial else ''}")
         print(f"  round {r + 1}/{rounds} done, load {h.load()}", flush=True)
@@ -226,7 +281,7 @@ def report(b: Bench, sizes: dict[str, int]) -> list[dict[str, Any]]:
     for state, nbytes in sizes.items():
         rows = [h.Row(f"{peer} {w}", b.median(f"{state}/{peer}/{w}"), nbytes, b.runs[f"{state}/{peer}/{w}"],
                       b.loads[f"{state}/{peer}/{w}"])
-                for peer in ("ckptstage", "torch.load", "dd", "cat") for w in ("cold", "warm")
+                for peer in ("ckptstage", "chunked", "torch.load", "dd", "cat") for w in ("cold", "warm")
                 if f"{state}/{peer}/{w}" in b.runs]
         if not rows:
             continue
@@ -234,6 +289,19 @@ def report(b: Bench, sizes: dict[str, int]) -> list[dict[str, Any]]:
                       f"(x = the peer's time / ckptstage cold's; loads {rows[0].loads[0]} .. {rows[0].loads[-1]})",
                       rows, "ckptstage cold")
         ours = b.median(f"{state}/ckptstage/cold")
+        for w in ("cold", "warm"):
+            pairs = list(zip(b.runs.get(f"{state}/chunked/{w}", []), b.runs.get(f"{state}/ckptstage/{w}", [])))
+            if not pairs:
+                continue
+            per_round = h.median([c / x for c, x in pairs])
+            of_medians = b.median(f"{state}/chunked/{w}") / b.median(f"{state}/ckptstage/{w}")
+            print(f"  {state} {w}: chunked / whole, per round: {' '.join(f'{c / x:.2f}' for c, x in pairs)}; "
+                  f"median {per_round:.3f}, ratio of medians {of_medians:.3f}")
+            if w == "cold":
+                line, ok = h.verdict(f"{state} cold, chunked / whole time", per_round, "<=", TARGET_CHUNKED_X, "x")
+                print(line)
+                verdicts.append({"state": state, "label": "chunked / whole", "value": per_round,
+                                 "target": TARGET_CHUNKED_X, "pass": ok})
         checks = [("x dd bandwidth", "dd", TARGET_X_DD)]
         checks += [("x cat bandwidth", "cat", TARGET_X_CAT)] if state == "shared" else \
             [("x faster than torch.load", "torch.load", TARGET_X_TORCH)]
@@ -248,16 +316,27 @@ def report(b: Bench, sizes: dict[str, int]) -> list[dict[str, Any]]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    return h.state_args(__doc__ or "", ["big", "gpt2", "into", "shared"]).parse_args(argv)
+    p = h.state_args(__doc__ or "", ["big", "gpt2", "into", "shared"])
+    p.add_argument("--chunked", action="store_true", help="also load each state stored as an incremental part")
+    p.add_argument("--read-mode", choices=["adaptive", "direct", "buffered"], default="adaptive",
+                   help="how ckptstage reads cold data (default: as the adaptive policy finds faster)")
+    p.add_argument("--peers", nargs="+", choices=["ckptstage", "chunked", "torch.load", "dd", "cat"], default=None,
+                   help="only these peers (default: all)")
+    p.add_argument("--cold-only", action="store_true", help="no warm runs")
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.read_mode != "adaptive":
+        from ckptstage.client import readmodes, restore
+
+        restore.POLICY = readmodes.Fixed(readmodes.DIRECT if args.read_mode == "direct" else readmodes.BUFFERED)
     started = time.perf_counter()
     with h.bench_dirs(args.dir, "restore") as (work, daemon_root, info):
         b = Bench(work, daemon_root)
         try:
-            sizes = run_rounds(b, args.rounds, args.states)
+            sizes = run_rounds(b, args.rounds, args.states, args.chunked, args.peers, args.cold_only)
             verdicts = report(b, sizes)
         finally:
             b.reader.stop()
