@@ -380,9 +380,11 @@ def drop_page_cache(path: Path) -> None:
     Peers delete their files after each run; a committed ckptstage
     checkpoint stays, so without this the page cache would grow by one
     checkpoint per round and memory would not be returned alike for every
-    peer (see :func:`settle`).
+    peer (see :func:`settle`). Files and directories that retention removes during the walk are
+    skipped (a daemon deletes old steps and sweeps chunks in the background).
     """
-    paths = [path] if Path(path).is_file() else [p for p in Path(path).rglob("*") if p.is_file()]
+    paths = [Path(path)] if Path(path).is_file() else [
+        Path(parent, n) for parent, _, names in os.walk(path) for n in names]  # os.walk skips what vanished
     for p in paths:
         try:
             fd = os.open(p, os.O_RDONLY)

@@ -187,19 +187,6 @@ def files_under(path: Path, skip: str = "") -> dict[Path, int]:
     return out
 
 
-def evict(path: Path) -> None:
-    """``_harness.drop_page_cache`` for a tree whose files retention may delete meanwhile."""
-    for p in files_under(path):
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def chunk_files(tier: Path, job: str) -> dict[str, int]:
     """The chunks in a job's store on a tier (name -> bytes); the sweep's condemned ones excluded."""
     from ckptstage.daemon.chunkstore import CONDEMNED_DIR
@@ -253,7 +240,7 @@ def ckpt_save(peer: Ckpt, job: str, step: int, state: Any) -> Saved:
     persist = (peer.metric(m1, "ckptstage_persist_duration_seconds_sum")
                - peer.metric(m0, "ckptstage_persist_duration_seconds_sum"))
     for d in (peer.local, peer.shared):
-        evict(d / job)  # as the peers delete their files: see _harness.drop_page_cache
+        h.drop_page_cache(d / job)  # as the peers delete their files
     return Saved(t_local, t_shared - t_local, persist, logical, added["local"], added["shared"],
                  logical - reused["local"] if incremental else math.nan,
                  logical - reused["shared"] if incremental else math.nan, new_local, h.load())
@@ -385,7 +372,7 @@ def restore(peers: dict[str, Ckpt], job: str, step: int, want: Any, rounds: int,
             peer = peers[name]
             client = peer.client(job)
             for d in (peer.local, peer.shared):
-                evict(d / job)
+                h.drop_page_cache(d / job)
             gc.collect()
             h.settle(settle_s)
             try:
