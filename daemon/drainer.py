@@ -29,6 +29,12 @@ while others succeed yields its turn, so it cannot block the queue). A local cop
 its own checksums, or a different part already published under the same name
 on the shared tier, is a permanent failure: retrying cannot fix it, and
 ``SaveHandle.wait("shared")`` raises.
+
+Health: every failed copy is booked against its job (the error, when, how many
+since the job's last successful drain; :meth:`Drainer.health`), and the tier
+counts as degraded while any job's drains fail (:meth:`Drainer.tier_health`),
+so that ``ckptstage status`` shows a permission error on the shared tier
+instead of a tier that answers ``statvfs`` and looks fine.
 """
 
 from __future__ import annotations
@@ -42,13 +48,15 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
-from ckptstage.daemon import chunkstore, fsutil, overwrite
+from ckptstage.daemon import chunkstore, fsutil, jobs, overwrite
 from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.chunkstore import ChunkStore
 from ckptstage.daemon.config import SharedConfig
 from ckptstage.daemon.errors import SaveFailed
+from ckptstage.daemon.jobs import DrainHealth, TierHealth
 from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.overwrite import Swapper
 from ckptstage.protos import chunks, layout
@@ -106,6 +114,16 @@ class _Stopping(Exception):
     """The drainer is stopping; the copy is abandoned (its temporary removed) and resumes on restart."""
 
 
+@dataclass
+class _Failures:
+    """A job's failed copies since its last successful drain."""
+
+    count: int = 0
+    error: str = ""
+    when: float = 0.0       # unix seconds
+    gave_up: bool = False   # one of them was permanent (see the module docstring)
+
+
 def _created(manifest: dict[str, object]) -> float:
     value = manifest.get("created", 0.0)
     return float(value) if isinstance(value, (int, float)) else 0.0
@@ -124,8 +142,10 @@ class Drainer:
                  on_drained: Callable[[Part], None], on_corrupt: Callable[[Part, str], None] | None = None,
                  on_indexed: Callable[[], None] | None = None, nice: int = 0,
                  on_published: Callable[[Part], None] | None = None, swapper: Swapper | None = None,
-                 chunk_stores: dict[TierName, ChunkStore] | None = None) -> None:
+                 chunk_stores: dict[TierName, ChunkStore] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         assert config.dir is not None
+        self._clock = clock  # wall time of failures (what operators read)
         self._chunk_stores = chunk_stores or {}  # where incremental parts' chunks land, per destination tier
         self._nice = nice  # added to the drain threads' niceness ([persist] nice)
         self.config = config
@@ -154,6 +174,8 @@ class Drainer:
         self._done: dict[Key, str] = {}       # drained in this daemon's life (-> manifest digest), oldest first
         self._staged: set[Key] = set()         # copied into a replacement that waits for its other ranks
         self._settling = 0                     # drains whose retention pass (on_drained) is still running
+        self._health: dict[str, _Failures] = {}  # per job, since its last successful drain
+        self._tier_error: tuple[str, float] | None = None  # the shared tier cannot be indexed / re-read
         self._shared_indexed = False
         self._threads: list[threading.Thread] = []
 
@@ -186,15 +208,20 @@ class Drainer:
         it does nothing: :meth:`recover` is still retrying.
         """
         if self._shared_indexed:
+            failed = False
             for job in self.catalog.jobs():
                 try:
                     added, dropped = self.catalog.sync_job(TierName.SHARED, self.shared_dir, job)
                 except OSError as e:
                     self.reachable = False
+                    failed = True
+                    self._set_tier_error(f"cannot re-read {job} on the shared tier {self.shared_dir}: {e}")
                     log.warning("cannot re-read %s on the shared tier %s: %s", job, self.shared_dir, e)
                     continue
                 if added or dropped:
                     log.debug("shared tier: %s: %d parts appeared, %d vanished", job, added, dropped)
+            if not failed:
+                self._set_tier_error(None)
         self.requeue()
 
     def requeue(self) -> None:
@@ -211,10 +238,12 @@ class Drainer:
             n = self.catalog.load_tier(TierName.SHARED, self.shared_dir)
         except OSError as e:
             self.reachable = False
+            self._set_tier_error(f"cannot index the shared tier {self.shared_dir}: {e}")
             log.error("shared tier %s unreachable: %s (draining will retry)", self.shared_dir, e)
             return False
         self._shared_indexed = True
         self.reachable = True
+        self._set_tier_error(None)
         log.info("shared tier %s: %d committed parts, %d temporaries removed", self.shared_dir, n, removed)
         return True
 
@@ -285,7 +314,52 @@ class Drainer:
                 if failure is not None:
                     self._failed[key] = failure
                 self._cond.notify_all()
+            health = self._health.get(part.job)
+            if health is not None and not health.gave_up and not self._queued(part.job):
+                del self._health[part.job]  # what kept failing is gone: nothing of the job waits for the tier
             return True
+
+    def health(self, job: str) -> DrainHealth:
+        """How ``job``'s drains are going (see :class:`ckptstage.daemon.jobs.DrainHealth`)."""
+        with self._cond:
+            queued = self._queued(job)
+            failures = self._health.get(job) or _Failures()
+            if failures.gave_up:
+                state = jobs.FAILED
+            elif failures.count and queued:
+                state = jobs.RETRYING
+            elif queued or any(k[0] == job for k in self._staged):
+                state = jobs.DRAINING
+            else:
+                state = jobs.IDLE
+            return DrainHealth(state, len(queued), sum(p.nbytes for p in queued), failures.error, failures.when,
+                               failures.count)
+
+    def tier_health(self) -> TierHealth:
+        """Degraded while a job's drains fail (since its last success) or the tier cannot be indexed."""
+        with self._cond:
+            errors = [(f.when, f.error) for f in self._health.values() if f.count]
+            if self._tier_error is not None:
+                errors.append((self._tier_error[1], self._tier_error[0]))
+        if not errors:
+            return TierHealth(False)
+        when, error = max(errors)
+        return TierHealth(True, error, when)
+
+    def _queued(self, job: str) -> list[Part]:
+        return [p for k, p in self._parts.items() if k[0] == job]
+
+    def _set_tier_error(self, error: str | None) -> None:
+        with self._cond:
+            self._tier_error = None if error is None else (error, self._clock())
+
+    def _book_failure(self, job: str, error: str, permanent: bool) -> None:
+        """Called under ``_cond``: one more failed copy of ``job``'s since its last success."""
+        failures = self._health.setdefault(job, _Failures())
+        failures.count += 1
+        failures.error = error
+        failures.when = self._clock()
+        failures.gave_up = failures.gave_up or permanent
 
     def pending(self) -> tuple[int, int]:
         with self._cond:
@@ -478,6 +552,8 @@ class Drainer:
             self._strikes.clear()  # the tier works: every part gets its turn in order again
             self._tier_failures = 0
             self._gate = 0.0
+            self._health.pop(part.job, None)  # the job's drains work again
+            self._tier_error = None
             for shared in drained:
                 done = (shared.job, shared.step, shared.rank)
                 self._staged.discard(done)
@@ -534,6 +610,7 @@ class Drainer:
                         self.config.retry_initial_s * 2 ** min(self._tier_failures - 1, 32))
             self._gate = max(self._gate, time.monotonic() + delay)
             self._draining.discard(key)
+            self._book_failure(part.job, str(error), permanent=False)
             self._cond.notify_all()
         self.reachable = False
         self.metrics.drain_retries.inc()
@@ -547,6 +624,7 @@ class Drainer:
             self._parts.pop(key, None)
             self._strikes.pop(key, None)
             self._failed[key] = reason
+            self._book_failure(key[0], reason, permanent=True)
             self._cond.notify_all()
 
     def _on_shared(self, key: Key) -> bool:

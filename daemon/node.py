@@ -40,6 +40,8 @@ from ckptstage.daemon.errors import (
 )
 from ckptstage.daemon.incomplete import IncompleteSteps, why_incomplete
 from ckptstage.daemon.janitor import Deleted, GcAction, Janitor
+from ckptstage.daemon import jobs as jobs_mod
+from ckptstage.daemon.jobs import JobSummary
 from ckptstage.daemon.job_rules import JobRetention, JobRules
 from ckptstage.daemon.manifest_check import parse_manifest
 from ckptstage.daemon.memtier import MemoryTier
@@ -48,6 +50,7 @@ from ckptstage.daemon.persister import Persister, Save
 from ckptstage.daemon.quarantine import Quarantine
 from ckptstage.daemon.sessions import Session, SessionInfo, SessionTable
 from ckptstage.daemon.sharedsync import SharedSync
+from ckptstage.daemon.status import NodeStatus, StatusReader
 from ckptstage.daemon.tierprobe import TierProbe
 from ckptstage.protos import layout
 
@@ -146,6 +149,9 @@ class Node:
                                                                      for s in self._live_saves()), clock=clock)
         self.janitor = Janitor(config, self.catalog, self.metrics, self.owner, self.drainer, self.job_rules,
                                self._in_flight, self.chunk_stores)
+        self._pins_lock = threading.Lock()  # a pin's check and change, one caller at a time
+        self._status = StatusReader(config.local.dir, config.shared.dir, self.catalog, self.sessions, self.budget,
+                                    self.memory, self.drainer, self.tier_probes, self.job_summaries, self.started)
         self.metrics.add_state(self._probe())
 
     # --- life cycle -------------------------------------------------------------
@@ -445,11 +451,35 @@ class Node:
         if part is not None:
             self.quarantine.report(part, detail[:1000])
 
-    def set_pin(self, job: str, step: int, pinned: bool) -> None:
+    def set_pin(self, job: str, step: int, pinned: bool) -> bool:
+        """Pins or unpins a step; False when it already was (nothing changed)."""
         layout.check_job(job)
-        if pinned and self.catalog.get(job, step) is None:
-            raise CheckpointNotFound(job, step)
-        self.catalog.set_pin(job, step, pinned)
+        with self._pins_lock:
+            if pinned and self.catalog.get(job, step) is None:
+                raise CheckpointNotFound(job, step)
+            if self.catalog.is_pinned(job, step) == pinned:
+                return False
+            self.catalog.set_pin(job, step, pinned)
+        log.info("%s %s step %d", "pinned" if pinned else "unpinned", job, step)
+        return True
+
+    # --- status --------------------------------------------------------------------
+
+    def status(self) -> NodeStatus:
+        """The node's state, from memory only (see :mod:`ckptstage.daemon.status`)."""
+        return self._status.read()
+
+    def job_summaries(self) -> list[JobSummary]:
+        """Every job this node knows of (catalogued, with a session, or kept in memory), sorted by name."""
+        sessions = [s.info.job for s in self.sessions.all() if not s.closed.is_set()]
+        memory = self.memory.copies()
+        names = set(self.catalog.jobs()) | set(sessions) | {c.resident.job for c in memory}
+        return [jobs_mod.summarize(job, self.catalog.checkpoints(job), [c for c in memory if c.resident.job == job],
+                                   self.memory.memory_steps(job), sessions.count(job), self.drain_health(job))
+                for job in sorted(names)]
+
+    def drain_health(self, job: str) -> jobs_mod.DrainHealth:
+        return self.drainer.health(job) if self.drainer is not None else jobs_mod.NO_DRAIN
 
     def delete_step(self, job: str, step: int, settle_wait_s: float = 30.0) -> Deleted:
         """Deletes a step from the local tier and the shared tier; refuses a pinned one.

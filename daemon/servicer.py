@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -36,9 +34,11 @@ from ckptstage.daemon.errors import (
     ShuttingDown,
     StepPinned,
 )
+from ckptstage.daemon.jobs import JobSummary
 from ckptstage.daemon.memtier import MemoryStep, MemoryTier
 from ckptstage.daemon.node import VERSION, Node
 from ckptstage.daemon.sessions import Session, SessionInfo
+from ckptstage.daemon.status import TierReport
 from ckptstage.protos import layout
 from ckptstage.protos.handoff import socket_path as handoff_socket
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
@@ -337,9 +337,9 @@ class Servicer(pb_grpc.CheckpointerServicer):
         return pb.Empty()
 
     @_mapped
-    async def SetPin(self, request: pb.PinRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
-        await self._run(self.node.set_pin, request.job, request.step, request.pinned)
-        return pb.Empty()
+    async def SetPin(self, request: pb.PinRequest, context: grpc.aio.ServicerContext) -> pb.PinResponse:
+        changed = await self._run(self.node.set_pin, request.job, request.step, request.pinned)
+        return pb.PinResponse(changed=changed, pinned=request.pinned)
 
     @_mapped
     async def DeleteStep(self, request: pb.DeleteStepRequest,
@@ -369,16 +369,19 @@ class Servicer(pb_grpc.CheckpointerServicer):
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         # On the loop, from memory and the tier probes' last readings: answers even when
         # every pool is busy or the shared file system hangs.
-        node = self.node
-        sessions = [pb.SessionStatus(session_id=s.id, job=s.info.job, rank=s.info.rank, pid=s.info.pid,
-                                     arena_bytes=s.arena.size if s.arena else 0, saves_in_flight=len(s.saves))
-                    for s in node.sessions.all()]
+        st = self.node.status()
+        sessions = [pb.SessionStatus(session_id=s.id, job=s.job, rank=s.rank, pid=s.pid, arena_bytes=s.arena_bytes,
+                                     saves_in_flight=s.saves_in_flight) for s in st.sessions]
         return pb.StatusResponse(
-            version=VERSION, pid=os.getpid(), uptime_s=time.monotonic() - node.started, socket=self.socket_path,
-            arena_budget_bytes=node.budget.total, arena_used_bytes=node.budget.used, sessions=sessions,
-            tiers=[self._tier_status(t) for t in (TierName.LOCAL, TierName.SHARED)],
-            drain_queue=node.drainer.pending()[0] if node.drainer else 0, metrics_url=self.metrics_url,
-            memory_parts=len(node.memory.copies()), memory_bytes=node.memory.bytes_kept)
+            version=VERSION, pid=st.pid, uptime_s=st.uptime_s, socket=self.socket_path,
+            arena_budget_bytes=st.arena_budget_bytes, arena_used_bytes=st.arena_used_bytes, sessions=sessions,
+            tiers=[_tier_status(t) for t in st.tiers], drain_queue=st.drain_queue, metrics_url=self.metrics_url,
+            memory_parts=st.memory_parts, memory_bytes=st.memory_bytes, jobs=[_job_status(j) for j in st.jobs])
+
+    @_mapped
+    async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
+        # From memory, like Status.
+        return pb.ListJobsResponse(jobs=[_job_status(j) for j in self.node.job_summaries()])
 
     # --- helpers ------------------------------------------------------------------------
 
@@ -390,15 +393,20 @@ class Servicer(pb_grpc.CheckpointerServicer):
             committed_local=c.complete_on(TierName.LOCAL), committed_shared=c.complete_on(TierName.SHARED),
             ranks_missing=c.ranks_missing(), ranks_memory=self.node.memory.ranks(c.job, c.step, c.world_size))
 
-    def _tier_status(self, tier: TierName) -> pb.TierStatus:
-        cfg = self.node.config
-        path = cfg.local.dir if tier == TierName.LOCAL else cfg.shared.dir
-        parts = list(self.node.catalog.all_parts(tier))
-        status = pb.TierStatus(tier=_TIER_PB[tier], dir=str(path or ""), enabled=path is not None,
-                               used_bytes=sum(p.nbytes for p in parts), checkpoints=len(parts))
-        probe = self.node.tier_probes.get(tier)
-        if probe is not None:
-            reading = probe.reading()
-            status.free_bytes = reading.free_bytes or 0
-            status.reachable = bool(reading.reachable)
-        return status
+
+def _tier_status(t: TierReport) -> pb.TierStatus:
+    return pb.TierStatus(tier=_TIER_PB[t.tier], dir=t.dir, enabled=t.enabled, reachable=t.reachable,
+                         used_bytes=t.used_bytes, free_bytes=t.free_bytes, checkpoints=t.parts, state=t.state,
+                         last_error=t.last_error, last_error_time=t.last_error_time)
+
+
+def _job_status(j: JobSummary) -> pb.JobStatus:
+    d = j.drain
+    return pb.JobStatus(
+        job=j.job, checkpoints=j.checkpoints, latest_step=j.latest_step or 0, has_latest=j.latest_step is not None,
+        last_commit_time=max(j.last_commit_time.values(), default=0.0),
+        local_bytes=j.bytes.get(TierName.LOCAL.value, 0), shared_bytes=j.bytes.get(TierName.SHARED.value, 0),
+        sessions=j.sessions,
+        drain=pb.DrainState(state=d.state, queued_parts=d.queued_parts, queued_bytes=d.queued_bytes,
+                            last_error=d.last_error, last_error_time=d.last_error_time,
+                            consecutive_failures=d.consecutive_failures))

@@ -384,6 +384,14 @@ class PinRequest(_message.Message):
     pinned: bool
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
+class PinResponse(_message.Message):
+    __slots__ = ("changed", "pinned")
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    changed: bool
+    pinned: bool
+    def __init__(self, changed: _Optional[bool] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
 class DeleteStepRequest(_message.Message):
     __slots__ = ("job", "step")
     JOB_FIELD_NUMBER: _ClassVar[int]
@@ -469,7 +477,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStatus(_message.Message):
-    __slots__ = ("tier", "dir", "enabled", "reachable", "used_bytes", "free_bytes", "checkpoints")
+    __slots__ = ("tier", "dir", "enabled", "reachable", "used_bytes", "free_bytes", "checkpoints", "state", "last_error", "last_error_time")
     TIER_FIELD_NUMBER: _ClassVar[int]
     DIR_FIELD_NUMBER: _ClassVar[int]
     ENABLED_FIELD_NUMBER: _ClassVar[int]
@@ -477,6 +485,9 @@ class TierStatus(_message.Message):
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_TIME_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     dir: str
     enabled: bool
@@ -484,7 +495,10 @@ class TierStatus(_message.Message):
     used_bytes: int
     free_bytes: int
     checkpoints: int
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., dir: _Optional[str] = ..., enabled: _Optional[bool] = ..., reachable: _Optional[bool] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., checkpoints: _Optional[int] = ...) -> None: ...
+    state: str
+    last_error: str
+    last_error_time: float
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., dir: _Optional[str] = ..., enabled: _Optional[bool] = ..., reachable: _Optional[bool] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., checkpoints: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., last_error_time: _Optional[float] = ...) -> None: ...
 
 class SessionStatus(_message.Message):
     __slots__ = ("session_id", "job", "rank", "pid", "arena_bytes", "saves_in_flight")
@@ -503,7 +517,7 @@ class SessionStatus(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., job: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., saves_in_flight: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "pid", "uptime_s", "socket", "arena_budget_bytes", "arena_used_bytes", "sessions", "tiers", "drain_queue", "metrics_url", "memory_parts", "memory_bytes")
+    __slots__ = ("version", "pid", "uptime_s", "socket", "arena_budget_bytes", "arena_used_bytes", "sessions", "tiers", "drain_queue", "metrics_url", "memory_parts", "memory_bytes", "jobs")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -516,6 +530,7 @@ class StatusResponse(_message.Message):
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
     MEMORY_PARTS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
     version: str
     pid: int
     uptime_s: float
@@ -528,4 +543,53 @@ class StatusResponse(_message.Message):
     metrics_url: str
     memory_parts: int
     memory_bytes: int
-    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., socket: _Optional[str] = ..., arena_budget_bytes: _Optional[int] = ..., arena_used_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., drain_queue: _Optional[int] = ..., metrics_url: _Optional[str] = ..., memory_parts: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+    jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
+    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., socket: _Optional[str] = ..., arena_budget_bytes: _Optional[int] = ..., arena_used_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., drain_queue: _Optional[int] = ..., metrics_url: _Optional[str] = ..., memory_parts: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ...) -> None: ...
+
+class DrainState(_message.Message):
+    __slots__ = ("state", "queued_parts", "queued_bytes", "last_error", "last_error_time", "consecutive_failures")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PARTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_TIME_FIELD_NUMBER: _ClassVar[int]
+    CONSECUTIVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    queued_parts: int
+    queued_bytes: int
+    last_error: str
+    last_error_time: float
+    consecutive_failures: int
+    def __init__(self, state: _Optional[str] = ..., queued_parts: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., last_error: _Optional[str] = ..., last_error_time: _Optional[float] = ..., consecutive_failures: _Optional[int] = ...) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("job", "checkpoints", "latest_step", "has_latest", "last_commit_time", "local_bytes", "shared_bytes", "sessions", "drain")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    LATEST_STEP_FIELD_NUMBER: _ClassVar[int]
+    HAS_LATEST_FIELD_NUMBER: _ClassVar[int]
+    LAST_COMMIT_TIME_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    checkpoints: int
+    latest_step: int
+    has_latest: bool
+    last_commit_time: float
+    local_bytes: int
+    shared_bytes: int
+    sessions: int
+    drain: DrainState
+    def __init__(self, job: _Optional[str] = ..., checkpoints: _Optional[int] = ..., latest_step: _Optional[int] = ..., has_latest: _Optional[bool] = ..., last_commit_time: _Optional[float] = ..., local_bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., drain: _Optional[_Union[DrainState, _Mapping]] = ...) -> None: ...

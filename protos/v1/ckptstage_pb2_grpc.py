@@ -107,7 +107,7 @@ class CheckpointerStub:
         self.SetPin = channel.unary_unary(
                 '/ckptstage.v1.Checkpointer/SetPin',
                 request_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PinRequest.SerializeToString,
-                response_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.Empty.FromString,
+                response_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PinResponse.FromString,
                 _registered_method=True)
         self.DeleteStep = channel.unary_unary(
                 '/ckptstage.v1.Checkpointer/DeleteStep',
@@ -133,6 +133,11 @@ class CheckpointerStub:
                 '/ckptstage.v1.Checkpointer/Status',
                 request_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.StatusRequest.SerializeToString,
                 response_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.StatusResponse.FromString,
+                _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/ckptstage.v1.Checkpointer/ListJobs',
+                request_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ListJobsResponse.FromString,
                 _registered_method=True)
 
 
@@ -237,7 +242,8 @@ class CheckpointerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetPin(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Pins (or unpins) a step; says whether that changed anything.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -270,6 +276,13 @@ class CheckpointerServicer:
 
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListJobs(self, request, context):
+        """Every job this daemon knows of, with its checkpoints and drain health (`ckptstage jobs`).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -350,7 +363,7 @@ def add_CheckpointerServicer_to_server(servicer, server):
             'SetPin': grpc.unary_unary_rpc_method_handler(
                     servicer.SetPin,
                     request_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PinRequest.FromString,
-                    response_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.Empty.SerializeToString,
+                    response_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PinResponse.SerializeToString,
             ),
             'DeleteStep': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteStep,
@@ -376,6 +389,11 @@ def add_CheckpointerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.StatusRequest.FromString,
                     response_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.StatusResponse.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ListJobsRequest.FromString,
+                    response_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ListJobsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -782,7 +800,7 @@ class Checkpointer:
             target,
             '/ckptstage.v1.Checkpointer/SetPin',
             ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PinRequest.SerializeToString,
-            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.Empty.FromString,
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PinResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -918,6 +936,33 @@ class Checkpointer:
             '/ckptstage.v1.Checkpointer/Status',
             ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.StatusRequest.SerializeToString,
             ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptstage.v1.Checkpointer/ListJobs',
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ListJobsRequest.SerializeToString,
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ListJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,
