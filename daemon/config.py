@@ -241,15 +241,29 @@ def _parse_optional_path(value: Any, key: str) -> Path | None:
     return None if value == "" else _parse_path(value, key)
 
 
+def split_host_port(value: str) -> tuple[str, int]:
+    """``("::1", 9464)`` from ``"[::1]:9464"``, ``("127.0.0.1", 9464)`` from ``"127.0.0.1:9464"``.
+
+    The host loses IPv6 brackets. Raises ValueError unless ``value`` is a non-empty host, a colon and
+    a port from 1 to 65535.
+    """
+    host, _, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f'expected "HOST:PORT" with a port from 1 to 65535, got {value!r}')
+    return host, int(port)
+
+
 def _parse_listen(value: Any, key: str) -> str | None:
     """``"HOST:PORT"`` (``"[::1]:9464"`` for IPv6), or None for "" = no metrics endpoint."""
     if value == "":
         return None
     if not isinstance(value, str):
         raise ConfigError(key, f'expected "HOST:PORT", got {value!r}')
-    host, _, port = value.rpartition(":")
-    if not host.strip("[]") or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ConfigError(key, f'expected "HOST:PORT" with a port from 1 to 65535, got {value!r}')
+    try:
+        split_host_port(value)
+    except ValueError as e:
+        raise ConfigError(key, str(e)) from None
     return value
 
 
@@ -436,8 +450,7 @@ class MetricsConfig:
     def _split(self) -> tuple[str, int]:
         if self.listen is None:
             raise ValueError("metrics are disabled (metrics.listen is not set)")
-        host, _, port = self.listen.rpartition(":")
-        return host.strip("[]"), int(port)
+        return split_host_port(self.listen)
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,11 @@ import threading
 from pathlib import Path
 from typing import IO, Any
 
-from ckptstage.daemon import fsutil, tierpath
-from ckptstage.daemon.config import Config, ConfigError, load_config
+from ckptstage.daemon import fsutil, logs, tierpath
+from ckptstage.daemon.config import Config, ConfigError, format_size, load_config
 from ckptstage.daemon.handoff import HandoffServer
 from ckptstage.daemon.node import STATE_DIR, VERSION, Node
+from ckptstage.daemon.notify import Notifier
 from ckptstage.daemon.server import RpcServer
 from ckptstage.protos.handoff import socket_path as handoff_socket
 
@@ -51,9 +52,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--local-dir", help="local tier directory (node SSD)")
     p.add_argument("--shared-dir", help="shared tier directory (parallel file system)")
     p.add_argument("--metrics-listen", help="HOST:PORT for Prometheus /metrics")
-    p.add_argument("--log-level", default=os.environ.get("CKPTSTAGE_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", default=os.environ.get("CKPTSTAGE_LOG_LEVEL", "INFO"),
+                   help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default: $CKPTSTAGE_LOG_LEVEL, else INFO)")
+    p.add_argument("--log-format", default=os.environ.get("CKPTSTAGE_LOG_FORMAT", "auto"),
+                   help="text (key=value fields), json (one object per line), journal (journal fields), or "
+                        "auto: journal when stderr is systemd's journal stream, else text "
+                        "(default: $CKPTSTAGE_LOG_FORMAT, else auto)")
     p.add_argument("--version", action="version", version=f"ckptstaged {VERSION}")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.log_format not in logs.FORMATS:
+        p.error(f"--log-format: {args.log_format!r} is not one of {', '.join(logs.FORMATS)}")
+    if not isinstance(logging.getLevelName(args.log_level.upper()), int):
+        p.error(f"--log-level: {args.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
+    return args
 
 
 def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
@@ -65,7 +76,7 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
 class Daemon:
     """One running daemon: node, gRPC server on the Unix socket, optional metrics server."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, notifier: Notifier | None = None) -> None:
         self.config = config
         self._lock_file = self._lock_local_tier()
         _check_tiers_disjoint(config)
@@ -76,12 +87,16 @@ class Daemon:
         self.rpc = RpcServer(self.node, config.socket)
         self.handoff = HandoffServer(handoff_socket(config.socket), self.node.memory, self.node.metrics,
                                      self.node.take_lifeline)
+        self.notifier = notifier or Notifier(self.status_line)
 
     def start(self) -> None:
         """Claims the socket and the metrics port, recovers the local tier, then serves.
 
         What can fail for a reason of configuration fails first, before any
-        thread starts, as a :class:`StartupError`.
+        thread starts, as a :class:`StartupError`. The service manager hears
+        ``READY=1`` once this returns: temporaries are gone, the local tier is
+        indexed and the socket answers (the shared tier is indexed on the
+        drainer's thread: a hung shared file system must not hold the node).
         """
         _prepare_socket(self.config.socket)
         self._start_metrics()
@@ -101,6 +116,20 @@ class Daemon:
         log.info("ckptstaged %s serving on %s (local %s, shared %s, arena budget %d bytes)", VERSION,
                  self.config.socket, self.config.local.dir, self.config.shared.dir or "disabled",
                  self.config.arena.max_bytes)
+        if self.notifier.heartbeat_s is not None:
+            self.rpc.start_heartbeat(self.notifier.heartbeat_s, self.notifier.heartbeat)
+        self.notifier.ready()
+
+    def status_line(self) -> str:
+        """The service's one-line state for ``systemctl status``: sessions and the drain queue."""
+        sessions = len(self.node.sessions.all())
+        line = f"serving: {sessions} session{'' if sessions == 1 else 's'}"
+        drainer = self.node.drainer
+        if drainer is None:
+            return line + ", no shared tier"
+        parts, nbytes = drainer.pending()
+        line += f", drain queue {parts} part{'' if parts == 1 else 's'} ({format_size(nbytes)})"
+        return line + (", shared tier unreachable" if drainer.reachable is False else "")
 
     def stop(self) -> None:
         """SIGTERM path: refuse new work, let in-flight saves commit (bounded), exit."""
@@ -108,6 +137,7 @@ class Daemon:
             return
         self._stopped.set()
         timeout = self.config.persist.shutdown_timeout_s
+        self.notifier.stopping(f"stopping: finishing in-flight saves (up to {timeout:.0f}s)")
         log.info("shutting down: finishing in-flight saves (up to %.0fs)", timeout)
         self.rpc.begin_shutdown()
         self.node.shutdown(timeout)
@@ -118,6 +148,7 @@ class Daemon:
         except FileNotFoundError:
             pass
         log.info("stopped")
+        self.notifier.close()
         self._done.set()
 
     def wait(self) -> None:
@@ -135,9 +166,9 @@ class Daemon:
 
         disable_created_metrics()  # the _created series only double the scrape here
 
-        host, _, port = listen.rpartition(":")
         try:
-            start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=self.node.metrics.registry)
+            start_http_server(self.config.metrics.port, addr=self.config.metrics.host,
+                              registry=self.node.metrics.registry)
         except OSError as e:  # in use, or an address not on this host
             raise _cannot("metrics.listen", listen, "listen there", e) from e
         self.metrics_url = f"http://{listen}/metrics"
@@ -213,8 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     # directory the daemon creates is 0600/0700, whatever umask it was started with.
     os.umask(0o077)
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_format = logs.configure(args.log_format, args.log_level, sys.stderr)
     try:
         config = load_config(args.config, overrides_from(args))
         daemon = Daemon(config)
@@ -222,7 +252,10 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, lambda *_: threading.Thread(target=daemon.stop, name="shutdown").start())
         daemon.start()
     except (ConfigError, StartupError) as e:
-        print(f"ckptstaged: {e}", file=sys.stderr)
+        if log_format == "text":
+            print(f"ckptstaged: {e}", file=sys.stderr)
+        else:  # one JSON object, or one journal entry at error priority
+            log.error("%s", e, extra=logs.fields(error=str(e)))
         return EXIT_CONFIG
     daemon.wait()
     return 0

@@ -10,9 +10,10 @@ thread, and ``Status`` and new clients timed out until they closed.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,6 +24,8 @@ from ckptstage.daemon.servicer import Servicer
 from ckptstage.protos.v1 import ckptstage_pb2_grpc as pb_grpc
 
 MAX_MESSAGE_BYTES = 256 << 20
+LOOP_THREAD = "rpc-loop"
+_PR_SET_NAME = 15  # prctl(2)
 
 T = TypeVar("T")
 
@@ -34,8 +37,9 @@ class RpcServer:
         self.socket_path = socket_path
         self.servicer = Servicer(node, str(socket_path))
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="rpc-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name=LOOP_THREAD, daemon=True)
         self._server: grpc.aio.Server | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
 
     def set_metrics_url(self, url: str) -> None:
         self.servicer.metrics_url = url
@@ -45,6 +49,37 @@ class RpcServer:
         self._thread.start()
         self._call(self._start())
         os.chmod(self.socket_path, 0o600)
+
+    def start_heartbeat(self, interval_s: float, beat: Callable[[], None]) -> None:
+        """Calls ``beat`` every ``interval_s`` seconds on the loop that answers RPCs (after :meth:`start`).
+
+        The beats are the loop's proof of life (systemd's watchdog pings): while the loop is stuck,
+        none are made. ``beat`` must return at once.
+        """
+        async def spawn() -> None:
+            self._heartbeat = asyncio.get_running_loop().create_task(self._beat(interval_s, beat))
+
+        self._call(spawn())
+
+    @staticmethod
+    async def _beat(interval_s: float, beat: Callable[[], None]) -> None:
+        while True:
+            beat()
+            await asyncio.sleep(interval_s)
+
+    async def _stop_heartbeat(self) -> None:
+        assert self._heartbeat is not None
+        self._heartbeat.cancel()
+        await asyncio.gather(self._heartbeat, return_exceptions=True)
+
+    def _run_loop(self) -> None:
+        # The kernel's name of this thread too (ps -L, top -H, /proc/PID/task/*/comm), so an operator
+        # or a debugger can tell the RPC loop from the daemon's other threads.
+        try:
+            ctypes.CDLL(None).prctl(_PR_SET_NAME, LOOP_THREAD.encode(), 0, 0, 0)
+        except (OSError, AttributeError):  # not Linux: the Python name is enough
+            pass
+        self._loop.run_forever()
 
     async def _start(self) -> None:
         # Created on the loop that serves it.
@@ -61,6 +96,8 @@ class RpcServer:
         """Stops serving: calls in flight get ``grace`` seconds, then the loop ends."""
         if self._server is not None:
             self._call(self._server.stop(grace), timeout=grace + 5)
+        if self._heartbeat is not None:
+            self._call(self._stop_heartbeat(), timeout=5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
         self.servicer.close()
