@@ -1,15 +1,36 @@
-"""Prometheus metrics. The daemon owns its registry; state gauges are computed at scrape time."""
+"""Prometheus metrics. The daemon owns its registry; state gauges are computed at scrape time.
+
+docs/OPERATIONS.md lists every metric with its labels and meaning, and the
+alerts built on them. Per-job series carry the job in the label ``ckpt_job``,
+not ``job``: Prometheus sets ``job`` on every series to the scrape job's name,
+and a ``job`` exported here would be renamed ``exported_job`` (or, with
+``honor_labels``, would overwrite the scrape job's name).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import importlib.metadata
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+if TYPE_CHECKING:
+    from ckptstage.daemon.jobs import JobSummary
+
 _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 150, 300, 900)
+
+# Per-job series are exported for this many jobs at most: those with an open session or a failing drain
+# first, then the most recently committed. The rest are summed into one series labelled OTHER_JOB (a
+# name no job can have: job names start with a letter or a digit), so that a node that kept checkpoints
+# of thousands of finished jobs does not put thousands of series into every scrape.
+MAX_JOB_SERIES = 64
+OTHER_JOB = "_other"
+JOB_LABEL = "ckpt_job"
+FAILING_DRAIN_STATES = frozenset({"retrying", "failed"})
 
 
 @dataclass(frozen=True)
@@ -28,12 +49,23 @@ class StateProbe:
     incomplete_steps: Callable[[], int] = lambda: 0
     memory_copies: Callable[[], int] = lambda: 0  # parts the memory tier serves
     memory_bytes: Callable[[], int] = lambda: 0   # shared memory it holds (part of arena_used)
+    jobs: Callable[[], Sequence[JobSummary]] = lambda: []  # every job the node knows of
+
+
+def package_version() -> str:
+    """The installed ckptstage distribution's version ("unknown" when run from a tree not installed)."""
+    try:
+        return importlib.metadata.version("ckptstage")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, version: str | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
+        self.build = Info("ckptstage_build", "The running daemon's version (the value is always 1).", registry=r)
+        self.build.info({"version": version if version is not None else package_version()})
         self.saves_started = Counter("ckptstage_saves_started", "Saves begun by clients.", registry=r)
         self.saves_committed = Counter("ckptstage_saves_committed", "Parts committed, by tier.",
                                        ["tier"], registry=r)
@@ -123,3 +155,113 @@ class _StateCollector(Collector):
         if reachable is not None:
             yield GaugeMetricFamily("ckptstage_shared_tier_up", "1 when the last shared-tier operation worked.",
                                     value=1 if reachable else 0)
+        yield from job_families(p.jobs())
+
+
+@dataclass(frozen=True)
+class JobRow:
+    """What is exported of one job (or of the jobs folded into OTHER_JOB)."""
+
+    job: str
+    checkpoints: int
+    latest_step: int | None
+    last_commit_time: dict[str, float]
+    bytes: dict[str, int]
+    sessions: int
+    drain_failing: bool
+    drain_failures: int
+    drain_last_error_time: float
+    drain_queue_parts: int
+    drain_queue_bytes: int
+
+    @staticmethod
+    def of(s: JobSummary) -> JobRow:
+        d = s.drain
+        failing = d.state in FAILING_DRAIN_STATES
+        return JobRow(s.job, s.checkpoints, s.latest_step, dict(s.last_commit_time), dict(s.bytes), s.sessions,
+                       failing, d.consecutive_failures, d.last_error_time, d.queued_parts, d.queued_bytes)
+
+    @property
+    def active(self) -> bool:
+        """A job an operator may be paged about: a trainer is connected, or its drains fail."""
+        return self.sessions > 0 or self.drain_failing
+
+    @property
+    def newest_commit(self) -> float:
+        return max(self.last_commit_time.values(), default=0.0)
+
+
+def _fold(rows: Sequence[JobRow]) -> JobRow:
+    """The jobs beyond the cap as one: counts and bytes summed, times and failure flags their maximum."""
+    last: dict[str, float] = {}
+    held: dict[str, int] = {}
+    for r in rows:
+        for tier, t in r.last_commit_time.items():
+            last[tier] = max(last.get(tier, 0.0), t)
+        for tier, n in r.bytes.items():
+            held[tier] = held.get(tier, 0) + n
+    return JobRow(OTHER_JOB, sum(r.checkpoints for r in rows), None, last, held, sum(r.sessions for r in rows),
+                   any(r.drain_failing for r in rows), max(r.drain_failures for r in rows),
+                   max(r.drain_last_error_time for r in rows), sum(r.drain_queue_parts for r in rows),
+                   sum(r.drain_queue_bytes for r in rows))
+
+
+def select_jobs(summaries: Sequence[JobSummary], cap: int = MAX_JOB_SERIES) -> tuple[list[JobRow], int]:
+    """The rows to export (at most ``cap`` jobs, plus one OTHER_JOB row for the rest) and how many were folded.
+
+    Jobs with an open session or a failing drain come first, then the most
+    recently committed; ties go by name, so the choice is stable between scrapes.
+    """
+    rows = sorted((JobRow.of(s) for s in summaries), key=lambda r: (not r.active, -r.newest_commit, r.job))
+    shown, rest = rows[:cap], rows[cap:]
+    if rest:
+        shown.append(_fold(rest))
+    return shown, len(rest)
+
+
+def job_families(summaries: Sequence[JobSummary], cap: int = MAX_JOB_SERIES) -> list[Metric]:
+    """The per-job metric families, labelled ``ckpt_job`` (see the module docstring)."""
+    rows, folded = select_jobs(summaries, cap)
+    jl = [JOB_LABEL]
+
+    def family(name: str, doc: str, labels: list[str] = jl) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, doc, labels=labels)
+
+    jobs = GaugeMetricFamily("ckptstage_jobs", "Jobs this daemon knows of (committed checkpoints, an open "
+                             "session or memory-tier copies), whether or not they have series of their own.",
+                             value=len(summaries))
+    folded_f = GaugeMetricFamily("ckptstage_jobs_folded", f"Jobs beyond the cap of {cap} whose per-job series "
+                                 f'are summed into {JOB_LABEL}="{OTHER_JOB}".', value=folded)
+    ckpts = family("ckptstage_job_checkpoints", "Complete steps of the job on any tier of this node.")
+    latest = family("ckptstage_job_latest_step", "The job's newest complete step.")
+    commit = family("ckptstage_job_last_commit_timestamp_seconds",
+                    "Unix time of the job's newest complete step on the tier.", [JOB_LABEL, "tier"])
+    nbytes = family("ckptstage_job_bytes", "Bytes the job holds on the tier.", [JOB_LABEL, "tier"])
+    sessions = family("ckptstage_job_sessions", "Open client sessions of the job on this node (its trainers).")
+    failing = family("ckptstage_job_drain_failing",
+                     "1 while copies of the job's parts to the shared tier fail (retrying or failed for good), "
+                     "until one succeeds.")
+    failures = family("ckptstage_job_drain_consecutive_failures",
+                      "Failed copies of the job's parts to the shared tier since its last successful drain.")
+    err_time = family("ckptstage_job_drain_last_error_timestamp_seconds",
+                      "Unix time of the job's last drain failure since its last successful drain.")
+    q_parts = family("ckptstage_job_drain_queue_parts", "The job's parts waiting to reach the shared tier.")
+    q_bytes = family("ckptstage_job_drain_queue_bytes", "The job's bytes waiting to reach the shared tier.")
+    for r in rows:
+        key = [r.job]
+        ckpts.add_metric(key, r.checkpoints)
+        if r.latest_step is not None:
+            latest.add_metric(key, r.latest_step)
+        for tier, t in sorted(r.last_commit_time.items()):
+            if t > 0:
+                commit.add_metric([r.job, tier], t)
+        for tier, n in sorted(r.bytes.items()):
+            nbytes.add_metric([r.job, tier], n)
+        sessions.add_metric(key, r.sessions)
+        failing.add_metric(key, 1 if r.drain_failing else 0)
+        failures.add_metric(key, r.drain_failures)
+        if r.drain_last_error_time > 0:
+            err_time.add_metric(key, r.drain_last_error_time)
+        q_parts.add_metric(key, r.drain_queue_parts)
+        q_bytes.add_metric(key, r.drain_queue_bytes)
+    return [jobs, folded_f, ckpts, latest, commit, nbytes, sessions, failing, failures, err_time, q_parts, q_bytes]
