@@ -132,3 +132,109 @@ def test_ready_only_once_recovered_and_serving_then_stopping_on_sigterm(
     assert proc.wait(timeout=60) == 0
     assert [m for m in notify_socket.receive(0.2) if m.startswith("STATUS=")] == [
         "STATUS=stopping: finishing in-flight saves (up to 30s)"]
+
+
+@pytest.mark.parametrize(("env", "pid", "expected"), [
+    ({}, 10, None),
+    ({"WATCHDOG_USEC": "400000"}, 10, 0.2),
+    ({"WATCHDOG_USEC": "400000", "WATCHDOG_PID": "10"}, 10, 0.2),
+    ({"WATCHDOG_USEC": "400000", "WATCHDOG_PID": "11"}, 10, None),  # a wrapper's watchdog, not ours
+    ({"WATCHDOG_USEC": "0"}, 10, None),
+    ({"WATCHDOG_USEC": "-5"}, 10, None),
+    ({"WATCHDOG_USEC": "soon"}, 10, None),
+    ({"WATCHDOG_USEC": "30000000"}, 10, 15.0),
+])
+def test_watchdog_interval_is_half_of_what_systemd_asks_of_this_process(env: dict[str, str], pid: int,
+                                                                          expected: float | None) -> None:
+    assert watchdog_interval_s(env, pid) == expected
+
+
+class _Ptrace:
+    """Stops one thread of another process (a debugger's interrupt), leaving its other threads running."""
+
+    SEIZE, INTERRUPT, DETACH = 0x4206, 0x4207, 17
+    WALL = 0x40000000
+
+    def __init__(self) -> None:
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+        self.libc.ptrace.restype = ctypes.c_long
+
+    def _call(self, request: int, tid: int) -> None:
+        if self.libc.ptrace(request, tid, None, None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+    def stop(self, tid: int) -> None:
+        self._call(self.SEIZE, tid)
+        self._call(self.INTERRUPT, tid)
+        os.waitpid(tid, self.WALL)  # returns once the thread is stopped
+
+    def resume(self, tid: int) -> None:
+        self._call(self.DETACH, tid)
+
+
+def _loop_thread(pid: int) -> int:
+    """The RPC loop's thread: the first of the threads named after it (threads it starts inherit the name)."""
+    tids = sorted(int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()
+                  if (t / "comm").read_text().strip() == LOOP_THREAD)
+    assert tids, f"no thread {LOOP_THREAD!r} in process {pid}"
+    return tids[0]
+
+
+def _stop_while_idle(ptrace: _Ptrace, pid: int, tid: int) -> None:
+    """Stops the thread where it waits for events (in epoll, the GIL released), not inside Python code:
+    stopped holding the GIL it would freeze every thread, not only itself."""
+    for _ in range(50):
+        ptrace.stop(tid)
+        task = Path(f"/proc/{pid}/task/{tid}")
+        if "epoll" in (task / "wchan").read_text() or (task / "syscall").read_text().split()[0] in ("232", "281"):
+            return
+        ptrace.resume(tid)
+        time.sleep(0.01)
+    raise AssertionError("the rpc loop was never found waiting for events")
+
+
+def test_watchdog_pings_come_from_the_rpc_loop_and_stop_while_it_hangs(
+        daemon_factory: Any, run_daemon: Any, notify_socket: NotifySocket) -> None:
+    port = free_port()
+    d = daemon_factory("wd", **{"metrics.listen": f"127.0.0.1:{port}"})
+    proc = run_daemon(d, {"NOTIFY_SOCKET": notify_socket.address, "WATCHDOG_USEC": "400000"})
+    notify_socket.wait_for("READY=1", timeout=30)
+    pings = notify_socket.receive(1.2).count("WATCHDOG=1")
+    assert pings >= 4, f"{pings} pings in 1.2s at a 0.2s interval"
+
+    loop = _loop_thread(proc.pid)
+    ptrace = _Ptrace()
+    try:
+        _stop_while_idle(ptrace, proc.pid, loop)
+        how = "the rpc loop's thread stopped"
+    except OSError:  # no ptrace here (e.g. a container without CAP_SYS_PTRACE): freeze the whole process
+        os.kill(proc.pid, signal.SIGSTOP)
+        how = "the process stopped"
+    try:
+        notify_socket.receive(0.3)  # a ping already on its way
+        assert notify_socket.receive(1.0).count("WATCHDOG=1") == 0, f"pings went on while {how}"
+        if how.startswith("the rpc loop"):
+            # Only the loop hangs: the rest of the daemon runs (its metrics endpoint answers), the RPCs do not.
+            assert "ckptstage_sessions" in scrape(port)
+            with pytest.raises(Exception):  # noqa: B017 - a deadline exceeded, whatever its wrapper
+                with Connection(d.socket) as conn:
+                    conn.status(timeout=0.5)
+    finally:
+        if how.startswith("the rpc loop"):
+            ptrace.resume(loop)
+        else:
+            os.kill(proc.pid, signal.SIGCONT)
+    notify_socket.wait_for("WATCHDOG=1", timeout=2)
+    assert notify_socket.receive(1.0).count("WATCHDOG=1") >= 3
+
+
+def test_status_line_counts_sessions(daemon_factory: Any, run_daemon: Any, notify_socket: NotifySocket) -> None:
+    d = daemon_factory("st")
+    run_daemon(d, {"NOTIFY_SOCKET": notify_socket.address, "WATCHDOG_USEC": "200000"})
+    before = notify_socket.wait_for("READY=1", timeout=30)
+    assert "STATUS=serving: 0 sessions, drain queue 0 parts (0 B)" in before
+    with Client("job", socket=d.socket, rank=0, world_size=2), Client("job", socket=d.socket, rank=1, world_size=2):
+        notify_socket.wait_for("STATUS=serving: 2 sessions, drain queue 0 parts (0 B)", timeout=5)
+    notify_socket.wait_for("STATUS=serving: 0 sessions", timeout=5)
