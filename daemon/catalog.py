@@ -18,19 +18,14 @@ import logging
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 
 from ckptstage.daemon import fsutil
+from ckptstage.daemon.tier import Manifest, PartIndex, Tier, TierName
+from ckptstage.daemon.tiers import as_tier
 from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
-
-
-class TierName(str, Enum):
-    LOCAL = "local"
-    SHARED = "shared"
-    MEMORY = "memory"  # the memory tier (memtier.py): never a catalogue part, named by waits and reports
 
 
 @dataclass(frozen=True)
@@ -52,7 +47,16 @@ class Part:
 
     @classmethod
     def from_disk(cls, ref: layout.PartRef, tier: TierName) -> Part:
-        manifest, digest = layout.read_manifest_and_digest(ref.path)
+        """The part at ``ref``, its manifest read from the file system."""
+        return cls.from_manifest(ref, tier, *layout.read_manifest_and_digest(ref.path))
+
+    @classmethod
+    def read(cls, ref: layout.PartRef, tier: TierName, storage: PartIndex) -> Part:
+        """The part at ``ref`` on ``storage``, its manifest read (and verified) from there."""
+        return cls.from_manifest(ref, tier, *storage.read_manifest(ref.path))
+
+    @classmethod
+    def from_manifest(cls, ref: layout.PartRef, tier: TierName, manifest: Manifest, digest: str) -> Part:
         return cls(ref.job, ref.step, ref.rank, int(manifest["world_size"]), tier, ref.path,
                    layout.part_bytes(manifest), float(manifest.get("created", 0.0)),
                    {str(k): float(v) for k, v in manifest.get("metrics", {}).items()},
@@ -206,11 +210,14 @@ class Catalog:
             (str(e[0]), int(e[1]), int(e[2])): str(e[3]) if len(e) > 3 else ""
             for e in fsutil.read_json(self._drained_file, [])}
 
-    def load_tier(self, tier: TierName, tier_dir: Path) -> int:
-        """Indexes every committed part and commit record on a tier; returns how many parts."""
-        return sum(self._sync(tier, tier_dir, job, None)[2] for job in layout.scan_jobs(tier_dir))
+    def load_tier(self, tier: TierName, source: Tier | Path) -> int:
+        """Indexes every committed part and commit record on a tier; returns how many parts.
 
-    def sync_job(self, tier: TierName, tier_dir: Path, job: str, step: int | None = None) -> tuple[int, int]:
+        ``source`` is the tier's storage (a path: the file-system tier there)."""
+        storage = as_tier(source)
+        return sum(self._sync(tier, storage, job, None)[2] for job in storage.list_jobs())
+
+    def sync_job(self, tier: TierName, source: Tier | Path, job: str, step: int | None = None) -> tuple[int, int]:
         """Re-reads one job's directory on a tier (or one step's); returns (parts added, parts dropped).
 
         Other nodes' daemons write other ranks of the same job to the shared
@@ -219,10 +226,10 @@ class Catalog:
         not re-read unless their inode changed (a part of another attempt
         replaced under the same name).
         """
-        added, dropped, _ = self._sync(tier, tier_dir, job, step)
+        added, dropped, _ = self._sync(tier, as_tier(source), job, step)
         return added, dropped
 
-    def _sync(self, tier: TierName, tier_dir: Path, job: str, step: int | None) -> tuple[int, int, int]:
+    def _sync(self, tier: TierName, storage: PartIndex, job: str, step: int | None) -> tuple[int, int, int]:
         # What is known is read before the disk: a part deleted (renamed away, then dropped from
         # the index) between the two reads is then never indexed again.
         with self._lock:
@@ -230,14 +237,14 @@ class Catalog:
                      if step in (None, s) for rank, tiers in ranks.items() if tier in tiers}
             known_records = {s: tiers[tier] for s, tiers in self._records.get(job, {}).items()
                              if step in (None, s) and tier in tiers}
-        steps = list(layout.scan_steps(tier_dir, job, step))
+        steps = list(storage.list_steps(job, step))
         found = {(ref.step, ref.rank): ref for sref in steps for ref in sref.parts}
         added = dropped = 0
         for key, ref in found.items():
             old = known.get(key)
             if old is None or old.path != ref.path or (ref.ino and old.ino != ref.ino):
                 try:
-                    self.add(Part.from_disk(ref, tier))
+                    self.add(Part.read(ref, tier, storage))
                     added += 1
                 except (layout.ManifestError, KeyError, ValueError, TypeError) as e:
                     log.error("ignoring part %s: %s", ref.path, e)
@@ -252,15 +259,15 @@ class Catalog:
             seen_records.add(sref.step)
             have = known_records.get(sref.step)
             if have is None or have[1] != sref.record_ino:
-                self._read_record(tier, job, sref)
+                self._read_record(tier, storage, job, sref)
         for s in known_records.keys() - seen_records:
             self.drop_record(tier, job, s)
         return added, dropped, len(found)
 
-    def _read_record(self, tier: TierName, job: str, sref: layout.StepRef) -> None:
+    def _read_record(self, tier: TierName, storage: PartIndex, job: str, sref: layout.StepRef) -> None:
         path = sref.path / layout.COMMIT_FILE
         try:
-            record = layout.read_commit_record(sref.path)
+            record = storage.read_commit_record(sref.path)
             if record is not None and (record.job, record.step) != (job, sref.step):
                 raise layout.ManifestError(f"{path}: commit record names {record.job!r} step {record.step}")
         except layout.ManifestError as e:

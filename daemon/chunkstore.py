@@ -17,7 +17,7 @@ this daemon and in other nodes' daemons on a shared tier:
   then deletes the rest;
 * a writer on another node, which no lease of ours can see, checks after
   publishing its part that every chunk it refers to is still in place, and
-  writes back any that a sweep took (:func:`chunks.missing`), and no commit
+  writes back any that a sweep took (:meth:`Tier.missing_chunks`), and no commit
   record is written for a step while a chunk of one of its parts is missing.
 
 A SIGKILL at any point leaves chunks in place or condemned, never a
@@ -28,21 +28,20 @@ condemned ones the same way, putting back those a part refers to.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptstage.daemon import fsutil
+from ckptstage.daemon.tier import ChunkBatch, PartWriter, Tier
+from ckptstage.daemon.tiers import as_tier
 from ckptstage.protos import chunks, layout
 
 log = logging.getLogger(__name__)
 
-CONDEMNED_DIR = ".condemned"
+CONDEMNED_DIR = chunks.CONDEMNED_DIR
 
 
 class MarkFailed(OSError):
@@ -58,37 +57,32 @@ class Swept:
     restored: int = 0
 
 
-_Seen = dict[Path, tuple[tuple[int, int, int], frozenset[str]]]
+_Seen = dict[Path, tuple[tuple[int, ...], frozenset[str]]]
 
 
-def referenced(tier_dir: Path, job: str, seen: _Seen | None = None) -> set[str]:
+def referenced(where: Tier | Path, job: str, seen: _Seen | None = None) -> set[str]:
     """The chunks every part of ``job`` on the tier refers to: committed or not, staged replacements too.
 
     A manifest that fails its own checks names nothing (that part is unreadable
     anyway, and quarantine removes it); one that cannot be read at all (EIO, a
     permission) raises :class:`MarkFailed`, since its chunks may be live.
     ``seen`` (updated in place) remembers each manifest's names under its
-    inode, size and modification time, so that a mark reads only the
+    version (:meth:`Tier.manifest_version`), so that a mark reads only the
     manifests that are new since the last one.
     """
+    storage = as_tier(where)
     names: set[str] = set()
-    dirs = [p.path for p in layout.scan_tier(tier_dir, job)]
-    tmp = tier_dir / layout.TMP_DIR
-    for owner in _subdirs(tmp):
-        staged_job = owner / "replace" / job
-        dirs += [r for s in _subdirs(staged_job) for r in _subdirs(s)]
     known = dict(seen or {})
     if seen is not None:
         seen.clear()
-    for part in dirs:
+    for part in storage.list_manifests(job):
         path = part / layout.MANIFEST_FILE
         try:
-            st = os.stat(path)
-            key = (st.st_ino, st.st_size, st.st_mtime_ns)
+            key = storage.manifest_version(part)
             if path in known and known[path][0] == key:
                 found = known[path][1]
             else:
-                found = frozenset(chunks.referenced(layout.read_manifest(part)))
+                found = frozenset(chunks.referenced(storage.read_manifest(part)[0]))
         except FileNotFoundError:
             continue  # gone since the walk: its chunks are not its anymore
         except OSError as e:
@@ -127,34 +121,13 @@ def stored_bytes(parts: Iterable[tuple[int, int, Sequence[tuple[str, int]] | Non
     return whole
 
 
-SYNC_THREADS = 8  # fsyncs in flight at once when chunks are made durable
-
-
-def _each(fn: Callable[[Path], None], paths: Iterable[Path]) -> None:
-    """``fn`` on every path, :data:`SYNC_THREADS` at once (fsync releases the GIL); the first error is raised."""
-    paths = list(paths)
-    if len(paths) <= 1:
-        for p in paths:
-            fn(p)
-        return
-    with ThreadPoolExecutor(min(SYNC_THREADS, len(paths)), thread_name_prefix="chunk-sync") as pool:
-        for f in [pool.submit(fn, p) for p in paths]:
-            f.result()
-
-
-def _subdirs(path: Path) -> list[Path]:
-    try:
-        with os.scandir(path) as it:
-            return [Path(e.path) for e in it if e.is_dir(follow_symlinks=False)]
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
 class ChunkStore:
-    """The chunk stores (one per job) of one tier, as this daemon uses them."""
+    """The chunk stores (one per job) of one tier, as this daemon uses them: leases, and the sweep."""
 
-    def __init__(self, tier_dir: Path, owner: str, grace_s: float) -> None:
-        self.tier_dir = tier_dir
+    def __init__(self, where: Tier | Path, owner: str, grace_s: float) -> None:
+        """``where`` is the tier's storage (a path: the file-system tier there)."""
+        self.tier = as_tier(where, owner)
+        self.tier_dir = self.tier.root
         self.owner = owner
         self.grace_s = grace_s
         self._lock = threading.Lock()
@@ -166,44 +139,21 @@ class ChunkStore:
     # ------------------------------------------------------------------ writers
 
     def path(self, job: str, name: str) -> Path:
-        return chunks.chunk_path(chunks.store_dir(self.tier_dir, job), name)
+        return self.tier.chunk_location(job, name)
 
     def reuse(self, job: str, name: str) -> bool:
         """Leases ``name`` for a part being written; True when the store holds it (it is touched then).
 
         Either way the lease holds until :meth:`release`: a chunk that is not
-        there yet is written and :meth:`put` under it.
+        there yet is written into a :meth:`new_chunks` batch under it.
         """
         with self._lock:
             self._leases[(job, name)] += 1
-            try:
-                os.utime(self.path(job, name))
-                return True
-            except FileNotFoundError:
-                return False
+            return self.tier.touch_chunk(job, name)
 
-    def put(self, job: str, written: dict[str, Path]) -> None:
-        """Moves new chunks (name -> file written under ``.tmp``, leased by :meth:`reuse`) into the store, durably.
-
-        The files are fsynced, renamed into place, and the store directories
-        they went to fsynced, each step on :data:`SYNC_THREADS` threads at once
-        (fsyncs issued together share the file system's journal commits:
-        one by one, a few hundred chunks cost a few hundred of them). A chunk
-        of the same name already there (another save's, just now) has the
-        same bytes: the rename replaces it, atomically.
-        """
-        if not written:
-            return
-        _each(fsutil.fsync_file, written.values())
-        parents = {self.path(job, n).parent for n in written}
-        for d in parents:
-            if not d.is_dir():
-                fsutil.makedirs_durable(d, within=self.tier_dir)
-        for name, path in written.items():
-            final = self.path(job, name)
-            fsutil.check_contained(self.tier_dir, final)
-            os.rename(path, final)
-        _each(layout.fsync_dir, parents)
+    def new_chunks(self, job: str, part: PartWriter | None = None) -> ChunkBatch:
+        """A batch of new chunks (leased by :meth:`reuse`), published into the store durably and together."""
+        return self.tier.new_chunks(job, part)
 
     def release(self, job: str, names: Iterable[str]) -> None:
         """Ends the leases taken by :meth:`reuse`: the part is published (or failed)."""
@@ -221,20 +171,19 @@ class ChunkStore:
 
     def sweep(self, job: str, mark: Callable[[], set[str]] | None = None) -> Swept:
         """Removes the chunks of ``job`` that no part refers to (see the module docstring)."""
-        store = chunks.store_dir(self.tier_dir, job)
-        if not store.is_dir():
+        if not self.tier.has_chunk_store(job):
             return Swept()
-        mark = mark or (lambda: referenced(self.tier_dir, job, self._seen.setdefault(job, {})))
+        mark = mark or (lambda: referenced(self.tier, job, self._seen.setdefault(job, {})))
         with self._lock:
             self._sweeping[job] += 1
             self._released.setdefault(job, set())
         try:
             marked = mark()
-            condemned_dir = store / CONDEMNED_DIR
             cutoff = time.time() - self.grace_s
-            for path in self._unmarked(store, marked):
-                self._condemn(job, path, condemned_dir, cutoff)
-            return self._finish(job, condemned_dir, mark())
+            for name in self.tier.list_chunks(job):
+                if name not in marked:
+                    self._condemn(job, name, cutoff)
+            return self._finish(job, mark())
         finally:
             with self._lock:
                 self._sweeping[job] -= 1
@@ -242,71 +191,35 @@ class ChunkStore:
                     del self._sweeping[job]
                     self._released.pop(job, None)
 
-    @staticmethod
-    def _unmarked(store: Path, marked: set[str]) -> list[Path]:
-        out = []
-        for sub in _subdirs(store):
-            if sub.name.startswith("."):
-                continue  # .condemned, and the quarantine's .corrupt
-            with os.scandir(sub) as it:
-                out += [Path(e.path) for e in it if chunks.is_chunk_name(e.name) and e.name not in marked]
-        return out
-
     def _busy(self, job: str, name: str) -> bool:
         return (job, name) in self._leases or name in self._released.get(job, ())
 
-    def _condemn(self, job: str, path: Path, condemned_dir: Path, cutoff: float) -> None:
+    def _condemn(self, job: str, name: str, cutoff: float) -> None:
         with self._lock:  # against reuse(): a chunk leased here is never condemned
-            if self._busy(job, path.name):
-                return
-            try:
-                if os.stat(path).st_mtime >= cutoff:
-                    return  # written or relied on within the grace period
-                condemned_dir.mkdir(exist_ok=True)
-                os.rename(path, condemned_dir / path.name)
-            except FileNotFoundError:
-                pass  # another node's sweep took it first
+            if not self._busy(job, name):
+                self.tier.condemn_chunk(job, name, cutoff)
 
-    def _finish(self, job: str, condemned_dir: Path, marked: set[str]) -> Swept:
+    def _finish(self, job: str, marked: set[str]) -> Swept:
         """Puts back the condemned chunks referred to now (or leased), deletes the others.
 
         Empty fan-out directories stay: a writer on another node may be about to rename a chunk into one."""
         removed = freed = restored = 0
-        try:
-            entries = list(os.scandir(condemned_dir))
-        except FileNotFoundError:
-            return Swept()
-        for e in entries:
-            if not chunks.is_chunk_name(e.name):
-                continue
-            path = Path(e.path)
+        for name in self.tier.condemned_chunks(job):
             with self._lock:
-                keep = e.name in marked or self._busy(job, e.name)
+                keep = name in marked or self._busy(job, name)
             try:
                 if keep:
-                    final = self.path(job, e.name)
-                    final.parent.mkdir(exist_ok=True)
-                    os.rename(path, final)  # a copy written meanwhile has the same bytes
+                    self.tier.restore_chunk(job, name)
                     restored += 1
                 else:
-                    size = path.stat().st_size
-                    path.unlink()
-                    removed, freed = removed + 1, freed + size
+                    freed += self.tier.delete_condemned_chunk(job, name)
+                    removed += 1
             except FileNotFoundError:
                 pass  # another node's sweep finished it
         if removed or restored:
-            log.info("swept the chunks of %s on %s: %d removed (%d bytes), %d put back", job, self.tier_dir,
+            log.info("swept the chunks of %s on %s: %d removed (%d bytes), %d put back", job, self.tier.root,
                      removed, freed, restored)
         return Swept(removed, freed, restored)
-
-
-def write_chunk(path: Path, data: memoryview, direct_io: bool) -> None:
-    """Writes one new chunk's file (not fsynced: :meth:`ChunkStore.put` syncs a part's chunks together)."""
-    out = fsutil.DataFile(path, len(data), direct_io, reserve=False)
-    try:
-        out.write(data, 0)
-    finally:
-        out.close()
 
 
 class PartChunks:
@@ -315,18 +228,17 @@ class PartChunks:
     The data file is cut with :func:`chunks.cut` (``every`` is the unit the
     bytes arrive in: no chunk straddles two). Each piece is hashed as its
     unit arrives; one the store already holds is leased and touched, a new one
-    is written under ``tmp`` (the part's temporary directory). At
-    :meth:`publish` the new chunks are fsynced and renamed into the store, before the
-    manifest that refers to them is written; :meth:`release` (always, after
-    the part is published or failed) ends the leases.
+    is written into a batch staged with ``part`` (the part's writer). At
+    :meth:`publish` the batch goes into the store, before the manifest that
+    refers to it is written; :meth:`release` (always, after the part is
+    published or failed) ends the leases.
     """
 
     def __init__(self, store: ChunkStore, job: str, size: int, tensors: Iterable[tuple[int, int]], every: int,
-                 tmp: Path, direct_io: bool) -> None:
+                 part: PartWriter, direct_io: bool) -> None:
         self.store = store
         self.job = job
         self.every = every
-        self.tmp = tmp
         self.direct_io = direct_io
         self._cuts = chunks.cut(size, tensors, every)
         self._by_unit: dict[int, list[tuple[int, int]]] = {}
@@ -335,9 +247,8 @@ class PartChunks:
         self._lock = threading.Lock()
         self._names: dict[int, str] = {}   # chunk start -> name
         self._leased: set[str] = set()
-        self._new: dict[str, Path] = {}    # written here, not yet in the store
         self.reused_bytes = 0
-        tmp.mkdir()
+        self._new = store.new_chunks(job, part)  # written here, not yet in the store
 
     def write(self, unit: int, data: memoryview, start: int) -> None:
         """Hashes (and stores, when new) every chunk of arriving unit ``unit``: ``data`` is bytes from ``start``."""
@@ -356,16 +267,11 @@ class PartChunks:
                 with self._lock:
                     self.reused_bytes += hi - lo
                 continue
-            path = self.tmp / name
-            write_chunk(path, piece, self.direct_io)
-            with self._lock:
-                self._new[name] = path
+            self._new.write(name, piece, self.direct_io)
 
     def publish(self) -> list[list[object]]:
         """Moves the new chunks into the store (durably); returns the manifest's chunk list."""
-        self.store.put(self.job, self._new)
-        self._new.clear()
-        self.tmp.rmdir()  # the part's directory holds its manifest only
+        self._new.publish()  # the part's directory holds its manifest only
         return [[self._names[lo], hi - lo] for lo, hi in self._cuts]
 
     def release(self) -> None:

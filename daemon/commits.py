@@ -12,8 +12,8 @@ and only if its record is there with every part it names
   job, or a prefetch), and on restart for a step whose record a crash
   prevented.
 * Shared tier: written exactly once, by whichever node's drain finishes the
-  set last, with ``link()`` (:func:`fsutil.link_exactly_once`): of two daemons
-  racing, one creates it and the other finds it.
+  set last (:meth:`Tier.create_commit_record`: ``link()`` on a file system):
+  of two daemons racing, one creates it and the other finds it.
 
 The rules for saving a step again live here too: a step with a commit record
 is never overwritten; an earlier attempt's part of an incomplete step is
@@ -28,9 +28,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ckptstage.daemon import fsutil
 from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.errors import AlreadyExists
+from ckptstage.daemon.tier import Tier
+from ckptstage.daemon.tiers import as_tier
 from ckptstage.protos import chunks, layout
 
 log = logging.getLogger(__name__)
@@ -60,11 +61,14 @@ def complete_attempt(parts: list[Part]) -> tuple[str, int, dict[int, Part]] | No
 class Commits:
     """Writes commit records, and judges whether a (job, step, rank) may be saved again."""
 
-    def __init__(self, catalog: Catalog, local_dir: Path, shared_dir: Path | None, owner: str,
+    def __init__(self, catalog: Catalog, local: Tier | Path, shared: Tier | Path | None, owner: str,
                  clock: Callable[[], float] = time.time) -> None:
+        """``local`` and ``shared`` are the tiers' storage (a path: the file-system tier there; no shared
+        tier: None)."""
         self.catalog = catalog
-        self.local_dir = local_dir
-        self.shared_dir = shared_dir
+        self.tiers = {TierName.LOCAL: as_tier(local, owner)}
+        if shared is not None:
+            self.tiers[TierName.SHARED] = as_tier(shared, owner)
         self.owner = owner
         self.clock = clock
 
@@ -97,22 +101,25 @@ class Commits:
                                     "with overwrite=True to replace it")
         return False
 
-    def replacer(self, tier_dir: Path, job: str, step: int, attempt: str,
+    def replacer(self, where: Tier | Path, job: str, step: int, attempt: str,
                  overwrite: bool = False) -> Callable[[Path], bool]:
-        """The ``replace`` policy of a :class:`fsutil.PartWriter` committing a part of ``attempt``.
+        """The ``replace`` policy of a :class:`PartWriter <ckptstage.daemon.tier.PartWriter>` committing a
+        part of ``attempt`` to the tier ``where``.
 
         A part already at the destination may be replaced only when the step
-        has no commit record, neither on that tier's disk nor in the index
-        (any tier), and the part belongs to another attempt (or ``overwrite``).
+        has no commit record, neither on that tier nor in the index (any
+        tier), and the part belongs to another attempt (or ``overwrite``).
         """
+        storage = as_tier(where, self.owner)
+
         def may_replace(final: Path) -> bool:
-            if (final.parent / layout.COMMIT_FILE).exists():
+            if storage.has_commit_record(final.parent):
                 return False
             ckpt = self.catalog.get(job, step)
             if ckpt is not None and ckpt.records:
                 return False
             try:
-                theirs: str | None = layout.manifest_attempt(layout.read_manifest(final))
+                theirs: str | None = layout.manifest_attempt(storage.read_manifest(final)[0])
             except layout.ManifestError:
                 theirs = None  # an unreadable part of a step nobody committed: nothing to keep
             if theirs == attempt and not overwrite:
@@ -152,7 +159,7 @@ class Commits:
         found = complete_attempt(ckpt.on_tier(TierName.LOCAL))
         if found is None:
             return None
-        return self._publish(TierName.LOCAL, self.local_dir, job, step, *found)
+        return self._publish(TierName.LOCAL, job, step, *found)
 
     def seal_shared(self, job: str, step: int) -> layout.CommitRecord | None:
         """After a part of (job, step) reached the shared tier: re-read that step there, and write
@@ -160,12 +167,12 @@ class Commits:
 
         Runs on a drain thread; raises OSError when the shared tier fails.
         """
-        assert self.shared_dir is not None
-        self.catalog.sync_job(TierName.SHARED, self.shared_dir, job, step)
+        shared = self.tiers[TierName.SHARED]
+        self.catalog.sync_job(TierName.SHARED, shared, job, step)
         ckpt = self.catalog.get(job, step)
         if ckpt is None or TierName.SHARED in ckpt.records:
             return ckpt.records.get(TierName.SHARED) if ckpt else None
-        if (layout.commit_path(self.shared_dir, job, step)).exists():
+        if shared.has_commit_record(shared.step_location(job, step)):
             return None  # there, but not trusted (logged by the catalogue): never written over
         found = complete_attempt(ckpt.on_tier(TierName.SHARED))
         if found is None:
@@ -178,23 +185,24 @@ class Commits:
             return None
         # The index trusts parts by name and inode; a record is forever, so read the manifests themselves.
         fresh: dict[int, Part] = {}
-        store = chunks.store_dir(self.shared_dir, job)
-        incremental = store.is_dir()  # some part of the job was written incrementally
+        incremental = shared.has_chunk_store(job)  # some part of the job was written incrementally
         for rank, part in parts.items():
-            again = Part.from_disk(layout.PartRef(job, step, rank, part.path, part.ino), TierName.SHARED)
+            manifest, digest = shared.read_manifest(part.path)
+            again = Part.from_manifest(layout.PartRef(job, step, rank, part.path, part.ino), TierName.SHARED,
+                                       manifest, digest)
             if again.attempt != attempt or again.digest != part.digest:
                 log.info("shared %s step %d rank %d changed under the index; not sealing yet", job, step, rank)
-                self.catalog.sync_job(TierName.SHARED, self.shared_dir, job, step)
+                self.catalog.sync_job(TierName.SHARED, shared, job, step)
                 return None
             fresh[rank] = again
-            gone = chunks.missing(store, chunks.referenced(layout.read_manifest(part.path))) if incremental else []
+            gone = shared.missing_chunks(job, chunks.referenced(manifest)) if incremental else []
             if gone:
                 # Another node's sweep took a chunk before this part was published; its drain puts it
                 # back, then seals the step itself. Until then the step must not exist.
                 log.info("not sealing %s step %d on the shared tier yet: rank %d lacks %d chunks there",
                          job, step, rank, len(gone))
                 return None
-        return self._publish(TierName.SHARED, self.shared_dir, job, step, attempt, world, fresh)
+        return self._publish(TierName.SHARED, job, step, attempt, world, fresh)
 
     def _replaced_here(self, job: str, step: int, attempt: str, shared: dict[int, Part]) -> list[int]:
         """Ranks whose shared part this node holds a different local part of, same attempt (a part saved
@@ -213,8 +221,8 @@ class Commits:
             for ckpt in self.catalog.checkpoints(job):
                 if tier in ckpt.records or complete_attempt(ckpt.on_tier(tier)) is None:
                     continue
-                tier_dir = self.local_dir if tier == TierName.LOCAL else self.shared_dir
-                if tier_dir is not None and layout.commit_path(tier_dir, job, ckpt.step).exists():
+                storage = self.tiers.get(tier)
+                if storage is not None and storage.has_commit_record(storage.step_location(job, ckpt.step)):
                     continue  # there but not trusted: left for a person to look at
                 sealed = self.seal_local(job, ckpt.step) if tier == TierName.LOCAL else \
                     self.seal_shared(job, ckpt.step)
@@ -224,19 +232,21 @@ class Commits:
                              ckpt.step, sealed.attempt)
         return written
 
-    def _publish(self, tier: TierName, tier_dir: Path, job: str, step: int, attempt: str, world: int,
+    def _publish(self, tier: TierName, job: str, step: int, attempt: str, world: int,
                  parts: dict[int, Part]) -> layout.CommitRecord | None:
         record = layout.CommitRecord(job, step, attempt, world, self.clock(), {
             r: layout.CommittedPart(p.nbytes, p.digest) for r, p in parts.items()})
-        final = layout.commit_path(tier_dir, job, step)
-        if fsutil.link_exactly_once(tier_dir, self.owner, final, layout.commit_record_bytes(record)):
-            self.catalog.set_record(tier, record, fsutil.inode(final))
+        storage = self.tiers[tier]
+        where = storage.step_location(job, step)
+        final = where / layout.COMMIT_FILE  # what the log names
+        if storage.create_commit_record(where, record):
+            self.catalog.set_record(tier, record, storage.record_version(where))
             log.info("committed %s step %d on the %s tier: %d ranks of attempt %r", job, step, tier.value, world,
                      attempt)
             return record
         # Another writer (another node's drain, or a racing commit here) created it first.
         try:
-            theirs = layout.read_commit_record(final.parent)
+            theirs = storage.read_commit_record(where)
         except layout.ManifestError as e:
             log.error("the %s commit record %s is not trusted: %s", tier.value, final, e)
             return None
@@ -245,7 +255,7 @@ class Commits:
         if theirs.attempt != attempt:
             log.warning("%s step %d is committed on the %s tier by attempt %r; the parts of attempt %r there "
                         "are stragglers", job, step, tier.value, theirs.attempt, attempt)
-        self.catalog.set_record(tier, theirs, fsutil.inode(final))
+        self.catalog.set_record(tier, theirs, storage.record_version(where))
         return theirs
 
     # --- waiting for a step ---------------------------------------------------------------

@@ -41,17 +41,14 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
-import shutil
 import threading
 import time
-import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptstage.daemon import chunkstore, fsutil, jobs, overwrite
+from ckptstage.daemon import fsutil, jobs, overwrite
 from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.chunkstore import ChunkStore
 from ckptstage.daemon.config import SharedConfig
@@ -59,6 +56,8 @@ from ckptstage.daemon.errors import SaveFailed
 from ckptstage.daemon.jobs import DrainHealth, TierHealth
 from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.overwrite import Swapper
+from ckptstage.daemon.tier import ChunkBatch, Manifest, PartWriter, Tier
+from ckptstage.daemon.tiers import as_tier
 from ckptstage.protos import chunks, layout
 
 log = logging.getLogger(__name__)
@@ -138,19 +137,23 @@ _REMEMBER_DRAINED = 100_000
 
 
 class Drainer:
-    def __init__(self, config: SharedConfig, local_dir: Path, owner: str, catalog: Catalog, metrics: Metrics,
+    def __init__(self, config: SharedConfig, local_dir: Tier | Path, owner: str, catalog: Catalog, metrics: Metrics,
                  on_drained: Callable[[Part], None], on_corrupt: Callable[[Part, str], None] | None = None,
                  on_indexed: Callable[[], None] | None = None, nice: int = 0,
                  on_published: Callable[[Part], None] | None = None, swapper: Swapper | None = None,
                  chunk_stores: dict[TierName, ChunkStore] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, tiers: Mapping[TierName, Tier] | None = None) -> None:
+        """``tiers``: the local and shared tiers' storage; by default the file-system tiers of ``local_dir``
+        and ``config.dir``."""
         assert config.dir is not None
+        self.tiers = dict(tiers) if tiers is not None else {
+            TierName.LOCAL: as_tier(local_dir, owner), TierName.SHARED: as_tier(config.dir, owner)}
+        self.shared = self.tiers[TierName.SHARED]
         self._clock = clock  # wall time of failures (what operators read)
         self._chunk_stores = chunk_stores or {}  # where incremental parts' chunks land, per destination tier
         self._nice = nice  # added to the drain threads' niceness ([persist] nice)
         self.config = config
-        self.shared_dir = config.dir
-        self.local_dir = local_dir
+        self.shared_dir = self.shared.root  # what the log names
         self.owner = owner
         self.catalog = catalog
         self.metrics = metrics
@@ -211,7 +214,7 @@ class Drainer:
             failed = False
             for job in self.catalog.jobs():
                 try:
-                    added, dropped = self.catalog.sync_job(TierName.SHARED, self.shared_dir, job)
+                    added, dropped = self.catalog.sync_job(TierName.SHARED, self.shared, job)
                 except OSError as e:
                     self.reachable = False
                     failed = True
@@ -231,11 +234,11 @@ class Drainer:
 
     def _index_shared(self, clean: bool) -> bool:
         try:
-            fsutil.makedirs_durable(self.shared_dir)
+            self.shared.prepare()
             if clean:
-                overwrite.recover(self.shared_dir, self.owner)  # before the temporaries go
-            removed = fsutil.clean_temporaries(self.shared_dir, self.owner) if clean else 0
-            n = self.catalog.load_tier(TierName.SHARED, self.shared_dir)
+                overwrite.recover(self.shared.root, self.owner)  # before the temporaries go
+            removed = self.shared.clean_temporaries() if clean else 0
+            n = self.catalog.load_tier(TierName.SHARED, self.shared)
         except OSError as e:
             self.reachable = False
             self._set_tier_error(f"cannot index the shared tier {self.shared_dir}: {e}")
@@ -445,7 +448,7 @@ class Drainer:
         The local copy counts as drained: it came from the shared tier.
         Raises :class:`CorruptSource` if the shared copy fails its checksums.
         """
-        local = self._copy(part, self.local_dir, TierName.LOCAL, rate_limited=False)
+        local = self._copy(part, TierName.LOCAL, rate_limited=False)
         self.catalog.mark_drained(part.job, part.step, part.rank, local.digest)
         return local
 
@@ -643,14 +646,15 @@ class Drainer:
         """
         record = self._replacement_of(part)
         if record is None:
-            return [self._copy(part, self.shared_dir, TierName.SHARED, rate_limited=True)]
-        staged = overwrite.staged_part_dir(self.shared_dir, self.owner, part.job, part.step, part.rank)
-        self._copy(part, self.shared_dir, TierName.SHARED, rate_limited=True, final=staged)
-        parts = {p.rank: p for p in overwrite.staged_parts(self.shared_dir, self.owner, part.job, part.step,
+            return [self._copy(part, TierName.SHARED, rate_limited=True)]
+        root = self.shared.root
+        staged = overwrite.staged_part_dir(root, self.owner, part.job, part.step, part.rank)
+        self._copy(part, TierName.SHARED, rate_limited=True, final=staged)
+        parts = {p.rank: p for p in overwrite.staged_parts(root, self.owner, part.job, part.step,
                                                            TierName.SHARED) if p.matches(record)}
         if set(parts) != set(range(record.world_size)):
             return []
-        return self._swapper.swap_in(TierName.SHARED, self.shared_dir, record, parts)
+        return self._swapper.swap_in(TierName.SHARED, root, record, parts)
 
     def _replacement_of(self, part: Part) -> layout.CommitRecord | None:
         """The local commit record that names ``part`` and replaces the step the shared tier holds, if so.
@@ -660,7 +664,7 @@ class Drainer:
         straggler (:class:`Conflict` in :meth:`_copy`), e.g. a crashed run's step
         that its successor committed again on another node.
         """
-        there = _record_on(layout.step_dir(self.shared_dir, part.job, part.step))
+        there = _record_on(self.shared, self.shared.step_location(part.job, part.step))
         if there is None or part.matches(there):
             return None
         local = self.catalog.record(part.job, part.step, TierName.LOCAL)
@@ -668,27 +672,27 @@ class Drainer:
             return None
         return local
 
-    def _copy(self, part: Part, tier_dir: Path, tier: TierName, rate_limited: bool,
-              final: Path | None = None) -> Part:
-        """Copies one part to ``tier_dir`` with the commit protocol; returns the committed copy.
+    def _copy(self, part: Part, tier: TierName, rate_limited: bool, final: Path | None = None) -> Part:
+        """Copies one part to ``tier`` with the commit protocol; returns the committed copy.
 
         A part of another attempt already there is replaced when the step has
         no commit record on that tier (:meth:`Commits.replacer`); a step
         committed by another attempt is a :class:`Conflict` (this part is a
         straggler of a run that did not complete it).
         """
-        manifest = layout.read_manifest(part.path)
+        source, dest = self.tiers[part.tier], self.tiers[tier]
+        manifest = source.read_manifest(part.path)[0]
         attempt = layout.manifest_attempt(manifest)
-        final = final or layout.part_dir(tier_dir, part.job, part.step, part.rank)
-        committed = _record_on(final.parent)
+        final = final or dest.part_location(part.job, part.step, part.rank)
+        committed = _record_on(dest, final.parent)
         if committed is not None and committed.attempt != attempt:
-            raise Conflict(f"{part.job} step {part.step} is committed on {tier_dir} by attempt "
+            raise Conflict(f"{part.job} step {part.step} is committed on {dest.root} by attempt "
                            f"{committed.attempt!r}; this part of attempt {attempt!r} is a straggler and is not "
                            "copied")
-        if final.exists() and not self._replaceable(final, manifest):
-            return self._reuse(final, manifest, part, tier)
-        writer = fsutil.PartWriter(tier_dir, self.owner, part.job, part.step, part.rank,
-                                   replace=lambda f: self._replaceable(f, manifest), final=final)
+        if dest.has_part(final) and not _replaceable(dest, final, manifest):
+            return _reuse(dest, final, manifest, part, tier)
+        writer = dest.begin_part(part.job, part.step, part.rank,
+                                 replace=lambda f: _replaceable(dest, f, manifest), final=final)
         names = chunks.referenced(manifest)
         store = self._chunk_store(tier, names)
         leased: list[set[str]] = []
@@ -698,25 +702,25 @@ class Drainer:
                 self._copy_chunks(part, store, tier, names, rate_limited)
             else:
                 for name, entry in layout.manifest_files(manifest).items():
-                    self._copy_file(part.path / name, writer.path(name), entry, rate_limited)
+                    self._copy_file(source, part.path, name, writer, entry, rate_limited)
             try:
-                dest = writer.commit(manifest)
+                published = writer.commit(manifest)
             except OSError:
-                if final.exists():  # published meanwhile (by ourselves before a crash, or a race)
-                    return self._reuse(final, manifest, part, tier)
+                if dest.has_part(final):  # published meanwhile (by ourselves before a crash, or a race)
+                    return _reuse(dest, final, manifest, part, tier)
                 raise
             # Another node's sweep may have taken a chunk this part relied on before the part was
             # published (see chunkstore): put back what it took, before anyone commits the step.
             for _ in range(3):
-                gone = chunks.missing(chunks.store_dir(tier_dir, part.job), names) if names else []
+                gone = dest.missing_chunks(part.job, names) if names else []
                 if not gone:
                     break
                 leased.append(set(gone))
                 self._copy_chunks(part, store, tier, set(gone), rate_limited)
             else:
-                raise OSError(f"chunks of {dest} keep vanishing from {tier_dir}: is another daemon sweeping with "
-                              "a shorter [persist] chunk_grace_s?")
-            return Part(part.job, part.step, part.rank, part.world_size, tier, dest, part.nbytes, part.created,
+                raise OSError(f"chunks of {published} keep vanishing from {dest.root}: is another daemon sweeping "
+                              "with a shorter [persist] chunk_grace_s?")
+            return Part(part.job, part.step, part.rank, part.world_size, tier, published, part.nbytes, part.created,
                         part.metrics, attempt, writer.manifest_digest, writer.ino)
         finally:
             for held in leased:
@@ -733,34 +737,32 @@ class Drainer:
                      rate_limited: bool) -> None:
         """Copies the chunks among ``names`` that ``store`` lacks from the part's own store (each checked
         against its name, the xxh3-128 of its bytes), touching those it holds; leases them all."""
-        source = chunks.store_of(part.path, part.job)
-        tmp = layout.tmp_root(store.tier_dir, self.owner) / f"chunks.{uuid.uuid4().hex[:12]}"
-        fsutil.makedirs_durable(tmp.parent, within=store.tier_dir)
-        tmp.mkdir()
+        batch = store.new_chunks(part.job)
         try:
-            self._copy_missing(part, store, source, tmp, names, rate_limited, tier)
+            self._copy_missing(part, store, batch, names, rate_limited, tier)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            batch.discard()
 
-    def _copy_missing(self, part: Part, store: ChunkStore, source: Path, tmp: Path, names: set[str],
+    def _copy_missing(self, part: Part, store: ChunkStore, batch: ChunkBatch, names: set[str],
                       rate_limited: bool, tier: TierName) -> None:
         """Touches the chunks ``store`` holds, copies the others on :data:`_CHUNK_COPIERS` threads, then
-        makes them durable together (:meth:`ChunkStore.put`)."""
+        makes them durable together (:meth:`ChunkBatch.publish`)."""
+        source = self.tiers[part.tier]
         reused = 0
         todo = []
         for name in sorted(names):
             if store.reuse(part.job, name):
-                reused += os.stat(store.path(part.job, name)).st_size
+                reused += store.tier.chunk_size(part.job, name)
             else:
                 todo.append(name)
 
         def copy(name: str) -> None:
             if self._stop.is_set():
                 raise _Stopping()
-            src = chunks.chunk_path(source, name)
+            src = source.chunk_location(part.job, name)
             try:
-                with open(src, "rb", buffering=0) as f:
-                    size = os.fstat(f.fileno()).st_size
+                with source.open_chunk(part.job, name) as f:
+                    size = f.size
                     buf = mmap.mmap(-1, max(size, 1))  # page-aligned: the write can go O_DIRECT
                     view = memoryview(buf)[:size]
                     try:
@@ -770,7 +772,7 @@ class Drainer:
                             raise CorruptSource(f"{src}: its bytes do not hash to its name (a chunk of {part.path})")
                         if rate_limited:
                             self._limiter.acquire(size)
-                        chunkstore.write_chunk(tmp / name, view, direct_io=True)
+                        batch.write(name, view, direct_io=True)
                     finally:
                         view.release()
                         buf.close()
@@ -782,81 +784,47 @@ class Drainer:
                                     initializer=fsutil.lower_thread_priority, initargs=(self._nice,)) as pool:
                 for f in [pool.submit(copy, n) for n in todo]:
                     f.result()
-        store.put(part.job, {n: tmp / n for n in todo})
+        batch.publish()
         self.metrics.chunks_reused.labels(tier.value).inc(reused)
 
-    @staticmethod
-    def _replaceable(final: Path, manifest: dict[str, object]) -> bool:
-        """Whether the part at ``final`` is an earlier save's, in a step with no commit record there.
-
-        An earlier attempt's (a crashed run's leftovers), or this attempt's own
-        earlier version of the part (replaced in place by a save with
-        overwrite), even one with the very same bytes: the manifest is part of
-        the part (its digest is what a commit record names), so a re-save of
-        an unchanged state must still take the old one's place. Earlier, not
-        merely other: a crashed attempt's part whose drain resumes after the
-        restart must never replace the part its successor already drained (the
-        successor's local copy counts as drained and may go).
-        """
-        if (final.parent / layout.COMMIT_FILE).exists():
-            return False
-        try:
-            theirs = layout.read_manifest(final)
-        except layout.ManifestError:
-            return False  # judged by _reuse: a Conflict, never silently replaced
-        return theirs != manifest and _created(theirs) < _created(manifest)
-
-    @staticmethod
-    def _reuse(final: Path, manifest: dict[str, object], part: Part, tier: TierName) -> Part:
-        """A part already committed at ``final``: ours if its files match, else a :class:`Conflict`.
-
-        It is ours when a crash came after the rename but before the index
-        learnt of it. A different part under the same name (a job name reused
-        with a stale checkpoint left on the shared tier) must never be taken
-        for this one: the local copy would be deleted as drained.
-        """
-        theirs, digest = layout.read_manifest_and_digest(final)
-        if theirs.get("files") != manifest.get("files"):
-            raise Conflict(f"{final} already holds a different checkpoint under the same job, step and rank; "
-                           "move it away (or use a new job name) to drain this one")
-        return Part(part.job, part.step, part.rank, part.world_size, tier, final, part.nbytes, part.created,
-                    part.metrics, layout.manifest_attempt(theirs), digest, fsutil.inode(final))
-
-    def _copy_file(self, src: Path, dst: Path, entry: layout.FileEntry, rate_limited: bool) -> None:
+    def _copy_file(self, source: Tier, part: Path, name: str, writer: PartWriter, entry: layout.FileEntry,
+                   rate_limited: bool) -> None:
         """Reads piece i+1 while piece i is written: one read, one check per digest block, one write.
 
         Pieces are whole digest blocks, about :data:`_PIECE_BYTES` each; two
         page-aligned buffers; the destination takes aligned pieces with
-        O_DIRECT where the file system allows (see :class:`fsutil.DataFile`).
+        O_DIRECT where the tier allows (see :class:`fsutil.DataFile`).
         Every block is checked against the local manifest before it is written.
         """
+        src = part / name
         block = entry.chunk_bytes
         blocks_per_piece = max(1, _PIECE_BYTES // block)
         bufs = [mmap.mmap(-1, block * blocks_per_piece) for _ in range(2)]
-        out = fsutil.DataFile(dst, entry.size, direct_io=True)
+        out = writer.create_file(name, entry.size, direct_io=True)
         try:
-            with open(src, "rb", buffering=0) as fin, ThreadPoolExecutor(1, "drain-write", initializer=fsutil.lower_thread_priority,
-                                                                    initargs=(self._nice,)) as writer:
-                os.posix_fadvise(fin.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            with source.open_file(part, name) as fin, \
+                    ThreadPoolExecutor(1, "drain-write", initializer=fsutil.lower_thread_priority,
+                                       initargs=(self._nice,)) as pool:
                 pending: Future[None] | None = None
                 total = 0
                 for k, first in enumerate(range(0, len(entry.digests), blocks_per_piece)):
                     if self._stop.is_set():
                         raise _Stopping()
-                    expected = entry.digests[first:first + blocks_per_piece]
-                    piece = memoryview(bufs[k % 2])[:block * len(expected)]
-                    n = fin.readinto(piece)
+                    count = min(blocks_per_piece, len(entry.digests) - first)
+                    piece = memoryview(bufs[k % 2])[:block * count]
+                    n = fin.readinto(piece) or 0
                     piece = piece[:n]
-                    for j, digest in enumerate(expected):
+                    for j in range(count):
                         data = piece[j * block:(j + 1) * block]
-                        if layout.chunk_digest(data) != digest:
-                            raise CorruptSource(f"{src} block {first + j} (bytes {(first + j) * block}..): "
-                                                "checksum differs from its manifest")
+                        try:
+                            layout.verify_block(data, entry, first + j, src)
+                        except layout.ChecksumMismatch as e:
+                            raise CorruptSource(str(e)) from None
                         if rate_limited:  # per block: a whole piece's credit at once would overshoot the cap
                             self._limiter.acquire(len(data))
                     if pending is not None:
                         pending.result()  # the other buffer is free again
-                    pending = writer.submit(out.write, piece, total)
+                    pending = pool.submit(out.write, piece, total)
                     total += n
                 if pending is not None:
                     pending.result()
@@ -867,9 +835,46 @@ class Drainer:
             out.close()
 
 
-def _record_on(step_path: Path) -> layout.CommitRecord | None:
+def _record_on(storage: Tier, step: Path) -> layout.CommitRecord | None:
     """The step's trusted commit record on a tier (None: none, or one that fails verification)."""
     try:
-        return layout.read_commit_record(step_path)
+        return storage.read_commit_record(step)
     except layout.ManifestError:
         return None
+
+
+def _replaceable(storage: Tier, final: Path, manifest: Manifest) -> bool:
+    """Whether the part at ``final`` is an earlier save's, in a step with no commit record there.
+
+    An earlier attempt's (a crashed run's leftovers), or this attempt's own
+    earlier version of the part (replaced in place by a save with
+    overwrite), even one with the very same bytes: the manifest is part of
+    the part (its digest is what a commit record names), so a re-save of
+    an unchanged state must still take the old one's place. Earlier, not
+    merely other: a crashed attempt's part whose drain resumes after the
+    restart must never replace the part its successor already drained (the
+    successor's local copy counts as drained and may go).
+    """
+    if storage.has_commit_record(final.parent):
+        return False
+    try:
+        theirs = storage.read_manifest(final)[0]
+    except layout.ManifestError:
+        return False  # judged by _reuse: a Conflict, never silently replaced
+    return theirs != manifest and _created(theirs) < _created(manifest)
+
+
+def _reuse(storage: Tier, final: Path, manifest: Manifest, part: Part, tier: TierName) -> Part:
+    """A part already committed at ``final``: ours if its files match, else a :class:`Conflict`.
+
+    It is ours when a crash came after the rename but before the index
+    learnt of it. A different part under the same name (a job name reused
+    with a stale checkpoint left on the shared tier) must never be taken
+    for this one: the local copy would be deleted as drained.
+    """
+    theirs, digest = storage.read_manifest(final)
+    if theirs.get("files") != manifest.get("files"):
+        raise Conflict(f"{final} already holds a different checkpoint under the same job, step and rank; "
+                       "move it away (or use a new job name) to drain this one")
+    return Part(part.job, part.step, part.rank, part.world_size, tier, final, part.nbytes, part.created,
+                part.metrics, layout.manifest_attempt(theirs), digest, storage.part_version(final))

@@ -182,6 +182,10 @@ class PartWriter:
     def path(self, name: str) -> Path:
         return self.tmp / name
 
+    def create_file(self, name: str, size: int, direct_io: bool, reserve: bool = True) -> DataFile:
+        """A new file of the part (see :class:`DataFile`), in its temporary directory."""
+        return DataFile(self.path(name), size, direct_io, reserve)
+
     def commit(self, manifest: dict[str, Any]) -> Path:
         check_contained(self.tier_dir, self.final)
         if self.final.exists() and not (self.replace is not None and self.replace(self.final)):

@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptstage.daemon import fsutil, overwrite, retention
-from ckptstage.daemon import chunkstore
+from ckptstage.daemon import chunkstore, overwrite, retention
 from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.chunkstore import ChunkStore
 from ckptstage.daemon.config import Config
 from ckptstage.daemon.drainer import Drainer
 from ckptstage.daemon.job_rules import JobRetention, JobRules
 from ckptstage.daemon.metrics import Metrics
+from ckptstage.daemon.tier import Tier
+from ckptstage.daemon.tiers import open_tiers
 from ckptstage.protos import chunks, layout
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,11 @@ class Janitor:
 
     def __init__(self, config: Config, catalog: Catalog, metrics: Metrics, owner: str, drainer: Drainer | None,
                  job_rules: JobRules, in_flight: Callable[[str, int, int], bool],
-                 chunk_stores: dict[TierName, ChunkStore] | None = None) -> None:
+                 chunk_stores: dict[TierName, ChunkStore] | None = None,
+                 tiers: Mapping[TierName, Tier] | None = None) -> None:
+        """``tiers``: each tier's storage; by default the file-system tiers of ``config``'s directories."""
         self.config = config
+        self.tiers = dict(tiers) if tiers is not None else open_tiers(config, owner)
         self.catalog = catalog
         self.metrics = metrics
         self.owner = owner
@@ -139,9 +142,8 @@ class Janitor:
         for tier in (TierName.LOCAL, TierName.SHARED):
             if tier == TierName.SHARED and self.drainer is None:
                 continue
-            staged = overwrite.staged_step_dir(self._tier_dir(tier), self.owner, job, step)
-            if staged.exists():
-                shutil.rmtree(staged, ignore_errors=True)
+            storage = self.tiers[tier]
+            if storage.discard_temporary(overwrite.staged_step_dir(storage.root, self.owner, job, step)):
                 log.info("deleted the replacement of %s step %d being assembled on the %s tier", job, step,
                          tier.value)
         if self.drainer is not None:
@@ -189,7 +191,7 @@ class Janitor:
         if tier == TierName.LOCAL:
             # The job's rules as its sessions here set them: the local pass never reads the shared tier.
             plan = retention.plan_local(records, self._local_rules(self.job_rules.for_job(job, read_shared=False)),
-                                        _free_bytes(self.config.local.dir))
+                                        self._free_bytes(TierName.LOCAL))
         else:
             plan = retention.plan_shared(records, self._shared_rules(),
                                          *self._job_shared_rules(self.job_rules.for_job(job)))
@@ -199,7 +201,8 @@ class Janitor:
         """What each step of a job holds on ``tier`` when some of it is incremental (see
         :func:`chunkstore.stored_bytes`); empty when the job has no chunk store there (every part counts
         its own bytes). A part's chunk list is read from its manifest once (parts never change)."""
-        if not chunks.store_dir(self._tier_dir(tier), job).is_dir():
+        storage = self.tiers[tier]
+        if not storage.has_chunk_store(job):
             return {}
         with self._cache_lock:
             known = self._chunk_lists.get((job, tier), {})
@@ -212,7 +215,7 @@ class Janitor:
                     seen[key] = known[key]
                 else:
                     try:
-                        listed = chunks.manifest_chunks(layout.read_manifest(part.path))
+                        listed = chunks.manifest_chunks(storage.read_manifest(part.path)[0])
                     except layout.ManifestError:
                         rows.append((c.step, part.nbytes, None))  # unreadable now: counted whole, read next pass
                         continue
@@ -245,10 +248,11 @@ class Janitor:
                 if c.keep_best is not None else None)
         return retention.SharedRules(keep_last=c.keep_last, keep_every=c.keep_every, keep_best=best)
 
-    def _tier_dir(self, tier: TierName) -> Path:
-        tier_dir = self.config.local.dir if tier == TierName.LOCAL else self.config.shared.dir
-        assert tier_dir is not None
-        return tier_dir
+    def _free_bytes(self, tier: TierName) -> int | None:
+        try:
+            return self.tiers[tier].usage().free_bytes
+        except OSError:
+            return None
 
     def _remove_stragglers(self, job: str, tier: TierName) -> int:
         """Removes what no reader will ever use on ``tier``: parts of a complete step that its commit
@@ -287,19 +291,16 @@ class Janitor:
 
     def _delete_record(self, job: str, step: int, tier: TierName, why: str) -> None:
         """Deletes a step's commit record (after its parts: a half-deleted step never reads complete)."""
-        path = layout.commit_path(self._tier_dir(tier), job, step)
+        storage = self.tiers[tier]
+        where = storage.step_location(job, step)
         self.catalog.drop_record(tier, job, step)
         try:
-            fsutil.remove_file(self._tier_dir(tier), self.owner, path)
+            storage.remove_commit_record(where)
         except FileNotFoundError:
             return  # another node's daemon deleted it
         except OSError as e:
-            log.error("retention could not delete %s: %s", path, e)
+            log.error("retention could not delete %s: %s", where / layout.COMMIT_FILE, e)
             return
-        try:
-            path.parent.rmdir()
-        except OSError:
-            pass
         log.info("retention: deleted the commit record of %s step %d on %s (%s)", job, step, tier.value, why)
 
     def _delete(self, action: GcAction) -> None:
@@ -318,7 +319,6 @@ class Janitor:
 
     def _delete_part(self, part: Part, tier: TierName, reason: str) -> bool:
         """Deletes one part from ``tier``; False when it stays (in use, or the deletion failed)."""
-        tier_dir = self._tier_dir(tier)
         if self._in_flight(part.job, part.step, part.rank) and tier == TierName.SHARED:
             return False
         failure = None if reason == retention.REQUESTED else \
@@ -326,7 +326,7 @@ class Janitor:
         if self.drainer is not None and tier == TierName.LOCAL and not self.drainer.drop(part, failure):
             return False  # being read by the drainer right now; the next pass gets it
         try:
-            fsutil.remove_part(tier_dir, self.owner, part.path)
+            self.tiers[tier].remove_part(part.path)
         except FileNotFoundError:
             # Gone already: another node's daemon applied the same rule to this step.
             self.catalog.remove(part)
@@ -340,13 +340,6 @@ class Janitor:
         log.info("retention: deleted %s step %d rank %d from %s (%s, %d bytes; attempt %r)", part.job, part.step,
                  part.rank, tier.value, reason, part.nbytes, part.attempt)
         return True
-
-
-def _free_bytes(path: Path) -> int | None:
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
 
 
 def _nbytes(records: list[retention.Record], step: int) -> int:

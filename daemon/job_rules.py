@@ -11,6 +11,8 @@ from typing import Any
 
 from ckptstage.daemon import fsutil
 from ckptstage.daemon.errors import InvalidRequest
+from ckptstage.daemon.tier import Tier
+from ckptstage.daemon.tiers import as_tier
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +86,10 @@ class JobRetention:
 class JobRules:
     """The overrides of every job this daemon knows: its own sessions' and other nodes' published ones."""
 
-    def __init__(self, state_file: Path, shared_dir: Path | None) -> None:
+    def __init__(self, state_file: Path, shared: Tier | Path | None) -> None:
+        """``shared``: the shared tier's storage (a path: the file-system tier there), None without one."""
         self._file = state_file
-        self._shared_dir = shared_dir
+        self._shared = as_tier(shared) if shared is not None else None
         self._rules: dict[str, JobRetention] = {}
         self._lock = threading.Lock()
         self._unpublished: set[str] = set()  # jobs whose rules the shared tier does not have yet
@@ -117,20 +120,17 @@ class JobRules:
             except OSError as e:
                 log.warning("cannot persist job retention overrides to %s: %s", self._file, e)
             self._unpublished.add(job)
-        return self._shared_dir is not None
+        return self._shared is not None
 
     def publish(self) -> None:
         """Writes the rules of jobs whose sessions opened here to the shared tier (retried by the timer)."""
-        if self._shared_dir is None:
+        if self._shared is None:
             return
         with self._lock:
             todo = {job: self._rules[job] for job in self._unpublished if job in self._rules}
         for job, rules in todo.items():
-            job_dir = self._shared_dir / job
             try:
-                fsutil.check_contained(self._shared_dir, job_dir / JOB_RULES_FILE)
-                fsutil.makedirs_durable(job_dir)
-                fsutil.write_json_atomic(job_dir / JOB_RULES_FILE, asdict(rules))
+                self._shared.write_job_json(job, JOB_RULES_FILE, asdict(rules))
             except OSError as e:
                 log.warning("cannot publish job %s retention overrides on the shared tier: %s (will retry)", job, e)
                 continue
@@ -144,10 +144,9 @@ class JobRules:
         ``read_shared=False`` never touches the shared tier (the local retention pass).
         """
         rules = self._rules.get(job)
-        if rules is None and read_shared and self._shared_dir is not None:
-            path = self._shared_dir / job / JOB_RULES_FILE
+        if rules is None and read_shared and self._shared is not None:
             try:
-                rules = JobRetention.parse(fsutil.read_json(path, {}))
+                rules = JobRetention.parse(self._shared.read_job_json(job, JOB_RULES_FILE, {}))
             except (OSError, ValueError, AttributeError) as e:
-                log.warning("ignoring %s: %s", path, e)
+                log.warning("ignoring %s: %s", self._shared.root / job / JOB_RULES_FILE, e)
         return rules or JobRetention()

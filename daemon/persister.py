@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING
 
 from ckptstage.daemon.chunkstore import ChunkStore, PartChunks
 from ckptstage.daemon.errors import InvalidRequest, SaveFailed
-from ckptstage.daemon.fsutil import DataFile, PartWriter, lower_thread_priority
+from ckptstage.daemon.fsutil import lower_thread_priority
 from ckptstage.daemon.manifest_check import SaveSpec
+from ckptstage.daemon.tier import DataSink, PartWriter
 from ckptstage.protos import layout
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ class Save:
         self.chunk_bytes = chunk_bytes
         self.writer = writer
         self.started = time.monotonic()
-        self.file: DataFile | None = None
+        self.file: DataSink | None = None
         self.chunks: PartChunks | None = None
         try:
             self.n_chunks = layout.chunk_count(spec.data_bytes, chunk_bytes)
@@ -70,9 +71,9 @@ class Save:
             if writer is not None and store is not None:
                 self.chunks = PartChunks(store, spec.job, spec.data_bytes,
                                          [(t["offset"], t["nbytes"]) for t in spec.manifest["tensors"]],
-                                         chunk_bytes, writer.path(".new"), direct_io)
+                                         chunk_bytes, writer, direct_io)
             elif writer is not None:
-                self.file = DataFile(writer.path(layout.DATA_FILE), spec.data_bytes, direct_io)  # last: opens an fd
+                self.file = writer.create_file(layout.DATA_FILE, spec.data_bytes, direct_io)  # last: opens an fd
         except BaseException:
             self.discard()
             raise

@@ -15,22 +15,22 @@ reports costs one read.
 from __future__ import annotations
 
 import logging
-import os
 import threading
-import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from ckptstage.daemon.catalog import Catalog, Part
 from ckptstage.daemon.metrics import Metrics
+from ckptstage.daemon.tier import Tier, TierName
+from ckptstage.daemon.tiers import as_tier, holding
 from ckptstage.protos import chunks, layout
 
 log = logging.getLogger(__name__)
 
-CORRUPT_PREFIX = ".corrupt-"
-CORRUPT_CHUNKS_DIR = ".corrupt"  # in a job's chunk store: chunks that failed verification
+CORRUPT_PREFIX = layout.CORRUPT_PREFIX
+CORRUPT_CHUNKS_DIR = chunks.CORRUPT_DIR  # in a job's chunk store: chunks that failed verification
 
 
 @dataclass(frozen=True)
@@ -46,11 +46,14 @@ class Quarantined:
 
 
 class Quarantine:
-    def __init__(self, catalog: Catalog, metrics: Metrics,
-                 verify: Callable[[Path], None] = chunks.verify_part) -> None:
+    def __init__(self, catalog: Catalog, metrics: Metrics, verify: Callable[[Path], None] | None = None,
+                 tiers: Mapping[TierName, Tier] | None = None) -> None:
+        """``tiers``: each tier's storage (a tier indexed by :meth:`load_tier` is added; a part of a tier not
+        given is taken for a file-system tier's). ``verify(part)`` replaces the tier's own verification."""
         self._catalog = catalog
         self._metrics = metrics
         self._verify = verify
+        self._tiers = dict(tiers or {})
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="quarantine")
         self._lock = threading.Lock()
         self._pending: set[Path] = set()
@@ -71,20 +74,16 @@ class Quarantine:
         with self._lock:
             return [q for q in self._moved if q.job == job]
 
-    def load_tier(self, tier: str, tier_dir: Path) -> int:
+    def load_tier(self, tier: str, source: Tier | Path) -> int:
         """Finds copies quarantined before a restart (``<tier>/<job>/step-*/.corrupt-*``); returns how many."""
-        found = 0
-        for job_dir in _subdirs(tier_dir):
-            for step_dir in _subdirs(job_dir):
-                for entry in _subdirs(step_dir, prefix=CORRUPT_PREFIX):
-                    step = layout.parse_step_dirname(step_dir.name)
-                    rank = layout.parse_rank_dirname(entry.name[len(CORRUPT_PREFIX):].rsplit("-", 1)[0])
-                    if step is None or rank is None:
-                        continue
-                    with self._lock:
-                        self._moved.append(Quarantined(job_dir.name, step, rank, tier, entry, "found at start"))
-                    found += 1
-        return found
+        storage = self._tiers.setdefault(TierName(tier), as_tier(source))
+        found = storage.list_quarantined()
+        with self._lock:
+            self._moved += [Quarantined(q.job, q.step, q.rank, tier, q.location, "found at start") for q in found]
+        return len(found)
+
+    def _storage(self, part: Part) -> Tier:
+        return self._tiers.get(part.tier) or holding(part.path)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -92,7 +91,7 @@ class Quarantine:
     def _check(self, part: Part, detail: str) -> None:
         tier = part.tier.value
         try:
-            verdict = self._own_verdict(part.path)
+            verdict = self._own_verdict(part)
         except OSError as e:
             self._metrics.corrupt_reports.labels(tier, "unreadable").inc()
             log.error("cannot re-verify %s (%s): nothing is hidden", part.path, e)
@@ -109,15 +108,16 @@ class Quarantine:
         self._metrics.corrupt_reports.labels(tier, "corrupt").inc()
         self._metrics.corrupt.labels(tier).inc()
 
-    def _own_verdict(self, path: Path) -> layout.ManifestError | None:
+    def _own_verdict(self, part: Part) -> layout.ManifestError | None:
         """None if the copy verifies; the failure, if the daemon's own read proves it corrupt.
 
         Raises OSError when the read itself failed: then nothing is known.
         """
-        if not path.is_dir():
-            raise FileNotFoundError(f"{path} is gone (deleted by retention meanwhile?)")
+        storage = self._storage(part)
+        if not storage.has_part(part.path):
+            raise FileNotFoundError(f"{part.path} is gone (deleted by retention meanwhile?)")
         try:
-            self._verify(path)
+            (self._verify or storage.verify_part)(part.path)
         except layout.ManifestError as e:
             if not layout.is_verification_failure(e):
                 assert isinstance(e.__cause__, OSError)
@@ -127,12 +127,19 @@ class Quarantine:
 
     def _move_aside(self, part: Part, failure: layout.ManifestError) -> None:
         why = str(failure)
+        storage = self._storage(part)
         if isinstance(failure, layout.ChecksumMismatch):
-            _move_chunk_aside(failure.path)
+            # A corrupt chunk of an incremental part leaves its store: no later save may reuse it, and the
+            # next that has its bytes writes them again. A part's own file goes with the part.
+            try:
+                moved = storage.quarantine_chunk(failure.path)
+                if moved is not None:
+                    log.error("quarantined the corrupt chunk %s as %s", failure.path, moved)
+            except OSError as e:
+                log.error("cannot quarantine the chunk %s: %s", failure.path, e)
         self._catalog.remove(part)
-        target = part.path.parent / f"{CORRUPT_PREFIX}{part.path.name}-{uuid.uuid4().hex[:6]}"
         try:
-            os.rename(part.path, target)
+            target = storage.quarantine_part(part.path)
         except OSError as e:
             log.error("cannot quarantine %s: %s (it is no longer indexed)", part.path, e)
             return
@@ -140,28 +147,3 @@ class Quarantine:
             self._moved.append(Quarantined(part.job, part.step, part.rank, part.tier.value, target, why))
         log.error("quarantined the %s copy of %s step %d rank %d as %s: %s", part.tier.value, part.job,
                   part.step, part.rank, target, why)
-
-
-def _move_chunk_aside(path: Path) -> None:
-    """Moves a corrupt chunk of an incremental part out of its store (into ``chunks/.corrupt/``): no
-    later save may reuse it, and the next that has its bytes writes them again."""
-    store = path.parent.parent
-    if store.name != chunks.CHUNKS_DIR or not chunks.is_chunk_name(path.name):
-        return  # a part's own file: it goes with the part
-    target = store / CORRUPT_CHUNKS_DIR / f"{path.name}-{uuid.uuid4().hex[:6]}"
-    try:
-        target.parent.mkdir(exist_ok=True)
-        os.rename(path, target)
-    except OSError as e:
-        log.error("cannot quarantine the chunk %s: %s", path, e)
-        return
-    log.error("quarantined the corrupt chunk %s as %s", path, target)
-
-
-def _subdirs(path: Path, prefix: str = "") -> list[Path]:
-    try:
-        with os.scandir(path) as it:
-            return [Path(e.path) for e in it if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False)
-                    and (prefix or not e.name.startswith("."))]
-    except OSError:
-        return []

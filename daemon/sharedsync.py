@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptstage.daemon.catalog import Catalog, TierName
-from ckptstage.protos import layout
+from ckptstage.daemon.tier import Tier
+from ckptstage.daemon.tiers import as_tier
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,12 @@ class _Sync:
 
 
 class SharedSync:
-    def __init__(self, catalog: Catalog, shared_dir: Path, max_age_s: float = 1.0, wait_s: float = 0.75,
+    def __init__(self, catalog: Catalog, shared: Tier | Path, max_age_s: float = 1.0, wait_s: float = 0.75,
                  interval_s: float = 1.0, watch_s: float = 60.0, max_threads: int = 8,
                  watched: Callable[[], set[str]] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.catalog = catalog
-        self.shared_dir = shared_dir
+        self.shared = as_tier(shared)
         self.max_age_s = max_age_s
         self.wait_s = wait_s
         self.interval_s = interval_s
@@ -108,7 +109,7 @@ class SharedSync:
     def _run(self, key: Key, sync: _Sync) -> None:
         job, step = key
         try:
-            added, dropped = self.catalog.sync_job(TierName.SHARED, self.shared_dir, job, step)
+            added, dropped = self.catalog.sync_job(TierName.SHARED, self.shared, job, step)
             if added or dropped:
                 log.debug("shared tier: %s%s: %d parts appeared, %d vanished", job,
                           "" if step is None else f" step {step}", added, dropped)
@@ -119,7 +120,7 @@ class SharedSync:
                                 and t <= sync.started]:
                         del self._synced[old]
         except OSError as e:
-            log.warning("cannot re-read %s on the shared tier %s: %s", job, self.shared_dir, e)
+            log.warning("cannot re-read %s on the shared tier %s: %s", job, self.shared.root, e)
         except Exception:  # noqa: BLE001 - a re-read must always settle, or its key would stay "running"
             log.exception("re-reading %s on the shared tier failed", job)
         finally:
@@ -132,7 +133,7 @@ class SharedSync:
         while not self._stop.wait(self.interval_s):
             try:
                 known = set(self.catalog.jobs())
-                on_tier = set(layout.scan_jobs(self.shared_dir))  # may hang: only this thread waits
+                on_tier = set(self.shared.list_jobs())  # may hang: only this thread waits
                 now = self._clock()
                 with self._lock:
                     asked = {j for j, t in self._asked.items() if now - t <= self.watch_s}

@@ -10,12 +10,14 @@ makes the tier read as unreachable until it does.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from ckptstage.daemon.tier import Tier
+from ckptstage.daemon.tiers import as_tier
 
 log = logging.getLogger(__name__)
 
@@ -26,22 +28,20 @@ class Reading:
     reachable: bool | None  # None before the first probe came back
 
 
-def _free_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
 class TierProbe:
-    """Probes one tier directory every ``interval_s`` on its own thread; :meth:`reading` never blocks."""
+    """Probes one tier every ``interval_s`` on its own thread; :meth:`reading` never blocks."""
 
-    def __init__(self, name: str, path: Path, interval_s: float = 5.0, hung_after_s: float = 2.0,
-                 free_bytes: Callable[[Path], int] = _free_bytes,
+    def __init__(self, name: str, where: Tier | Path, interval_s: float = 5.0, hung_after_s: float = 2.0,
+                 free_bytes: Callable[[Path], int] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """``where`` is the tier's storage (a path: the file-system tier there); ``free_bytes(root)``
+        replaces its :meth:`Tier.usage` as the measurement."""
         self.name = name
-        self.path = path
+        self.tier = as_tier(where)
+        self.path = self.tier.root
         self._interval = interval_s
         self._hung_after = hung_after_s
-        self._measure = free_bytes
+        self._measure = free_bytes or (lambda _root: self.tier.usage().free_bytes)
         self._clock = clock
         self._lock = threading.Lock()
         self._free: int | None = None

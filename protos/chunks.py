@@ -41,6 +41,8 @@ import xxhash
 from ckptstage.protos import layout
 
 CHUNKS_DIR = "chunks"
+CONDEMNED_DIR = ".condemned"  # in a store: chunks a sweep is about to delete (put back if named again)
+CORRUPT_DIR = ".corrupt"      # in a store: chunks that failed verification, kept for forensics
 CHUNK_HASH = "xxh3_128"
 PAGE = 4096
 SMALL_TENSOR_BYTES = 64 << 10   # tensors this big or bigger get chunks of their own
@@ -212,14 +214,6 @@ def verify_part(part: Path, manifest: dict[str, Any] | None = None) -> None:
         view = memoryview(buf)
         fill = index = 0
         where = part / name
-
-        def check(n: int) -> None:
-            got = layout.chunk_digest(view[:n])
-            if index >= len(entry.digests) or got != entry.digests[index]:
-                want = entry.digests[index] if index < len(entry.digests) else "nothing"
-                raise layout.ChecksumMismatch(where, f"chunk {index} (bytes {index * block}..) {layout.CHECKSUM} "
-                                                     f"{got} != {want} in the manifest")
-
         for ext in extents(part, manifest, name):
             where = ext.path
             try:
@@ -238,10 +232,10 @@ def verify_part(part: Path, manifest: dict[str, Any] | None = None) -> None:
                         raise layout.ChecksumMismatch(ext.path, "shorter than the manifest says")
                     fill, left = fill + n, left - n
                     if fill == block:
-                        check(block)
+                        layout.verify_block(view, entry, index, where)
                         fill, index = 0, index + 1
         if fill or index == 0:
-            check(fill)
+            layout.verify_block(view[:fill], entry, index, where)
             index += 1
         if index != len(entry.digests):
             raise layout.ChecksumMismatch(part / name, f"{index} blocks read, the manifest lists {len(entry.digests)}")

@@ -38,6 +38,7 @@ DATA_FILE = "data.safetensors"
 MANIFEST_FILE = "manifest.json"
 COMMIT_FILE = "commit.json"
 TMP_DIR = ".tmp"
+CORRUPT_PREFIX = ".corrupt-"  # a part moved aside as corrupt: <step>/.corrupt-rank-RRRRR-<random>
 # The unit the daemon streams and writes a part in (its [persist] chunk_bytes default).
 DEFAULT_CHUNK_BYTES = 64 << 20
 CHECKSUM = "xxh3_64"
@@ -281,6 +282,19 @@ def block_digests(data: Any, block: int) -> list[str]:
     """The digests of ``data`` (any buffer) cut into blocks of ``block`` bytes; one digest when empty."""
     view = memoryview(data).cast("B")
     return [chunk_digest(view[i:i + block]) for i in range(0, max(len(view), 1), block)]
+
+
+def verify_block(data: Any, entry: FileEntry, index: int, path: Path) -> None:
+    """Checks block ``index`` of a file (``data``: its bytes) against the manifest's digest of it.
+
+    Raises :class:`ChecksumMismatch` naming ``path`` and the block: the one
+    message every verifying reader of a part gives.
+    """
+    got = chunk_digest(data)
+    want = entry.digests[index] if index < len(entry.digests) else None
+    if got != want:
+        raise ChecksumMismatch(path, f"chunk {index} (bytes {index * entry.chunk_bytes}..) {CHECKSUM} {got} != "
+                                     f"{want or 'nothing'} in the manifest")
 
 
 def chunk_count(size: int, chunk_bytes: int) -> int:
