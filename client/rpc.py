@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +20,13 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 30.0
 # Reconnecting to a restarted daemon: gRPC backs off up to 120 s between attempts by default, so a
 # client that lived through a long outage could not reach the daemon for seconds after it was back.
-# On a Unix socket an attempt costs microseconds: retry every 100-250 ms.
+# On a Unix socket an attempt costs microseconds: retry every 100-250 ms. gRPC reads
+# min_reconnect_backoff_ms as how long one connection attempt may take (its handshake): left at
+# 100 ms, a daemon busy or stopped for that long looked absent; 20 s (gRPC's default) lets a call's
+# own deadline decide, so a hung daemon reads as one that does not answer (DaemonTimeout).
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
-    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 20_000),
     ("grpc.max_reconnect_backoff_ms", 250),
 ]
 
@@ -50,19 +52,12 @@ class Connection:
         try:
             return getattr(self.stub, method)(request, timeout=timeout, wait_for_ready=wait_for_ready)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, str(self.socket)) from None
+            raise from_rpc_error(e, str(self.socket), method, timeout) from None
 
-    def start(self, method: str, request: Any, timeout: float | None = DEFAULT_TIMEOUT_S) -> Callable[[], Any]:
-        """Sends a unary call without waiting; the returned function waits for its answer (errors typed)."""
-        future = getattr(self.stub, method).future(request, timeout=timeout)
-
-        def result() -> Any:
-            try:
-                return future.result()
-            except grpc.RpcError as e:
-                raise from_rpc_error(e, str(self.socket)) from None
-
-        return result
+    def start(self, method: str, request: Any, timeout: float | None = DEFAULT_TIMEOUT_S) -> Pending:
+        """Sends a unary call without waiting; calling the result waits for its answer (errors typed)."""
+        return Pending(getattr(self.stub, method).future(request, timeout=timeout), str(self.socket), method,
+                       timeout)
 
     def status(self, timeout: float = 5.0) -> pb.StatusResponse:
         return self.call("Status", pb.StatusRequest(), timeout=timeout)
@@ -75,6 +70,29 @@ class Connection:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Pending:
+    """A unary call on its way: ``wait(t)`` says whether it has answered, calling it returns the answer."""
+
+    def __init__(self, future: Any, socket: str, method: str, timeout: float | None) -> None:
+        self._future, self._socket, self._method, self._timeout = future, socket, method, timeout
+
+    def wait(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds; True once the call has answered (or failed)."""
+        try:
+            self._future.exception(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            return False
+        except grpc.FutureCancelledError:
+            pass
+        return True
+
+    def __call__(self) -> Any:
+        try:
+            return self._future.result()
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self._socket, self._method, self._timeout) from None
 
 
 def call_when_up(conn: Connection, method: str, request: Any, wait_s: float) -> Any:
