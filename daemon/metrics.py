@@ -105,10 +105,17 @@ class Metrics:
                                        "Sessions closed because the client went away.", registry=r)
         for trigger in ("commit", "drain", "timer", "gc"):
             self.retention_passes.labels(trigger)
+        # Every label value known in advance starts at 0, so rate() and increase() see the first event.
+        self.saves_committed.labels("memory")
         for tier in ("local", "shared"):
             self.saves_committed.labels(tier)
             self.bytes_persisted.labels(tier)
             self.corrupt.labels(tier)
+            self.chunks_swept.labels(tier)
+            self.chunk_bytes_swept.labels(tier)
+            self.chunks_reused.labels(tier)
+            for verdict in ("corrupt", "intact", "unreadable"):
+                self.corrupt_reports.labels(tier, verdict)
 
     def add_state(self, probe: StateProbe) -> None:
         self.registry.register(_StateCollector(probe))
