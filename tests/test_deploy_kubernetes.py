@@ -76,9 +76,9 @@ def flag(c: dict[str, Any], name: str) -> str:
     return values[0]
 
 
-def volume(spec: dict[str, Any], c: dict[str, Any], path: str | PurePosixPath) -> tuple[dict[str, Any], str, Any]:
+def volume(spec: dict[str, Any], c: dict[str, Any], path: str | os.PathLike[str]) -> tuple[dict[str, Any], str, Any]:
     """The volume holding ``path`` in container ``c``: (its volume entry, its mountPath, the mount)."""
-    path = PurePosixPath(path)
+    path = PurePosixPath(os.fspath(path))
     best = max((m for m in c.get("volumeMounts", []) if path.is_relative_to(m["mountPath"])),
                key=lambda m: len(m["mountPath"]), default=None)
     assert best is not None, f"{path} is on no volume of container {c['name']}"
