@@ -40,9 +40,11 @@ from ckptstage.daemon.errors import (
 )
 from ckptstage.daemon.incomplete import IncompleteSteps, why_incomplete
 from ckptstage.daemon.janitor import Deleted, GcAction, Janitor
+from ckptstage.daemon import listing
 from ckptstage.daemon import jobs as jobs_mod
 from ckptstage.daemon.jobs import JobSummary
 from ckptstage.daemon.job_rules import JobRetention, JobRules
+from ckptstage.daemon.logs import fields
 from ckptstage.daemon.manifest_check import parse_manifest
 from ckptstage.daemon.memtier import MemoryTier
 from ckptstage.daemon.metrics import Metrics, StateProbe
@@ -74,6 +76,15 @@ class SettledSave:
     rank: int
     error: str | None
     memory_only: bool = False
+
+
+@dataclass(frozen=True)
+class BegunSave:
+    """What the client needs of a save it began: its id and where its bytes go in the arena stream."""
+
+    id: str
+    stream_base: int
+    released: int  # the session's arena stream positions below this are free now
 
 
 def node_name(local_dir: Path | None = None) -> str:
@@ -114,6 +125,9 @@ class Node:
         self._settled: OrderedDict[str, SettledSave] = OrderedDict()  # bounded: MAX_SETTLED_SAVES
         self._owners: dict[str, Session] = {}  # save id -> its session, even after the session closed
         self._saves_lock = threading.Lock()
+        # Notified as a save settles (commits or fails): what waits for saves (WaitSave, deletions,
+        # shutdown) sleeps on it instead of polling.
+        self._settled_cond = threading.Condition(self._saves_lock)
         self._stopping = threading.Event()
         self._shared_wake = threading.Event()  # job rules changed: publish them now
         self.tier_probes: dict[TierName, TierProbe] = {TierName.LOCAL: TierProbe("local", config.local.dir)}
@@ -178,7 +192,8 @@ class Node:
         self.commits.seal_all(TierName.LOCAL)
         self.job_rules.load()
         log.info("local tier %s: %d committed parts, %d temporaries removed, %d stale arenas removed",
-                 self.config.local.dir, n_local, removed, stale)
+                 self.config.local.dir, n_local, removed, stale,
+                 extra=fields(tier=TierName.LOCAL, parts=n_local, temporaries_removed=removed, stale_arenas=stale))
         for probe in self.tier_probes.values():
             probe.start()
         for job in self.catalog.jobs():
@@ -201,7 +216,7 @@ class Node:
             for save in session.close(wait_writer_s=0):
                 self.persister.fail(save, "daemon shutting down before the client finished copying")
         for save in self._live_saves():
-            if not save.local_done.wait(max(0.0, deadline - time.monotonic())):
+            if not self._wait_settled(save, max(0.0, deadline - time.monotonic())):
                 self.persister.fail(save, "daemon shutdown timed out before the save committed")
         self.persister.shutdown(wait=True)
         if self.drainer is not None:
@@ -225,15 +240,18 @@ class Node:
         except layout.InvalidName as e:
             raise InvalidRequest(str(e)) from e
         rules = JobRetention.parse(info.overrides) if info.overrides is not None else None
-        info = dataclasses.replace(info, expected_bytes=self.catalog.newest_part_bytes(info.job, info.rank,
-                                                                                      info.world_size))
+        expected = self.catalog.newest_part_bytes(info.job, info.rank, info.world_size)
+        info = dataclasses.replace(info, expected_bytes=expected, memory_copy=self.memory.at_risk(
+            info.job, info.rank, max(expected, self.config.arena.min_session_bytes)))
         session = Session(info, self.budget, self.config.persist.chunk_bytes, os.getpid(), self.memory.take)
         if rules is not None and self.job_rules.set(info.job, rules):
             self._shared_wake.set()  # the shared-tier thread publishes them for the other nodes
         self.sessions.add(session)
         self.metrics.sessions_opened.inc()
         log.info("session %s opened: job %s rank %d/%d attempt %r pid %d on %s", session.id, info.job, info.rank,
-                 info.world_size, info.attempt, info.pid, info.hostname)
+                 info.world_size, info.attempt, info.pid, info.hostname,
+                 extra=fields(job=info.job, rank=info.rank, session=session.id, world_size=info.world_size,
+                              attempt=info.attempt, pid=info.pid, hostname=info.hostname))
         return session
 
     def close_session(self, session_id: str, reason: str) -> None:
@@ -245,7 +263,16 @@ class Node:
         for save in session.close():
             self.persister.fail(save, f"session closed before the save finished ({reason})")
         if self.sessions.pop(session_id) is not None:
-            log.info("session %s closed: %s", session_id, reason)
+            log.info("session %s closed: %s", session_id, reason,
+                     extra=fields(job=session.info.job, rank=session.info.rank, session=session_id, reason=reason))
+
+    def reap_session(self, session_id: str) -> None:
+        """The session's ``Attach`` stream ended without the client closing the session (it died, or
+        its connection broke): the session goes, with the saves its client never finished."""
+        session = self.sessions.find(session_id)
+        if session is not None and not session.closed.is_set():
+            self.metrics.sessions_reaped.inc()
+            self.close_session(session_id, "client disconnected")
 
     def attach(self, session_id: str) -> Session:
         """The client opened the session's ``Attach`` stream: it is alive, and the session is not reaped."""
@@ -270,7 +297,9 @@ class Node:
     # --- saves --------------------------------------------------------------------
 
     def begin_save(self, session_id: str, step: int, manifest_json: bytes, data_bytes: int,
-                   metrics: dict[str, float], stream_base: int | None = None, overwrite: bool = False) -> Save:
+                   metrics: dict[str, float], stream_base: int | None = None, overwrite: bool = False) -> BegunSave:
+        """Begins one rank's save of ``step`` (see the ``BeginSave`` RPC); the client then copies its bytes
+        into the arena from the returned stream position and reports them with :meth:`progress`."""
         self._check_running()
         session = self.sessions.get(session_id)
         info = session.info
@@ -323,7 +352,7 @@ class Node:
             self._saves[save.id] = save
             self._owners[save.id] = session
         self.metrics.saves_started.inc()
-        return save
+        return BegunSave(save.id, save.stream_base, session.released())
 
     def _memory_only(self, session: Session, step: int, data_bytes: int, base: int, replacing: bool) -> bool:
         """Whether the save is kept in memory only (``[local] persist_every``): it must lie whole, unwrapped, in
@@ -334,7 +363,9 @@ class Node:
         if base % arena.size + data_bytes > arena.size:
             log.info("%s step %d rank %d: %d bytes do not lie whole in the %d-byte arena; written to local SSD "
                      "although [local] persist_every = %d", session.info.job, step, session.info.rank, data_bytes,
-                     arena.size, self.config.local.persist_every)
+                     arena.size, self.config.local.persist_every,
+                     extra=fields(job=session.info.job, step=step, rank=session.info.rank, tier=TierName.LOCAL,
+                                  bytes=data_bytes, arena_bytes=arena.size))
             return False
         return True
 
@@ -366,10 +397,8 @@ class Node:
         save = self._save(save_id)
         deadline = time.monotonic() + timeout
         if isinstance(save, Save):
-            while not save.settled:
-                if not save.local_done.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
-                    if time.monotonic() >= deadline:
-                        return False
+            if not self._wait_settled(save, timeout):
+                return False
             save = self._settled_record(save)
         if save.error is not None:
             raise SaveFailed(save.error)
@@ -397,6 +426,30 @@ class Node:
         if self.drainer is None:
             return "disabled"
         return self.drainer.checkpoint_state(ckpt)
+
+    def list_checkpoints(self, job: str, memory: bool = False) -> listing.Listing:
+        """A job's steps, oldest first, with their drain state and the ranks the memory tier holds; with
+        ``memory`` also the steps only the memory tier holds. And the copies of the job quarantined."""
+        entries = [listing.entry(c, self.drain_state(c), self.memory.ranks(c.job, c.step, c.world_size))
+                   for c in self.checkpoints(job)]
+        if memory:
+            entries = sorted(entries + [listing.memory_entry(m) for m in self.memory.memory_steps(job)],
+                             key=lambda e: e.step)
+        return listing.Listing(entries, self.quarantine.moved(job))
+
+    def locate_parts(self, job: str, step: int | None, rank: int, all_ranks: bool = False,
+                     memory: bool = False) -> listing.Located:
+        """Where a reader finds ``rank``'s part of the complete ``step`` (the newest when None), best copy
+        first; with ``all_ranks`` every rank's too. ``memory``: the reader can read the memory tier, so a step
+        kept in memory only (newer than any on disk, or the one asked for) is answered from there, and a
+        part the memory tier holds is listed first."""
+        if memory:
+            kept = self.memory.step_for(job, step)
+            if kept is not None:
+                return listing.memory_located(kept, rank, all_ranks)
+        ckpt, _ = self.locate(job, step, rank, all_ranks)
+        return listing.located(ckpt, rank, all_ranks,
+                               lambda r: memory and self.memory.has(ckpt.job, ckpt.step, r))
 
     def locate(self, job: str, step: int | None, rank: int, all_ranks: bool = False) -> tuple[Checkpoint, list[Part]]:
         """The complete step (the newest when ``step`` is None) and ``rank``'s copies of the committed
@@ -444,8 +497,17 @@ class Node:
 
     def report_corrupt(self, job: str, step: int, rank: int, tier: TierName, detail: str) -> None:
         """A reader found a copy that fails verification: the daemon re-reads it and hides it only if its
-        own read fails too (see :mod:`ckptstage.daemon.quarantine`). Returns at once."""
+        own read fails too (see :mod:`ckptstage.daemon.quarantine`). Returns at once.
+
+        A memory copy is verified when kept, so one that fails a reader's check is memory gone bad: it is
+        dropped, and the disk copies remain.
+        """
         layout.check_job(job)
+        if tier == TierName.MEMORY:
+            log.error("memory copy of %s step %d rank %d failed a reader's verification: %s", job, step, rank,
+                      detail, extra=fields(job=job, step=step, rank=rank, tier=TierName.MEMORY, error=detail))
+            self.memory.drop_job(job, step)
+            return
         ckpt = self.catalog.get(job, step)
         part = ckpt.parts.get(rank, {}).get(tier) if ckpt else None
         if part is not None:
@@ -460,7 +522,8 @@ class Node:
             if self.catalog.is_pinned(job, step) == pinned:
                 return False
             self.catalog.set_pin(job, step, pinned)
-        log.info("%s %s step %d", "pinned" if pinned else "unpinned", job, step)
+        log.info("%s %s step %d", "pinned" if pinned else "unpinned", job, step,
+                 extra=fields(job=job, step=step, pinned=pinned))
         return True
 
     # --- status --------------------------------------------------------------------
@@ -499,11 +562,11 @@ class Node:
         if self.catalog.is_pinned(job, step):
             raise StepPinned(job, step)
         deadline = time.monotonic() + settle_wait_s
-        while any(s.spec.job == job and s.spec.step == step for s in self._live_saves()):
-            if time.monotonic() > deadline:
+        for save in self._live_saves():
+            if save.spec.job == job and save.spec.step == step and \
+                    not self._wait_settled(save, max(0.0, deadline - time.monotonic())):
                 raise InvalidRequest(f"step {step} of job {job!r} is still being saved; delete it once the save "
                                      "is committed (SaveHandle.wait)")
-            time.sleep(0.05)
         self.memory.drop_job(job, step)
         return self.janitor.delete_step(job, step)
 
@@ -530,7 +593,8 @@ class Node:
                     raise SaveFailed(f"cannot prefetch {job} step {ckpt.step} rank {rank}: {e}") from e
                 copied += 1
         self.commits.seal_local(job, ckpt.step)  # every part is here now: the step exists locally too
-        log.info("prefetched %s step %d: %d parts copied to the local tier", job, ckpt.step, copied)
+        log.info("prefetched %s step %d: %d parts copied to the local tier", job, ckpt.step, copied,
+                 extra=fields(job=job, step=ckpt.step, tier=TierName.LOCAL, parts=copied))
         return ckpt.step, copied
 
     # --- retention and drain -----------------------------------------------------------
@@ -581,6 +645,16 @@ class Node:
                     self.drainer.enqueue(part)
 
     def _on_commit(self, save: Save) -> None:
+        """The persister committed a save: index it, queue it for draining, settle it, apply retention."""
+        try:
+            self._book_commit(save)
+        finally:
+            with self._saves_lock:
+                unsettled = save.id in self._saves
+            if unsettled:  # the commit path broke before it settled the save: its waiters must still wake
+                self._settle(save)
+
+    def _book_commit(self, save: Save) -> None:
         if save.memory_only:
             self._on_memory_commit(save)
             return
@@ -595,7 +669,9 @@ class Node:
                 self._on_staged_commit(save)
             except OSError as e:
                 save.error = f"cannot put the replacement of step {save.spec.step} in place: {e}"
-                log.error("%s %s", save.spec.job, save.error)
+                log.error("%s %s", save.spec.job, save.error,
+                          extra=fields(job=save.spec.job, step=save.spec.step, rank=save.spec.rank,
+                                       tier=TierName.LOCAL, error=e))
             self._settle(save)
             self.apply_retention(save.spec.job, trigger="commit", shared=False)
             return
@@ -613,13 +689,14 @@ class Node:
         elapsed = time.monotonic() - save.started
         self.metrics.persist_seconds.observe(elapsed)
         log.info("committed %s step %d rank %d on local: %d bytes in %.2fs", spec.job, spec.step, spec.rank,
-                 spec.data_bytes, elapsed)
+                 spec.data_bytes, elapsed, extra=fields(job=spec.job, step=spec.step, rank=spec.rank,
+                                                        tier=TierName.LOCAL, bytes=spec.data_bytes, duration_s=elapsed))
         try:
             # Before the save settles: the last rank's wait("local") returns with the step committed here.
             self.commits.seal_local(spec.job, spec.step)
         except OSError as e:
             log.error("cannot write the local commit record of %s step %d: %s (written on restart)", spec.job,
-                      spec.step, e)
+                      spec.step, e, extra=fields(job=spec.job, step=spec.step, tier=TierName.LOCAL, error=e))
         if self.drainer is not None:
             # Queued before the save settles, so that a wait("shared") finds it queued.
             self.drainer.enqueue(part)
@@ -633,7 +710,9 @@ class Node:
         spec = save.spec
         self.metrics.saves_committed.labels("memory").inc()
         log.info("kept %s step %d rank %d in memory only: %d bytes ([local] persist_every = %d)", spec.job,
-                 spec.step, spec.rank, spec.data_bytes, self.config.local.persist_every)
+                 spec.step, spec.rank, spec.data_bytes, self.config.local.persist_every,
+                 extra=fields(job=spec.job, step=spec.step, rank=spec.rank, tier=TierName.MEMORY,
+                              bytes=spec.data_bytes))
         self._owner(save).keep_resident(save)
         self.memory.superseded(spec.job, spec.rank, spec.step)
         self._settle(save)
@@ -656,7 +735,21 @@ class Node:
                 while len(self._settled) > MAX_SETTLED_SAVES:
                     old, _ = self._settled.popitem(last=False)
                     self._owners.pop(old, None)
+            self._settled_cond.notify_all()
         owner.settle(save)
+
+    def _wait_settled(self, save: Save, timeout: float) -> bool:
+        """Blocks until ``save`` failed or committed with its whole commit path run (indexed, queued for
+        draining, local retention applied); False at the timeout. Woken by :meth:`_settle`, no polling."""
+        deadline = time.monotonic() + timeout
+        with self._settled_cond:
+            if not self._settled_cond.wait_for(lambda: save.id not in self._saves or save.error is not None,
+                                               timeout):
+                return False
+        if save.error is not None:
+            return True
+        # Settled and committed: the persister marks it done as soon as the node's commit path returns.
+        return save.local_done.wait(max(0.0, deadline - time.monotonic()))
 
     def _owner(self, save: Save) -> Session:
         with self._saves_lock:
@@ -710,6 +803,8 @@ class Node:
                     self.apply_retention(job, trigger="timer", shared=False)
                 self.memory.expire()
                 self.incomplete.report()
+            except OSError as e:  # a disk's condition, not a bug: one line, and the next pass tries again
+                log.warning("timed local retention pass failed: %s", e, extra=fields(tier=TierName.LOCAL, error=e))
             except Exception:  # the timer must outlive one bad pass
                 log.exception("timed local retention pass failed")
 
@@ -735,6 +830,8 @@ class Node:
                 self.job_rules.publish()
                 for job in self.catalog.jobs():
                     self.apply_retention(job, trigger="timer", local=False)
+            except OSError as e:  # the shared file system's condition, not a bug: the next pass tries again
+                log.warning("timed shared retention pass failed: %s", e, extra=fields(tier=TierName.SHARED, error=e))
             except Exception:  # the timer must outlive one bad pass
                 log.exception("timed shared retention pass failed")
 
@@ -744,7 +841,8 @@ class Node:
         try:
             self.commits.seal_all(TierName.SHARED)
         except (OSError, layout.ManifestError) as e:
-            log.warning("cannot complete the shared tier's commit records: %s", e)
+            log.warning("cannot complete the shared tier's commit records: %s", e,
+                        extra=fields(tier=TierName.SHARED, error=e))
         for job in self.catalog.jobs():
             self.apply_retention(job, trigger="start", local=False)
 
@@ -777,4 +875,5 @@ class Node:
             drain_lag_s=(lambda: d.lag_s()) if d else (lambda: 0.0),
             shared_reachable=(lambda: d.reachable) if d else (lambda: None),
             incomplete_steps=lambda: len(self.incomplete.stuck()),
-            memory_copies=lambda: len(self.memory.copies()), memory_bytes=lambda: self.memory.bytes_kept)
+            memory_copies=lambda: len(self.memory.copies()), memory_bytes=lambda: self.memory.bytes_kept,
+            jobs=self.job_summaries)

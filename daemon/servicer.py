@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from ckptstage.daemon.catalog import Checkpoint, Part, TierName
+from ckptstage.daemon.catalog import TierName
 from ckptstage.daemon.errors import (
     AlreadyExists,
     ArenaFull,
@@ -35,9 +35,10 @@ from ckptstage.daemon.errors import (
     StepPinned,
 )
 from ckptstage.daemon.jobs import JobSummary
-from ckptstage.daemon.memtier import MemoryStep, MemoryTier
+from ckptstage.daemon.listing import CheckpointEntry, Located, Location
+from ckptstage.daemon.logs import fields
 from ckptstage.daemon.node import VERSION, Node
-from ckptstage.daemon.sessions import Session, SessionInfo
+from ckptstage.daemon.sessions import SessionInfo
 from ckptstage.daemon.status import TierReport
 from ckptstage.protos import layout
 from ckptstage.protos.handoff import socket_path as handoff_socket
@@ -77,9 +78,10 @@ def _status(error: Exception, method: str) -> tuple[grpc.StatusCode, str]:
     for cls, code in _CODES:
         if isinstance(error, cls):
             return code, str(error)
-    log.exception("%s failed", method)
-    if isinstance(error, OSError):
+    if isinstance(error, OSError):  # a disk's condition (full, gone, read-only), not a bug: one line
+        log.warning("%s failed: %s", method, error, extra=fields(error=error, rpc=method))
         return grpc.StatusCode.INTERNAL, f"daemon I/O error: {error}"
+    log.exception("%s failed", method, extra=fields(error=error, rpc=method))
     return grpc.StatusCode.INTERNAL, f"internal error in {method}: {error!r}"
 
 
@@ -102,32 +104,6 @@ def _tier(value: int) -> TierName:
     if value not in _TIERS:
         raise InvalidRequest(f"unknown tier {value}: LOCAL, SHARED or MEMORY")
     return _TIERS[value]
-
-
-def _locations(parts: list[Part], memory: MemoryTier | None = None, handoff: str = "") -> list[pb.PartLocation]:
-    """The copies of one rank's part, best first: the memory tier's (when it holds the committed one),
-    then the local and shared tiers' directories."""
-    out = [pb.PartLocation(tier=_TIER_PB[p.tier], dir=str(p.path)) for p in parts]
-    if parts and memory is not None and memory.has(parts[0].job, parts[0].step, parts[0].rank):
-        out.insert(0, pb.PartLocation(tier=pb.MEMORY, dir=handoff))
-    return out
-
-
-def _memory_located(kept: MemoryStep, request: pb.LocateRequest, handoff: str) -> pb.LocateResponse:
-    """Where the parts of a step kept in memory only are: in the memory tier, every rank's."""
-    if not request.all_ranks and request.rank >= kept.world_size:
-        raise CheckpointNotFound(kept.job, kept.step, f"no part for rank {request.rank} (world size "
-                                                      f"{kept.world_size})")
-    here = [pb.PartLocation(tier=pb.MEMORY, dir=handoff)]
-    every = [pb.RankParts(rank=r, locations=here) for r in range(kept.world_size)] if request.all_ranks else []
-    return pb.LocateResponse(step=kept.step, world_size=kept.world_size, locations=here, attempt=kept.attempt,
-                             parts=every, commit=f"memory:{kept.attempt}")
-
-
-def _memory_info(kept: MemoryStep) -> pb.CheckpointInfo:
-    return pb.CheckpointInfo(job=kept.job, step=kept.step, world_size=kept.world_size, bytes=kept.nbytes,
-                             created=kept.created, complete=True, drain_state="memory-only", attempt=kept.attempt,
-                             ranks_memory=range(kept.world_size))
 
 
 def _timeout(requested: float, context: grpc.aio.ServicerContext) -> float:
@@ -179,9 +155,7 @@ class Servicer(pb_grpc.CheckpointerServicer):
         session = await self._run(self.node.open_session, info)
         return pb.OpenSessionResponse(session_id=session.id, chunk_bytes=session.chunk_bytes,
                                       daemon_version=VERSION, expected_bytes=session.info.expected_bytes,
-                                      memory_copy=self.node.memory.at_risk(
-                                          info.job, info.rank, max(session.info.expected_bytes,
-                                                                   self.node.config.arena.min_session_bytes)))
+                                      memory_copy=session.info.memory_copy)
 
     async def Attach(self, request: pb.AttachRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionEvent]:
@@ -223,13 +197,7 @@ class Servicer(pb_grpc.CheckpointerServicer):
             if not session.closed.is_set():
                 # The client closed the stream, died, or we are done: free the session off the loop
                 # (failing its unfinished saves removes their temporaries).
-                self._quick.submit(self._reap, session)
-
-    def _reap(self, session: Session) -> None:
-        """Frees a session whose client went away without closing it (e.g. killed)."""
-        if not session.closed.is_set():
-            self.node.metrics.sessions_reaped.inc()
-            self.node.close_session(session.id, "client disconnected")
+                self._quick.submit(self.node.reap_session, session.id)
 
     @_mapped
     async def EnsureArena(self, request: pb.EnsureArenaRequest, context: grpc.aio.ServicerContext) -> pb.ArenaInfo:
@@ -253,14 +221,9 @@ class Servicer(pb_grpc.CheckpointerServicer):
     async def BeginSave(self, request: pb.BeginSaveRequest,
                         context: grpc.aio.ServicerContext) -> pb.BeginSaveResponse:
         proposed = request.stream_base if request.HasField("stream_base") else None
-
-        def begin() -> pb.BeginSaveResponse:
-            save = self.node.begin_save(request.session_id, request.step, request.manifest_json,
-                                        request.data_bytes, dict(request.metrics), proposed, request.overwrite)
-            released = self.node.sessions.get(request.session_id).released()
-            return pb.BeginSaveResponse(save_id=save.id, stream_base=save.stream_base, released=released)
-
-        return await self._run(begin)
+        begun = await self._run(self.node.begin_save, request.session_id, request.step, request.manifest_json,
+                                request.data_bytes, dict(request.metrics), proposed, request.overwrite)
+        return pb.BeginSaveResponse(save_id=begun.id, stream_base=begun.stream_base, released=begun.released)
 
     @_mapped
     async def Progress(self, request: pb.ProgressRequest, context: grpc.aio.ServicerContext) -> pb.ProgressResponse:
@@ -282,8 +245,7 @@ class Servicer(pb_grpc.CheckpointerServicer):
     @_mapped
     async def WaitSave(self, request: pb.WaitSaveRequest, context: grpc.aio.ServicerContext) -> pb.WaitSaveResponse:
         tier = _tier(request.tier)
-        done = await self._wait(lambda: self.node.wait_save(request.save_id, tier,
-                                                            _timeout(request.timeout_s, context)))
+        done = await self._wait(self.node.wait_save, request.save_id, tier, _timeout(request.timeout_s, context))
         return pb.WaitSaveResponse(done=done)
 
     @_mapped
@@ -299,39 +261,19 @@ class Servicer(pb_grpc.CheckpointerServicer):
 
     @_mapped
     async def ListCheckpoints(self, request: pb.ListRequest, context: grpc.aio.ServicerContext) -> pb.ListResponse:
-        ckpts = await self._run(self.node.checkpoints, request.job)
-        infos = [self._info(c) for c in ckpts]
-        if request.memory:  # and the steps only the memory tier holds
-            kept = await self._run(self.node.memory.memory_steps, request.job)
-            infos = sorted(infos + [_memory_info(m) for m in kept], key=lambda i: i.step)
-        return pb.ListResponse(checkpoints=infos, quarantined=[
+        found = await self._run(self.node.list_checkpoints, request.job, request.memory)
+        return pb.ListResponse(checkpoints=[_checkpoint_info(c) for c in found.checkpoints], quarantined=[
             pb.QuarantinedCopy(step=q.step, rank=q.rank, tier=_TIER_PB[TierName(q.tier)], path=str(q.path),
-                               detail=q.detail) for q in self.node.quarantine.moved(request.job)])
+                               detail=q.detail) for q in found.quarantined])
 
     @_mapped
     async def Locate(self, request: pb.LocateRequest, context: grpc.aio.ServicerContext) -> pb.LocateResponse:
-        handoff = str(handoff_socket(self.socket_path))
-        if request.memory:  # a step kept in memory only, newer than any on disk (or the one asked for)
-            kept = await self._run(self.node.memory.step_for, request.job, None if request.latest else request.step)
-            if kept is not None:
-                return _memory_located(kept, request, handoff)
-        ckpt, parts = await self._run(self.node.locate, request.job, None if request.latest else request.step,
-                                      request.rank, request.all_ranks)
-        memory = self.node.memory if request.memory else None  # a reader that asked for it, only
-        every = [pb.RankParts(rank=r, locations=_locations(ckpt.committed(r), memory, handoff))
-                 for r in range(ckpt.world_size)] if request.all_ranks else []
-        record = ckpt.record
-        return pb.LocateResponse(step=ckpt.step, world_size=ckpt.world_size,
-                                 locations=_locations(parts, memory, handoff),
-                                 attempt=ckpt.attempt, parts=every, commit=record.fingerprint() if record else "")
+        found = await self._run(self.node.locate_parts, request.job, None if request.latest else request.step,
+                                request.rank, request.all_ranks, request.memory)
+        return _located(found, str(handoff_socket(self.socket_path)))
 
     @_mapped
     async def ReportCorrupt(self, request: pb.ReportCorruptRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
-        if request.tier == pb.MEMORY:  # checked when kept, so this is memory gone bad: the disk copies remain
-            log.error("memory copy of %s step %d rank %d failed a reader's verification: %s", request.job,
-                      request.step, request.rank, request.detail)
-            await self._run(self.node.memory.drop_job, request.job, request.step)
-            return pb.Empty()
         tier = _tier(request.tier)
         await self._run(self.node.report_corrupt, request.job, request.step, request.rank, tier, request.detail)
         return pb.Empty()
@@ -383,15 +325,24 @@ class Servicer(pb_grpc.CheckpointerServicer):
         # From memory, like Status.
         return pb.ListJobsResponse(jobs=[_job_status(j) for j in self.node.job_summaries()])
 
-    # --- helpers ------------------------------------------------------------------------
 
-    def _info(self, c: Checkpoint) -> pb.CheckpointInfo:
-        return pb.CheckpointInfo(
-            job=c.job, step=c.step, world_size=c.world_size, ranks_local=c.ranks_on(TierName.LOCAL),
-            ranks_shared=c.ranks_on(TierName.SHARED), bytes=c.nbytes(), created=c.created, complete=c.complete,
-            pinned=c.pinned, drain_state=self.node.drain_state(c), metrics=c.metrics, attempt=c.attempt,
-            committed_local=c.complete_on(TierName.LOCAL), committed_shared=c.complete_on(TierName.SHARED),
-            ranks_missing=c.ranks_missing(), ranks_memory=self.node.memory.ranks(c.job, c.step, c.world_size))
+def _checkpoint_info(c: CheckpointEntry) -> pb.CheckpointInfo:
+    return pb.CheckpointInfo(
+        job=c.job, step=c.step, world_size=c.world_size, ranks_local=c.ranks_local, ranks_shared=c.ranks_shared,
+        bytes=c.nbytes, created=c.created, complete=c.complete, pinned=c.pinned, drain_state=c.drain_state,
+        metrics=c.metrics, attempt=c.attempt, committed_local=c.committed_local, committed_shared=c.committed_shared,
+        ranks_missing=c.ranks_missing, ranks_memory=c.ranks_memory)
+
+
+def _located(found: Located, handoff: str) -> pb.LocateResponse:
+    """The wire form of a Locate answer: a memory-tier copy is fetched through the daemon's handoff socket."""
+    def where(locations: list[Location]) -> list[pb.PartLocation]:
+        return [pb.PartLocation(tier=_TIER_PB[loc.tier], dir=handoff if loc.dir is None else loc.dir)
+                for loc in locations]
+
+    return pb.LocateResponse(step=found.step, world_size=found.world_size, locations=where(found.locations),
+                             attempt=found.attempt, commit=found.commit,
+                             parts=[pb.RankParts(rank=r, locations=where(locs)) for r, locs in found.parts.items()])
 
 
 def _tier_status(t: TierReport) -> pb.TierStatus:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from ckptstage.daemon.arena import Arena, Budget, arena_name
 from ckptstage.daemon.errors import ArenaFull, InvalidRequest, SessionNotFound
+from ckptstage.daemon.logs import fields
 from ckptstage.daemon.memtier import Resident
 from ckptstage.daemon.persister import Save
 
@@ -32,6 +33,9 @@ class SessionInfo:
     overrides: dict[str, object] | None = None  # the job's retention overrides; None: leave them as they are
     attempt: str = ""  # the run this rank belongs to; "" is the anonymous attempt of older clients
     expected_bytes: int = 0  # what the rank's saves will likely need (its newest part here), for its arena
+    # The memory tier holds the rank's newest part and an arena of expected_bytes would evict it: the client
+    # prepares its arena only after it has loaded (OpenSessionResponse.memory_copy).
+    memory_copy: bool = False
 
 
 class Session:
@@ -261,7 +265,8 @@ class Session:
         if self._handover is not None and self.resident is not None:
             if not self._writer_gone():
                 log.info("session %s: arena not kept in memory: its client may still write to it (it has not "
-                         "closed its lifeline)", self.id)
+                         "closed its lifeline)", self.id,
+                         extra=fields(job=self.info.job, rank=self.info.rank, session=self.id, tier="memory"))
             elif self._handover(self.resident, arena):
                 return
         self._free(arena)

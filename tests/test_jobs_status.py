@@ -15,7 +15,9 @@ import grpc
 import pytest
 import torch
 from ckptstage.client import Client
-from ckptstage.client.errors import CheckpointNotFound
+from ckptstage.client.errors import CheckpointNotFound, SaveFailed
+from ckptstage.daemon.jobs import TierHealth
+from ckptstage.daemon.status import tier_state
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 from support import drain, wait_until
@@ -153,3 +155,47 @@ def test_an_old_client_reads_set_pin_as_empty(daemon: Any) -> None:
         channel.close()
     with Client(JOB, socket=daemon.socket) as client:
         assert [c.pinned for c in client.list()] == [True]
+
+
+def test_a_drain_that_cannot_succeed_is_failed_not_retrying(daemon_factory: Any) -> None:
+    # The local copy is corrupt (a flipped byte): draining it would spread the corruption, and no retry
+    # fixes it. The drain is held back by the job's directory being a file until the byte is flipped.
+    d = daemon_factory("n")
+    assert d.shared is not None
+    d.shared.mkdir(parents=True)
+    blocker = d.shared / JOB
+    blocker.write_text("not a directory")
+    d.start()
+    before = time.time()
+    with Client(JOB, socket=d.socket) as client:
+        h = client.save(1, state_of(1))
+        h.wait("local", timeout=30)
+        data = layout.part_dir(d.local, JOB, 1, 0) / layout.DATA_FILE
+        if not data.is_file():
+            pytest.skip("the part is stored as chunks ([persist] incremental)")
+        wait_until(lambda: job_of(status(d).jobs, JOB).drain.state == "retrying", 30, "the drain retrying")
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        data.write_bytes(bytes(raw))
+        blocker.unlink()
+        with pytest.raises(SaveFailed):
+            h.wait("shared", timeout=30)
+    job = job_of(status(d).jobs, JOB)
+    assert job.drain.state == "failed" and job.drain.queued_parts == 0
+    assert job.drain.consecutive_failures >= 2  # the retries while the tier refused, then the corrupt copy
+    assert "corrupt" in job.drain.last_error and before <= job.drain.last_error_time <= time.time()
+    assert shared_tier(status(d)).state == "degraded"
+
+
+@pytest.mark.parametrize("enabled, reachable, health, expected", [
+    (False, None, None, ("disabled", "", 0.0)),
+    (True, None, None, ("ok", "", 0.0)),
+    (True, True, TierHealth(False), ("ok", "", 0.0)),
+    (True, True, TierHealth(True, "denied", 5.0), ("degraded", "denied", 5.0)),
+    (True, False, TierHealth(False), ("unreachable", "", 0.0)),
+    (True, False, TierHealth(True, "gone", 7.0), ("unreachable", "gone", 7.0)),
+    (True, None, TierHealth(True, "denied", 5.0), ("degraded", "denied", 5.0)),
+])
+def test_tier_state(enabled: bool, reachable: bool | None, health: TierHealth | None,
+                    expected: tuple[str, str, float]) -> None:
+    assert tier_state(enabled, reachable, health) == expected
