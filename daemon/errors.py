@@ -25,7 +25,7 @@ class SaveNotFound(DaemonError, LookupError):
 
 class CheckpointNotFound(DaemonError, LookupError):
     def __init__(self, job: str, step: int | None, detail: str = "") -> None:
-        what = f"step {step} of job {job!r}" if step is not None else f"any complete checkpoint of job {job!r}"
+        what = f"step {step} of job {job!r}" if step is not None else f"complete checkpoint of job {job!r}"
         super().__init__(f"no {what}{': ' + detail if detail else ''}")
         self.job, self.step = job, step
 
