@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptstage.daemon import fsutil
+from ckptstage.daemon.logs import fields
 from ckptstage.daemon.tier import Manifest, PartIndex, Tier, TierName
 from ckptstage.daemon.tiers import as_tier
 from ckptstage.protos import layout
@@ -247,7 +248,8 @@ class Catalog:
                     self.add(Part.read(ref, tier, storage))
                     added += 1
                 except (layout.ManifestError, KeyError, ValueError, TypeError) as e:
-                    log.error("ignoring part %s: %s", ref.path, e)
+                    log.error("ignoring part %s: %s", ref.path, e,
+                              extra=fields(job=job, step=ref.step, rank=ref.rank, tier=tier, error=e))
         for key, part in known.items():
             if key not in found:
                 self.remove(part)
@@ -276,7 +278,7 @@ class Catalog:
                 self._untrusted[path] = sref.record_ino or 0
             if first:
                 log.error("not trusting the commit record %s (the step is not complete on the %s tier): %s",
-                          path, tier.value, e)
+                          path, tier.value, e, extra=fields(job=job, step=sref.step, tier=tier, error=e))
             self.drop_record(tier, job, sref.step)
             return
         if record is None:
@@ -414,7 +416,8 @@ class Catalog:
                 fsutil.write_json_atomic(self._drained_file, snapshot)
         except OSError as e:
             # Only costs a redundant copy after a restart; never a checkpoint.
-            log.warning("cannot record drained parts in %s: %s", self._drained_file, e)
+            log.warning("cannot record drained parts in %s: %s", self._drained_file, e,
+                        extra=fields(tier=TierName.LOCAL, error=e))
 
     def has(self, job: str, step: int, rank: int) -> bool:
         with self._lock:

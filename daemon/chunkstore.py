@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptstage.daemon.logs import fields
 from ckptstage.daemon.tier import ChunkBatch, PartWriter, Tier
 from ckptstage.daemon.tiers import as_tier
 from ckptstage.protos import chunks, layout
@@ -218,7 +219,7 @@ class ChunkStore:
                 pass  # another node's sweep finished it
         if removed or restored:
             log.info("swept the chunks of %s on %s: %d removed (%d bytes), %d put back", job, self.tier.root,
-                     removed, freed, restored)
+                     removed, freed, restored, extra=fields(job=job, bytes=freed, path=self.tier.root))
         return Swept(removed, freed, restored)
 
 

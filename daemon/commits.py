@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.errors import AlreadyExists
+from ckptstage.daemon.logs import fields
 from ckptstage.daemon.tier import Tier
 from ckptstage.daemon.tiers import as_tier
 from ckptstage.protos import chunks, layout
@@ -125,7 +126,7 @@ class Commits:
             if theirs == attempt and not overwrite:
                 return False
             log.info("replacing %s (attempt %r) by attempt %r's part: the step has no commit record", final,
-                     theirs, attempt)
+                     theirs, attempt, extra=fields(job=job, step=step, attempt=attempt))
             return True
 
         return may_replace
@@ -181,7 +182,8 @@ class Commits:
         stale = self._replaced_here(job, step, attempt, parts)
         if stale:
             log.info("not sealing %s step %d on the shared tier yet: ranks %s there are older than this node's "
-                     "(replaced in place; the new parts are draining)", job, step, stale)
+                     "(replaced in place; the new parts are draining)", job, step, stale,
+                     extra=fields(job=job, step=step, tier=TierName.SHARED))
             return None
         # The index trusts parts by name and inode; a record is forever, so read the manifests themselves.
         fresh: dict[int, Part] = {}
@@ -191,7 +193,8 @@ class Commits:
             again = Part.from_manifest(layout.PartRef(job, step, rank, part.path, part.ino), TierName.SHARED,
                                        manifest, digest)
             if again.attempt != attempt or again.digest != part.digest:
-                log.info("shared %s step %d rank %d changed under the index; not sealing yet", job, step, rank)
+                log.info("shared %s step %d rank %d changed under the index; not sealing yet", job, step, rank,
+                         extra=fields(job=job, step=step, rank=rank, tier=TierName.SHARED))
                 self.catalog.sync_job(TierName.SHARED, shared, job, step)
                 return None
             fresh[rank] = again
@@ -200,7 +203,7 @@ class Commits:
                 # Another node's sweep took a chunk before this part was published; its drain puts it
                 # back, then seals the step itself. Until then the step must not exist.
                 log.info("not sealing %s step %d on the shared tier yet: rank %d lacks %d chunks there",
-                         job, step, rank, len(gone))
+                         job, step, rank, len(gone), extra=fields(job=job, step=step, rank=rank, tier=TierName.SHARED))
                 return None
         return self._publish(TierName.SHARED, job, step, attempt, world, fresh)
 
@@ -229,7 +232,7 @@ class Commits:
                 if sealed is not None:
                     written += 1
                     log.info("wrote the missing %s commit record of %s step %d (attempt %r)", tier.value, job,
-                             ckpt.step, sealed.attempt)
+                             ckpt.step, sealed.attempt, extra=fields(job=job, step=ckpt.step, tier=tier))
         return written
 
     def _publish(self, tier: TierName, job: str, step: int, attempt: str, world: int,
@@ -242,19 +245,21 @@ class Commits:
         if storage.create_commit_record(where, record):
             self.catalog.set_record(tier, record, storage.record_version(where))
             log.info("committed %s step %d on the %s tier: %d ranks of attempt %r", job, step, tier.value, world,
-                     attempt)
+                     attempt, extra=fields(job=job, step=step, tier=tier, world_size=world, attempt=attempt))
             return record
         # Another writer (another node's drain, or a racing commit here) created it first.
         try:
             theirs = storage.read_commit_record(where)
         except layout.ManifestError as e:
-            log.error("the %s commit record %s is not trusted: %s", tier.value, final, e)
+            log.error("the %s commit record %s is not trusted: %s", tier.value, final, e,
+                      extra=fields(job=job, step=step, tier=tier, error=e))
             return None
         if theirs is None:
             return None
         if theirs.attempt != attempt:
             log.warning("%s step %d is committed on the %s tier by attempt %r; the parts of attempt %r there "
-                        "are stragglers", job, step, tier.value, theirs.attempt, attempt)
+                        "are stragglers", job, step, tier.value, theirs.attempt, attempt,
+                        extra=fields(job=job, step=step, tier=tier, attempt=attempt))
         self.catalog.set_record(tier, theirs, storage.record_version(where))
         return theirs
 

@@ -54,6 +54,7 @@ from ckptstage.daemon.chunkstore import ChunkStore
 from ckptstage.daemon.config import SharedConfig
 from ckptstage.daemon.errors import SaveFailed
 from ckptstage.daemon.jobs import DrainHealth, TierHealth
+from ckptstage.daemon.logs import fields
 from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.overwrite import Swapper
 from ckptstage.daemon.tier import ChunkBatch, Manifest, PartWriter, Tier
@@ -219,10 +220,12 @@ class Drainer:
                     self.reachable = False
                     failed = True
                     self._set_tier_error(f"cannot re-read {job} on the shared tier {self.shared_dir}: {e}")
-                    log.warning("cannot re-read %s on the shared tier %s: %s", job, self.shared_dir, e)
+                    log.warning("cannot re-read %s on the shared tier %s: %s", job, self.shared_dir, e,
+                                extra=fields(job=job, tier=TierName.SHARED, error=e))
                     continue
                 if added or dropped:
-                    log.debug("shared tier: %s: %d parts appeared, %d vanished", job, added, dropped)
+                    log.debug("shared tier: %s: %d parts appeared, %d vanished", job, added, dropped,
+                              extra=fields(job=job, tier=TierName.SHARED))
             if not failed:
                 self._set_tier_error(None)
         self.requeue()
@@ -242,12 +245,14 @@ class Drainer:
         except OSError as e:
             self.reachable = False
             self._set_tier_error(f"cannot index the shared tier {self.shared_dir}: {e}")
-            log.error("shared tier %s unreachable: %s (draining will retry)", self.shared_dir, e)
+            log.error("shared tier %s unreachable: %s (draining will retry)", self.shared_dir, e,
+                      extra=fields(tier=TierName.SHARED, error=e))
             return False
         self._shared_indexed = True
         self.reachable = True
         self._set_tier_error(None)
-        log.info("shared tier %s: %d committed parts, %d temporaries removed", self.shared_dir, n, removed)
+        log.info("shared tier %s: %d committed parts, %d temporaries removed", self.shared_dir, n, removed,
+                 extra=fields(tier=TierName.SHARED, parts=n, temporaries_removed=removed))
         return True
 
     def start(self) -> None:
@@ -456,7 +461,8 @@ class Drainer:
         try:
             self.recover()
         except Exception:  # noqa: BLE001 - logged; the timer's refresh cannot index, so say it loudly
-            log.exception("indexing the shared tier %s failed; draining is stopped", self.shared_dir)
+            log.exception("indexing the shared tier %s failed; draining is stopped", self.shared_dir,
+                          extra=fields(tier=TierName.SHARED))
 
     def _work(self) -> None:
         fsutil.lower_thread_priority(self._nice)
@@ -471,7 +477,7 @@ class Drainer:
             try:
                 self._drain_one(key, part)
             except Exception as e:  # a worker must survive anything one part does
-                log.exception("unexpected error draining %s step %d rank %d", *key)
+                log.exception("unexpected error draining %s step %d rank %d", *key, extra=_fields(part, error=e))
                 self._retry(key, part, e)
 
     def _drain_one(self, key: Key, part: Part) -> None:
@@ -487,7 +493,7 @@ class Drainer:
                 # A replacement (save with overwrite) took the part's place while it was copied: its
                 # files changed under the copy. Nothing is wrong with either; the new part is queued.
                 log.info("%s step %d rank %d was replaced while it drained (%s); draining the new part",
-                         *key, e)
+                         *key, e, extra=_fields(part, error=e))
                 with self._cond:
                     self._draining.discard(key)
                     self._cond.notify_all()
@@ -544,7 +550,8 @@ class Drainer:
                                                         f"shared tier: {e.strerror}"))
                 return
             except layout.ManifestError as e:
-                log.warning("cannot re-read %s step %d on the shared tier: %s", part.job, part.step, e)
+                log.warning("cannot re-read %s step %d on the shared tier: %s", part.job, part.step, e,
+                            extra=fields(job=part.job, step=part.step, tier=TierName.SHARED, error=e))
         with self._cond:
             self._draining.discard(key)
             if self._parts.get(key) is part:
@@ -568,7 +575,8 @@ class Drainer:
             self._cond.notify_all()
         log.info("drained %s step %d rank %d to %s (%d bytes, %.2fs)%s", part.job, part.step, part.rank,
                  self.shared_dir, part.nbytes, elapsed,
-                 "" if published else "; it replaces the step there once every rank's part has arrived")
+                 "" if published else "; it replaces the step there once every rank's part has arrived",
+                 extra=_fields(part, duration_s=elapsed))
         try:
             for shared in drained:
                 self._on_drained(shared)
@@ -618,10 +626,12 @@ class Drainer:
         self.reachable = False
         self.metrics.drain_retries.inc()
         log.warning("drain of %s step %d rank %d failed (attempt %d): %s; retrying in %.1fs; the local copy "
-                    "stays", part.job, part.step, part.rank, attempt, error, delay)
+                    "stays", part.job, part.step, part.rank, attempt, error, delay,
+                    extra=_fields(part, error=error, attempt=attempt, retry_in_s=delay))
 
     def _give_up(self, key: Key, reason: str) -> None:
-        log.error("not draining %s step %d rank %d: %s", *key, reason)
+        log.error("not draining %s step %d rank %d: %s", *key, reason,
+                  extra=fields(job=key[0], step=key[1], rank=key[2], tier=TierName.SHARED, error=reason))
         with self._cond:
             self._draining.discard(key)
             self._parts.pop(key, None)
@@ -833,6 +843,12 @@ class Drainer:
             out.sync()
         finally:
             out.close()
+
+
+def _fields(part: Part, duration_s: float | None = None, error: object = None, **more: object) -> dict[str, object]:
+    """The log fields of a drain of ``part`` (to the shared tier)."""
+    return fields(job=part.job, step=part.step, rank=part.rank, tier=TierName.SHARED, bytes=part.nbytes,
+                  duration_s=duration_s, error=error, **more)
 
 
 def _record_on(storage: Tier, step: Path) -> layout.CommitRecord | None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from ckptstage.daemon import tierpath
 from ckptstage.daemon.tierpath import check_contained  # noqa: F401 - used by callers as fsutil.check_contained
+from ckptstage.daemon.logs import fields
 from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
@@ -278,7 +279,8 @@ def clean_temporaries(tier_dir: Path, owner: str) -> int:
     root = layout.tmp_root(tier_dir, owner)
     check_contained(tier_dir, root.parent)
     if root.is_symlink():
-        log.warning("removing the symbolic link %s planted where this daemon keeps its temporaries", root)
+        log.warning("removing the symbolic link %s planted where this daemon keeps its temporaries", root,
+                    extra=fields(path=root))
         root.unlink()
         return 1
     if not root.is_dir():
@@ -339,4 +341,5 @@ def lower_thread_priority(nice: int) -> None:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
     except OSError as e:  # not Linux, or a sandbox forbids it: run at normal priority
-        log.debug("cannot lower the priority of thread %s: %s", threading.current_thread().name, e)
+        log.debug("cannot lower the priority of thread %s: %s", threading.current_thread().name, e,
+                  extra=fields(error=e))

@@ -15,6 +15,7 @@ from ckptstage.daemon.chunkstore import ChunkStore
 from ckptstage.daemon.config import Config
 from ckptstage.daemon.drainer import Drainer
 from ckptstage.daemon.job_rules import JobRetention, JobRules
+from ckptstage.daemon.logs import fields
 from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.tier import Tier
 from ckptstage.daemon.tiers import open_tiers
@@ -133,7 +134,7 @@ class Janitor:
             tiers.append(tier)
         self._drop_staged(job, step)
         log.info("deleted %s step %d on request: %d parts, %d bytes, from %s", job, step, parts, nbytes,
-                 " and ".join(t.value for t in tiers) or "nowhere")
+                 " and ".join(t.value for t in tiers) or "nowhere", extra=fields(job=job, step=step, bytes=nbytes))
         return Deleted(parts, nbytes, tuple(tiers))
 
     def _drop_staged(self, job: str, step: int) -> None:
@@ -145,7 +146,7 @@ class Janitor:
             storage = self.tiers[tier]
             if storage.discard_temporary(overwrite.staged_step_dir(storage.root, self.owner, job, step)):
                 log.info("deleted the replacement of %s step %d being assembled on the %s tier", job, step,
-                         tier.value)
+                         tier.value, extra=fields(job=job, step=step, tier=tier))
         if self.drainer is not None:
             self.drainer.forget_step(job, step)
 
@@ -284,7 +285,8 @@ class Janitor:
         try:
             swept = store.sweep(job)
         except OSError as e:
-            log.error("retention could not sweep the chunks of %s on %s: %s", job, tier.value, e)
+            log.error("retention could not sweep the chunks of %s on %s: %s", job, tier.value, e,
+                      extra=fields(job=job, tier=tier, error=e))
             return
         self.metrics.chunks_swept.labels(tier.value).inc(swept.removed)
         self.metrics.chunk_bytes_swept.labels(tier.value).inc(swept.freed)
@@ -299,9 +301,11 @@ class Janitor:
         except FileNotFoundError:
             return  # another node's daemon deleted it
         except OSError as e:
-            log.error("retention could not delete %s: %s", where / layout.COMMIT_FILE, e)
+            log.error("retention could not delete %s: %s", where / layout.COMMIT_FILE, e,
+                      extra=fields(job=job, step=step, tier=tier, error=e))
             return
-        log.info("retention: deleted the commit record of %s step %d on %s (%s)", job, step, tier.value, why)
+        log.info("retention: deleted the commit record of %s step %d on %s (%s)", job, step, tier.value, why,
+                 extra=fields(job=job, step=step, tier=tier, reason=why))
 
     def _delete(self, action: GcAction) -> None:
         ckpt = self.catalog.get(action.job, action.step)
@@ -330,16 +334,21 @@ class Janitor:
         except FileNotFoundError:
             # Gone already: another node's daemon applied the same rule to this step.
             self.catalog.remove(part)
-            log.debug("retention: %s was already deleted", part.path)
+            log.debug("retention: %s was already deleted", part.path, extra=_fields(part))
             return True
         except OSError as e:
-            log.error("retention could not delete %s: %s", part.path, e)
+            log.error("retention could not delete %s: %s", part.path, e, extra=_fields(part, error=e))
             return False
         self.catalog.remove(part)
         self.metrics.evictions.labels(tier.value, retention.rule_name(reason)).inc()
         log.info("retention: deleted %s step %d rank %d from %s (%s, %d bytes; attempt %r)", part.job, part.step,
-                 part.rank, tier.value, reason, part.nbytes, part.attempt)
+                 part.rank, tier.value, reason, part.nbytes, part.attempt, extra=_fields(part, reason=reason))
         return True
+
+
+def _fields(part: Part, error: object = None, reason: str | None = None) -> dict[str, object]:
+    return fields(job=part.job, step=part.step, rank=part.rank, tier=part.tier, bytes=part.nbytes, error=error,
+                  reason=reason)
 
 
 def _nbytes(records: list[retention.Record], step: int) -> int:

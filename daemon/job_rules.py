@@ -11,6 +11,7 @@ from typing import Any
 
 from ckptstage.daemon import fsutil
 from ckptstage.daemon.errors import InvalidRequest
+from ckptstage.daemon.logs import fields
 from ckptstage.daemon.tier import Tier
 from ckptstage.daemon.tiers import as_tier
 
@@ -100,7 +101,7 @@ class JobRules:
             saved = fsutil.read_json(self._file, {})
             self._rules = {str(job): JobRetention.parse(rules) for job, rules in saved.items()}
         except (OSError, ValueError, AttributeError) as e:
-            log.error("ignoring job retention overrides in %s: %s", self._file, e)
+            log.error("ignoring job retention overrides in %s: %s", self._file, e, extra=fields(error=e))
 
     def set(self, job: str, rules: JobRetention) -> bool:
         """The job's latest session sets its rules; they outlive the session (and restarts).
@@ -113,12 +114,14 @@ class JobRules:
                 return False  # an empty set is recorded too: it resets what an earlier session asked for
             self._rules = {**self._rules, job: rules}  # readers use the dict without the lock
             log.info("job %s retention overrides: %s", job,
-                     {k: v for k, v in asdict(rules).items() if v} or "none (the operator's rules)")
+                     {k: v for k, v in asdict(rules).items() if v} or "none (the operator's rules)",
+                     extra=fields(job=job))
             snapshot = {j: asdict(r) for j, r in sorted(self._rules.items())}
             try:
                 fsutil.write_json_atomic(self._file, snapshot)
             except OSError as e:
-                log.warning("cannot persist job retention overrides to %s: %s", self._file, e)
+                log.warning("cannot persist job retention overrides to %s: %s", self._file, e,
+                            extra=fields(job=job, tier="local", error=e))
             self._unpublished.add(job)
         return self._shared is not None
 
@@ -132,7 +135,8 @@ class JobRules:
             try:
                 self._shared.write_job_json(job, JOB_RULES_FILE, asdict(rules))
             except OSError as e:
-                log.warning("cannot publish job %s retention overrides on the shared tier: %s (will retry)", job, e)
+                log.warning("cannot publish job %s retention overrides on the shared tier: %s (will retry)", job, e,
+                            extra=fields(job=job, tier="shared", error=e))
                 continue
             with self._lock:
                 if self._rules.get(job) == rules:
@@ -148,5 +152,6 @@ class JobRules:
             try:
                 rules = JobRetention.parse(self._shared.read_job_json(job, JOB_RULES_FILE, {}))
             except (OSError, ValueError, AttributeError) as e:
-                log.warning("ignoring %s: %s", self._shared.root / job / JOB_RULES_FILE, e)
+                log.warning("ignoring %s: %s", self._shared.root / job / JOB_RULES_FILE, e,
+                            extra=fields(job=job, tier="shared", error=e))
         return rules or JobRetention()

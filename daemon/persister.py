@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 from ckptstage.daemon.chunkstore import ChunkStore, PartChunks
 from ckptstage.daemon.errors import InvalidRequest, SaveFailed
 from ckptstage.daemon.fsutil import lower_thread_priority
+from ckptstage.daemon.logs import fields
 from ckptstage.daemon.manifest_check import SaveSpec
-from ckptstage.daemon.tier import DataSink, PartWriter
+from ckptstage.daemon.tier import DataSink, PartWriter, TierName
 from ckptstage.protos import layout
 
 if TYPE_CHECKING:
@@ -154,8 +155,9 @@ class Persister:
         save.release_chunks()
         if save.writer is not None:
             save.writer.abort()
-        log.warning("save %s (%s step %d rank %d) failed: %s", save.id, save.spec.job, save.spec.step,
-                    save.spec.rank, reason)
+        spec = save.spec
+        log.warning("save %s (%s step %d rank %d) failed: %s", save.id, spec.job, spec.step, spec.rank, reason,
+                    extra=fields(job=spec.job, step=spec.step, rank=spec.rank, tier=_tier(save), error=reason))
         self._on_failure(save)
 
     def shutdown(self, wait: bool) -> None:
@@ -246,6 +248,10 @@ class Persister:
                 return
             data_file, save.file = save.file, None
         data_file.close()
+
+
+def _tier(save: Save) -> TierName:
+    return TierName.MEMORY if save.memory_only else TierName.LOCAL
 
 
 def _where(save: Save) -> str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptstage.daemon.catalog import Catalog, Part
+from ckptstage.daemon.logs import fields
 from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.tier import Tier, TierName
 from ckptstage.daemon.tiers import as_tier, holding
@@ -66,7 +67,7 @@ class Quarantine:
                 return
             self._pending.add(part.path)
         log.warning("%s copy of %s step %d rank %d reported corrupt (%s); re-verifying it", part.tier.value,
-                    part.job, part.step, part.rank, detail)
+                    part.job, part.step, part.rank, detail, extra=_fields(part, error=detail))
         self._pool.submit(self._check, part, detail)
 
     def moved(self, job: str) -> list[Quarantined]:
@@ -94,14 +95,15 @@ class Quarantine:
             verdict = self._own_verdict(part)
         except OSError as e:
             self._metrics.corrupt_reports.labels(tier, "unreadable").inc()
-            log.error("cannot re-verify %s (%s): nothing is hidden", part.path, e)
+            log.error("cannot re-verify %s (%s): nothing is hidden", part.path, e, extra=_fields(part, error=e))
             return
         finally:
             with self._lock:
                 self._pending.discard(part.path)
         if verdict is None:
             self._metrics.corrupt_reports.labels(tier, "intact").inc()
-            log.warning("%s verifies: the report (%s) was wrong, the copy stays", part.path, detail)
+            log.warning("%s verifies: the report (%s) was wrong, the copy stays", part.path, detail,
+                        extra=_fields(part))
             return
         self._move_aside(part, verdict)
         # Counted once the copy is out of sight: whoever sees the count sees the quarantine done.
@@ -134,16 +136,21 @@ class Quarantine:
             try:
                 moved = storage.quarantine_chunk(failure.path)
                 if moved is not None:
-                    log.error("quarantined the corrupt chunk %s as %s", failure.path, moved)
+                    log.error("quarantined the corrupt chunk %s as %s", failure.path, moved,
+                              extra=_fields(part, error=why))
             except OSError as e:
-                log.error("cannot quarantine the chunk %s: %s", failure.path, e)
+                log.error("cannot quarantine the chunk %s: %s", failure.path, e, extra=_fields(part, error=e))
         self._catalog.remove(part)
         try:
             target = storage.quarantine_part(part.path)
         except OSError as e:
-            log.error("cannot quarantine %s: %s (it is no longer indexed)", part.path, e)
+            log.error("cannot quarantine %s: %s (it is no longer indexed)", part.path, e, extra=_fields(part, error=e))
             return
         with self._lock:
             self._moved.append(Quarantined(part.job, part.step, part.rank, part.tier.value, target, why))
         log.error("quarantined the %s copy of %s step %d rank %d as %s: %s", part.tier.value, part.job,
-                  part.step, part.rank, target, why)
+                  part.step, part.rank, target, why, extra=_fields(part, error=why))
+
+
+def _fields(part: Part, error: object = None) -> dict[str, object]:
+    return fields(job=part.job, step=part.step, rank=part.rank, tier=part.tier, bytes=part.nbytes, error=error)

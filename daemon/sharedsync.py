@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptstage.daemon.catalog import Catalog, TierName
+from ckptstage.daemon.logs import fields
 from ckptstage.daemon.tier import Tier
 from ckptstage.daemon.tiers import as_tier
 
@@ -112,7 +113,8 @@ class SharedSync:
             added, dropped = self.catalog.sync_job(TierName.SHARED, self.shared, job, step)
             if added or dropped:
                 log.debug("shared tier: %s%s: %d parts appeared, %d vanished", job,
-                          "" if step is None else f" step {step}", added, dropped)
+                          "" if step is None else f" step {step}", added, dropped,
+                          extra=fields(job=job, step=step, tier=TierName.SHARED))
             with self._lock:
                 self._synced[key] = max(self._synced.get(key, float("-inf")), sync.started)
                 if step is None:  # the whole job re-read: its older one-step re-reads say nothing more
@@ -120,9 +122,10 @@ class SharedSync:
                                 and t <= sync.started]:
                         del self._synced[old]
         except OSError as e:
-            log.warning("cannot re-read %s on the shared tier %s: %s", job, self.shared.root, e)
+            log.warning("cannot re-read %s on the shared tier %s: %s", job, self.shared.root, e,
+                        extra=fields(job=job, step=step, tier=TierName.SHARED, error=e))
         except Exception:  # noqa: BLE001 - a re-read must always settle, or its key would stay "running"
-            log.exception("re-reading %s on the shared tier failed", job)
+            log.exception("re-reading %s on the shared tier failed", job, extra=fields(job=job, tier=TierName.SHARED))
         finally:
             with self._lock:
                 self._running.pop(key, None)
@@ -142,6 +145,6 @@ class SharedSync:
                 for job in sorted((on_tier - known) | ((asked | self._watched()) & on_tier)):
                     self._kick((job, None))
             except OSError as e:
-                log.debug("shared tier discovery: %s", e)
+                log.debug("shared tier discovery: %s", e, extra=fields(tier=TierName.SHARED, error=e))
             except Exception:  # noqa: BLE001 - the thread must outlive one bad pass
-                log.exception("shared tier discovery pass failed")
+                log.exception("shared tier discovery pass failed", extra=fields(tier=TierName.SHARED))

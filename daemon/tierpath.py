@@ -21,6 +21,8 @@ import stat
 import threading
 from pathlib import Path
 
+from ckptstage.daemon.logs import fields
+
 log = logging.getLogger(__name__)
 
 RESOLVE_TIMEOUT_S = 2.0
@@ -111,9 +113,10 @@ def check_disjoint(local: Path, shared: Path, timeout_s: float = RESOLVE_TIMEOUT
     real_local = _resolver.resolve(local, timeout_s)
     real_shared = _resolver.resolve(shared, timeout_s)
     if real_local is None or real_shared is None:
+        late = shared if real_shared is None else local
         log.warning("cannot resolve %s within %gs (hung file system?): the tiers are not yet checked for "
-                    "overlap; checked again before the shared tier is used",
-                    shared if real_shared is None else local, timeout_s)
+                    "overlap; checked again before the shared tier is used", late, timeout_s,
+                    extra=fields(path=late, duration_s=timeout_s))
         return False
     if tiers_overlap(real_local, real_shared):
         raise TiersOverlap(local, shared, real_local, real_shared)

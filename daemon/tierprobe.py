@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptstage.daemon.logs import fields
 from ckptstage.daemon.tier import Tier
 from ckptstage.daemon.tiers import as_tier
 
@@ -71,7 +72,8 @@ class TierProbe:
             with self._lock:
                 was, self._ok, self._since = self._ok, False, None
             if was is not False:
-                log.warning("%s tier %s cannot be probed: %s", self.name, self.path, e)
+                log.warning("%s tier %s cannot be probed: %s", self.name, self.path, e,
+                            extra=fields(tier=self.name, error=e))
             return
         with self._lock:
             self._free, self._ok, self._since = free, True, None
