@@ -134,11 +134,7 @@ class DataFile:
 
 def fsync_file(path: Path) -> None:
     """Makes a file's bytes durable (it was written through another descriptor, or by another process)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    layout.fsync_path(path)
 
 
 def write_file_durable(path: Path, data: bytes, dir_fd: int | None = None) -> None:

@@ -235,25 +235,9 @@ def scan_tier(tier_dir: Path, job: str | None = None, step: int | None = None) -
     links are never followed: a link planted in a tier (to a job directory
     elsewhere, say) would make retention delete files outside the tier.
     """
-    if not tier_dir.is_dir():
-        return
-    jobs = [tier_dir / check_job(job)] if job is not None else [
-        Path(e.path) for e in _entries(tier_dir) if _JOB_RE.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
-    for job_dir in jobs:
-        if job_dir.is_symlink():
-            continue
-        steps = [job_dir / step_dirname(step)] if step is not None else [
-            Path(e.path) for e in _entries(job_dir) if _STEP_RE.fullmatch(e.name)]
-        for sdir in steps:
-            m = _STEP_RE.fullmatch(sdir.name)
-            if sdir.is_symlink():
-                continue
-            for rank_entry in _entries(sdir):
-                r = _RANK_RE.fullmatch(rank_entry.name)
-                if m and r and rank_entry.is_dir(follow_symlinks=False) and \
-                        os.path.isfile(os.path.join(rank_entry.path, MANIFEST_FILE)):
-                    yield PartRef(job_dir.name, int(m.group(1)), int(r.group(1)), Path(rank_entry.path),
-                                  rank_entry.inode())
+    for name in [job] if job is not None else scan_jobs(tier_dir):
+        for sref in scan_steps(tier_dir, name, step):
+            yield from sref.parts
 
 
 def _entries(path: str | Path) -> list[os.DirEntry[str]]:
@@ -301,13 +285,19 @@ def chunk_count(size: int, chunk_bytes: int) -> int:
     return max(1, -(-size // chunk_bytes))
 
 
-def fsync_dir(path: Path) -> None:
-    """Makes a directory's entries (creations, renames, unlinks) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def fsync_path(path: Path, directory: bool = False) -> None:
+    """Makes a file's bytes durable (written through another descriptor, or by another process), or a
+    directory's entries (creations, renames, unlinks)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECTORY if directory else 0))
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Makes a directory's entries (creations, renames, unlinks) durable."""
+    fsync_path(path, directory=True)
 
 
 # --- the manifest -------------------------------------------------------------
