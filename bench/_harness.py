@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptstage.daemon.launcher import MODULE, DaemonProcess  # no torch in the daemon package
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -75,83 +77,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Daemon:
-    """A real ``ckptstaged`` subprocess: own socket, tiers, config file and log.
+class Daemon(DaemonProcess):
+    """A real ``ckptstaged`` subprocess (:class:`~ckptstage.daemon.launcher.DaemonProcess`): own socket,
+    tiers, config file and log under ``root``; ``start()`` returns once it is ready.
 
     ``settings`` are dotted config keys (``{"shared.max_bandwidth": "200MiB/s"}``)
     applied over the benchmark defaults below, then validated and written as
     TOML by the daemon's own ``load_config``/``dump_config``. ``metrics=True``
-    serves Prometheus on a free port (see :meth:`scrape`).
+    serves Prometheus on a free port (see :meth:`scrape`). A/B runs of a
+    modified daemon: ``CKPTBENCH_DAEMON_MODULE=my_patched_main`` (on PYTHONPATH).
     """
 
     def __init__(self, root: Path, local: Path, shared: Path | None = None, metrics: bool = False,
                  **settings: Any) -> None:
-        from ckptstage.daemon.config import dump_config, load_config  # no torch in the daemon package
-
-        self.root = root
-        self.local = local
-        self.shared = shared
-        self.socket = root / "run" / "ckptstage.sock"
-        self.log = root / "daemon.log"
-        self.config_path = root / "ckptstaged.toml"
-        self.metrics_url = ""
-        overrides: dict[str, Any] = {"socket": str(self.socket), "local.dir": str(local),
-                                     "shared.dir": str(shared) if shared else "",
-                                     # benchmarks keep what they write: no eviction under a timed save
-                                     "local.keep_last": 100, "shared.keep_last": 100}
+        defaults: dict[str, Any] = {"local.dir": str(local), "shared.dir": str(shared) if shared else "",
+                                    # benchmarks keep what they write: no eviction under a timed save
+                                    "local.keep_last": 100, "shared.keep_last": 100}
         if metrics:
-            port = free_port()
-            overrides["metrics.listen"] = f"127.0.0.1:{port}"
-            self.metrics_url = f"http://127.0.0.1:{port}/metrics"
-        overrides.update(settings)
-        root.mkdir(parents=True, exist_ok=True)
-        self.config = load_config(None, overrides, env={"HOME": str(root)})
-        self.config_path.write_text(dump_config(self.config))
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def start(self, timeout: float = 60.0) -> Daemon:
-        from ckptstage.client.rpc import Connection
-
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        # A/B runs of a modified daemon: CKPTBENCH_DAEMON_MODULE=my_patched_main (on PYTHONPATH).
-        module = os.environ.get("CKPTBENCH_DAEMON_MODULE", "ckptstage.daemon.main")
-        with open(self.log, "ab") as logf:
-            self.proc = subprocess.Popen([sys.executable, "-m", module, "--config",
-                                          str(self.config_path), "--log-level", "INFO"],
-                                         stdout=logf, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ckptstaged exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if self.socket.exists():
-                try:
-                    with Connection(self.socket) as conn:
-                        conn.status(timeout=2)
-                    return self
-                except Exception:  # noqa: BLE001 - not serving yet
-                    pass
-            time.sleep(0.05)
-        raise TimeoutError(f"ckptstaged not ready after {timeout}s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+            defaults["metrics.listen"] = f"127.0.0.1:{free_port()}"
+        super().__init__(root, settings, defaults=defaults, log_level="INFO", ready_timeout=60.0,
+                         module=os.environ.get("CKPTBENCH_DAEMON_MODULE", MODULE))
 
     def scrape(self) -> dict[str, float]:
         """The metrics endpoint as ``{'name{label="v"}': value}`` (empty without metrics)."""
@@ -167,12 +112,6 @@ class Daemon:
                 labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return out
-
-    def __enter__(self) -> Daemon:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 # ------------------------------------------------------------------- the state

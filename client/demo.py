@@ -98,46 +98,31 @@ def _daemon(socket: str | None) -> Iterator[Path]:
     try:
         with Connection(path) as conn:
             conn.status(timeout=2)
+        running = True
+    except errors.CkptStageError:
+        running = False
+    if running:
         print(f"using the running ckptstaged on {path}")
         yield path
         return
-    except errors.CkptStageError:
-        pass
+    # Only the orchestrator imports the launcher, and only here: the trainer, and whoever imports the
+    # client, never load the daemon package.
+    from ckptstage.daemon.launcher import DaemonExited, DaemonNotReady, DaemonProcess
+
     with tempfile.TemporaryDirectory(prefix="ckptstage-demo-") as tmp:
         root = Path(tmp)
-        path = root / "run" / "ckptstage.sock"
-        # The client never imports the daemon: the config is written as TOML text.
-        (root / "ckptstaged.toml").write_text(
-            f'socket = "{path}"\n[arena]\nmax_bytes = "256MiB"\nmin_session_bytes = "64MiB"\n'
-            f'[local]\ndir = "{root / "local"}"\n[shared]\ndir = "{root / "shared"}"\nkeep_last = 3\n')
-        log = open(root / "daemon.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", "ckptstage.daemon.main", "--config",
-                                 str(root / "ckptstaged.toml")], stdout=log, stderr=subprocess.STDOUT)
+        daemon = DaemonProcess(root, {"arena.max_bytes": "256MiB", "arena.min_session_bytes": "64MiB",
+                                      "shared.keep_last": 3})
         try:
-            _wait_for(path, proc, root / "daemon.log")
-            print(f"started a temporary ckptstaged (pid {proc.pid}) on {path}\n"
-                  f"  local tier {root / 'local'}, shared tier {root / 'shared'}")
-            yield path
+            daemon.start()
+        except (DaemonExited, DaemonNotReady) as e:
+            raise SystemExit(str(e)) from None
+        try:
+            print(f"started a temporary ckptstaged (pid {daemon.pid}) on {daemon.socket}\n"
+                  f"  local tier {daemon.local}, shared tier {daemon.shared}")
+            yield daemon.socket
         finally:
-            proc.terminate()
-            proc.wait(timeout=60)
-            log.close()
-
-
-def _wait_for(path: Path, proc: subprocess.Popen[bytes], log: Path, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"ckptstaged exited early:\n{log.read_text()}")
-        if path.exists():
-            try:
-                with Connection(path) as conn:
-                    conn.status(timeout=2)
-                return
-            except errors.CkptStageError:
-                pass
-        time.sleep(0.1)
-    raise SystemExit(f"ckptstaged did not come up in {timeout}s:\n{log.read_text()}")
+            daemon.stop()
 
 
 def _run_trainer(socket: Path, job: str, steps: int, every: int, kill_at: int | None) -> dict[int, float]:
