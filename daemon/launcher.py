@@ -88,6 +88,8 @@ class DaemonProcess:
     also set them and call :meth:`write_config` to point the daemon elsewhere.
     """
 
+    config: Config  # the daemon's configuration as last written (or read from the given file)
+
     def __init__(self, root: Path, settings: Mapping[str, Any] | None = None, *, config: Path | None = None,
                  defaults: Mapping[str, Any] | None = None, log_level: str | None = None,
                  args: Sequence[str] = (), env: Mapping[str, str] | None = None, module: str = MODULE,
@@ -297,18 +299,22 @@ class _NotifySocket:
 
     def __init__(self, path: Path) -> None:
         self._sock = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_DGRAM | socketlib.SOCK_CLOEXEC)
-        self._sock.setsockopt(socketlib.SOL_SOCKET, socketlib.SO_PASSCRED, 1)  # the sender's pid with each
         self._path: Path | None = None
-        if len(os.fsencode(path)) <= _MAX_UNIX_PATH:
-            path.unlink(missing_ok=True)  # left by a launcher that was killed
-            self._sock.bind(str(path))
-            os.chmod(path, 0o600)
-            self._path = path
-            self.address = str(path)
-        else:  # a root too deep for a socket path: an abstract name (Linux), "@..." in NOTIFY_SOCKET
-            name = f"ckptstage-notify-{os.getpid()}-{secrets.token_hex(8)}"
-            self._sock.bind("\0" + name)
-            self.address = "@" + name
+        try:
+            self._sock.setsockopt(socketlib.SOL_SOCKET, socketlib.SO_PASSCRED, 1)  # the sender's pid with each
+            if len(os.fsencode(path)) <= _MAX_UNIX_PATH:
+                path.unlink(missing_ok=True)  # left by a launcher that was killed
+                self._sock.bind(str(path))
+                os.chmod(path, 0o600)
+                self._path = path
+                self.address = str(path)
+            else:  # a root too deep for a socket path: an abstract name (Linux), "@..." in NOTIFY_SOCKET
+                name = f"ckptstage-notify-{os.getpid()}-{secrets.token_hex(8)}"
+                self._sock.bind("\0" + name)
+                self.address = "@" + name
+        except OSError:
+            self._sock.close()
+            raise
         self._cond = threading.Condition()
         self._messages: list[tuple[int, str]] = []
         self._closing = False

@@ -89,6 +89,20 @@ def test_only_ready_from_the_daemon_process_itself_counts(tmp_path: Path, monkey
         d.stop()
 
 
+def test_a_daemon_that_never_sends_ready_is_ready_once_it_answers(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # A daemon module whose source has no sd_notify (an older ckptstaged, a patched copy in an A/B
+    # benchmark): the launcher gives it no NOTIFY_SOCKET and waits for a Status call to answer instead.
+    (tmp_path / "plain_ckptstaged.py").write_text("import sys\nfrom ckptstage.daemon.main import main\n"
+                                                  "sys.exit(main())\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert not sends_ready("plain_ckptstaged")
+    with DaemonProcess(tmp_path / "n", SMALL, module="plain_ckptstaged", env={"PYTHONPATH": str(tmp_path)}) as d:
+        with Connection(d.socket) as conn:
+            assert conn.call("Status", pb.StatusRequest(), timeout=2, wait_for_ready=False).pid == d.pid
+        assert d.notifications == [] and not (d.root / "notify.sock").exists()
+
+
 def test_a_startup_error_raises_with_the_key_and_exit_status_78(tmp_path: Path) -> None:
     d = DaemonProcess(tmp_path / "n", {**SMALL, "metrics.listen": "192.0.2.1:9464"})  # TEST-NET-1: not ours
     with pytest.raises(DaemonExited) as info:
