@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 
 from ckptstage.daemon.errors import ArenaFull
+from ckptstage.daemon.logs import fields
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,8 @@ class Arena:
         try:
             self.map.close()
         except BufferError:  # a writer still holds a slice; the GC unmaps it later
-            log.warning("arena %s still referenced at close", self.path.name)
+            log.warning("arena %s still referenced at close", self.path.name,
+                        extra=fields(tier="memory", bytes=self.size, arena=self.path.name))
 
 
 def _populate() -> int:

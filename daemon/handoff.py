@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ckptstage.daemon.logs import fields
 from ckptstage.daemon.memtier import MemoryTier
 from ckptstage.daemon.metrics import Metrics
 from ckptstage.protos.handoff import MAX_REQUEST_BYTES, bindable, parse_lifeline, parse_request
@@ -89,7 +90,7 @@ class HandoffServer:
             try:
                 kept = self._answer(conn, time.monotonic() + REQUEST_S)
             except (OSError, ValueError) as e:
-                log.info("memory handoff: %s", e)
+                log.info("memory handoff: %s", e, extra=fields(tier="memory", error=e))
             finally:
                 if not kept:
                     conn.close()

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from ckptstage.daemon.catalog import Catalog, Checkpoint
+from ckptstage.daemon.logs import fields
 
 log = logging.getLogger(__name__)
 
@@ -70,5 +71,6 @@ class IncompleteSteps:
             log.warning("%s step %d is still %s after %.0fs. If only some ranks save (e.g. rank 0 under data "
                         "parallelism), create the Client with world_size=1 in every process; if ranks died, "
                         "this step will never be restorable (retention removes it once a newer one completes)",
-                        ckpt.job, ckpt.step, why_incomplete(ckpt), self.clock() - ckpt.created)
+                        ckpt.job, ckpt.step, why_incomplete(ckpt), self.clock() - ckpt.created,
+                        extra=fields(job=ckpt.job, step=ckpt.step, reason=why_incomplete(ckpt)))
         return len(stuck)

@@ -27,8 +27,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ckptstage.daemon.arena import Arena, Budget
+from ckptstage.daemon.logs import fields
 from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
@@ -134,7 +136,7 @@ class MemoryTier:
         newest = self._newest_complete(resident.job)
         if newest is not None and newest > resident.step:
             log.info("memory tier: not keeping %s step %d rank %d: step %d is newer", resident.job, resident.step,
-                     resident.rank, newest)
+                     resident.rank, newest, extra=_fields(resident, newer_step=newest))
             return False  # a session that closes after its job moved on: a restart would not read it
         try:
             manifest = resident.manifest if resident.manifest is not None else \
@@ -142,7 +144,7 @@ class MemoryTier:
             layout.parse_manifest_file(manifest, resident.where / layout.MANIFEST_FILE)  # a torn read is refused
         except (OSError, layout.ManifestError) as e:
             log.info("memory tier: not keeping %s step %d rank %d: %s", resident.job, resident.step,
-                     resident.rank, e)
+                     resident.rank, e, extra=_fields(resident, error=e))
             return False
         copy = MemoryCopy(resident, manifest, layout.chunk_digest(manifest), time.monotonic(), time.time())
         with self._lock:
@@ -306,7 +308,8 @@ class MemoryTier:
 
     def _free(self, copy: MemoryCopy, why: str) -> None:
         r = copy.resident
-        log.info("memory tier: dropped %s step %d rank %d (%d bytes): %s", r.job, r.step, r.rank, r.size, why)
+        log.info("memory tier: dropped %s step %d rank %d (%d bytes): %s", r.job, r.step, r.rank, r.size, why,
+                 extra=_fields(r, bytes=r.size, reason=why))
         r.arena.close()
         self._budget.release(r.arena.size)
         copy.freed = True
@@ -330,8 +333,9 @@ class MemoryTier:
             try:
                 ok, why = (False, "dropped") if copy.dropped else _image_matches(copy)
             except Exception as e:  # noqa: BLE001 - the copy must settle (and its budget go back) whatever failed
+                # Unexpected (a bug, not a bad copy): the traceback is wanted.
                 log.exception("memory tier: checking %s step %d rank %d failed", copy.resident.job,
-                              copy.resident.step, copy.resident.rank)
+                              copy.resident.step, copy.resident.rank, extra=_fields(copy.resident, error=e))
                 ok, why = False, f"the check failed: {e}"
             with self._lock:
                 self._pending.remove(copy)
@@ -339,7 +343,8 @@ class MemoryTier:
                     if not copy.dropped:
                         copy.dropped = True
                         log.info("memory tier: %s step %d rank %d not kept: %s", copy.resident.job,
-                                 copy.resident.step, copy.resident.rank, why)
+                                 copy.resident.step, copy.resident.rank, why,
+                                 extra=_fields(copy.resident, reason=why))
                     self._free(copy, why)
                     continue
                 older = self._copies.get(copy.key)
@@ -354,7 +359,12 @@ class MemoryTier:
                 self._wake.notify_all()
                 r = copy.resident
                 log.info("memory tier: keeping %s step %d rank %d (%d bytes) for a restart on this node",
-                         r.job, r.step, r.rank, r.size)
+                         r.job, r.step, r.rank, r.size, extra=_fields(r, bytes=r.size))
+
+
+def _fields(r: Resident, bytes: int | None = None, error: object = None, **more: object) -> dict[str, Any]:
+    """The log fields of one rank's part in the memory tier."""
+    return fields(job=r.job, step=r.step, rank=r.rank, tier="memory", bytes=bytes, error=error, **more)
 
 
 def _image_matches(copy: MemoryCopy) -> tuple[bool, str]:

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from ckptstage.daemon import fsutil
 from ckptstage.daemon.catalog import Catalog, Part, TierName
+from ckptstage.daemon.logs import fields
 from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ def staged_parts(tier_dir: Path, owner: str, job: str, step: int, tier: TierName
         try:
             out.append(Part.from_disk(layout.PartRef(job, step, rank, entry, fsutil.inode(entry)), tier))
         except (OSError, layout.ManifestError) as e:
-            log.warning("ignoring the staged part %s: %s", entry, e)
+            log.warning("ignoring the staged part %s: %s", entry, e,
+                        extra=fields(job=job, step=step, rank=rank, tier=tier, error=e))
     return out
 
 
@@ -109,7 +111,7 @@ class Swapper:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         log.info("replaced %s step %d on the %s tier: %d ranks of attempt %r", job, step, tier.value,
-                 record.world_size, record.attempt)
+                 record.world_size, record.attempt, extra=fields(job=job, step=step, tier=tier, attempt=record.attempt))
         return moved
 
     def _exchange(self, tier_dir: Path, staged: Path, final: Path) -> Path | None:
@@ -156,10 +158,11 @@ def recover(tier_dir: Path, owner: str) -> int:
                 os.rename(sdir, final)
                 fsutil.fsync_dir(final.parent)
             except (OSError, layout.ManifestError) as e:
-                log.error("cannot finish the replacement of %s step %d on %s: %s", job_dir.name, step, tier_dir, e)
+                log.error("cannot finish the replacement of %s step %d on %s: %s", job_dir.name, step, tier_dir, e,
+                          extra=fields(job=job_dir.name, step=step, path=tier_dir, error=e))
                 continue
             log.info("finished the replacement of %s step %d on %s that a crash interrupted", job_dir.name, step,
-                     tier_dir)
+                     tier_dir, extra=fields(job=job_dir.name, step=step, path=tier_dir))
             done += 1
     return done
 
