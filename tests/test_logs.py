@@ -188,3 +188,21 @@ def test_a_daemon_logging_json_reports_saves_and_failed_drains_with_their_fields
     assert "Not a directory" in failure["error"] and "retry_in_s" in failure, failure
     # An expected condition: one line, no traceback anywhere.
     assert not [o for o in lines if "exc_info" in o or "Traceback" in o["message"]]
+
+
+def test_a_configuration_error_is_one_line_of_the_chosen_format(tmp_path: Path) -> None:
+    import subprocess
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[retention]\ninterval_s = 0.000001\n")
+    base = [sys.executable, "-m", "ckptstage.daemon.main", "--config", str(bad)]
+    as_json = subprocess.run([*base, "--log-format", "json"], capture_output=True, text=True, timeout=60)
+    [line] = as_json.stderr.splitlines()
+    obj = json.loads(line)
+    assert (as_json.returncode, obj["level"], obj["priority"]) == (78, "ERROR", 3)
+    assert "retention.interval_s" in obj["message"] and obj["error"] == obj["message"]
+    prefixed = subprocess.run([*base, "--log-format", "journal"], capture_output=True, text=True, timeout=60)
+    if not logs.journal_socket_present():  # else the line went to the journal
+        [line] = prefixed.stderr.splitlines()
+        assert line.startswith("<3>ckptstaged: ") and "retention.interval_s" in line
+    assert prefixed.returncode == 78
