@@ -32,7 +32,6 @@ from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.errors import AlreadyExists
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.tier import Tier
-from ckptstage.daemon.tiers import as_tier
 from ckptstage.protos import chunks, layout
 
 log = logging.getLogger(__name__)
@@ -62,14 +61,13 @@ def complete_attempt(parts: list[Part]) -> tuple[str, int, dict[int, Part]] | No
 class Commits:
     """Writes commit records, and judges whether a (job, step, rank) may be saved again."""
 
-    def __init__(self, catalog: Catalog, local: Tier | Path, shared: Tier | Path | None, owner: str,
+    def __init__(self, catalog: Catalog, local: Tier, shared: Tier | None, owner: str,
                  clock: Callable[[], float] = time.time) -> None:
-        """``local`` and ``shared`` are the tiers' storage (a path: the file-system tier there; no shared
-        tier: None)."""
+        """``local`` and ``shared`` are the tiers' storage (no shared tier: None)."""
         self.catalog = catalog
-        self.tiers = {TierName.LOCAL: as_tier(local, owner)}
+        self.tiers = {TierName.LOCAL: local}
         if shared is not None:
-            self.tiers[TierName.SHARED] = as_tier(shared, owner)
+            self.tiers[TierName.SHARED] = shared
         self.owner = owner
         self.clock = clock
 
@@ -102,16 +100,16 @@ class Commits:
                                     "with overwrite=True to replace it")
         return False
 
-    def replacer(self, where: Tier | Path, job: str, step: int, attempt: str,
+    def replacer(self, tier: TierName, job: str, step: int, attempt: str,
                  overwrite: bool = False) -> Callable[[Path], bool]:
         """The ``replace`` policy of a :class:`PartWriter <ckptstage.daemon.tier.PartWriter>` committing a
-        part of ``attempt`` to the tier ``where``.
+        part of ``attempt`` to ``tier``.
 
         A part already at the destination may be replaced only when the step
         has no commit record, neither on that tier nor in the index (any
         tier), and the part belongs to another attempt (or ``overwrite``).
         """
-        storage = as_tier(where, self.owner)
+        storage = self.tiers[tier]
 
         def may_replace(final: Path) -> bool:
             if storage.has_commit_record(final.parent):

@@ -58,7 +58,6 @@ from ckptstage.daemon.logs import fields
 from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.overwrite import Swapper
 from ckptstage.daemon.tier import ChunkBatch, Manifest, PartWriter, Tier
-from ckptstage.daemon.tiers import as_tier
 from ckptstage.protos import chunks, layout
 
 log = logging.getLogger(__name__)
@@ -138,17 +137,14 @@ _REMEMBER_DRAINED = 100_000
 
 
 class Drainer:
-    def __init__(self, config: SharedConfig, local_dir: Tier | Path, owner: str, catalog: Catalog, metrics: Metrics,
+    def __init__(self, config: SharedConfig, owner: str, catalog: Catalog, metrics: Metrics,
                  on_drained: Callable[[Part], None], on_corrupt: Callable[[Part, str], None] | None = None,
                  on_indexed: Callable[[], None] | None = None, nice: int = 0,
                  on_published: Callable[[Part], None] | None = None, swapper: Swapper | None = None,
                  chunk_stores: dict[TierName, ChunkStore] | None = None,
-                 clock: Callable[[], float] = time.time, tiers: Mapping[TierName, Tier] | None = None) -> None:
-        """``tiers``: the local and shared tiers' storage; by default the file-system tiers of ``local_dir``
-        and ``config.dir``."""
-        assert config.dir is not None
-        self.tiers = dict(tiers) if tiers is not None else {
-            TierName.LOCAL: as_tier(local_dir, owner), TierName.SHARED: as_tier(config.dir, owner)}
+                 clock: Callable[[], float] = time.time, *, tiers: Mapping[TierName, Tier]) -> None:
+        """``tiers``: the local and shared tiers' storage."""
+        self.tiers = dict(tiers)
         self.shared = self.tiers[TierName.SHARED]
         self._clock = clock  # wall time of failures (what operators read)
         self._chunk_stores = chunk_stores or {}  # where incremental parts' chunks land, per destination tier

@@ -18,7 +18,6 @@ from ckptstage.daemon.job_rules import JobRetention, JobRules
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.tier import Tier
-from ckptstage.daemon.tiers import open_tiers
 from ckptstage.protos import chunks, layout
 
 log = logging.getLogger(__name__)
@@ -53,11 +52,11 @@ class Janitor:
 
     def __init__(self, config: Config, catalog: Catalog, metrics: Metrics, owner: str, drainer: Drainer | None,
                  job_rules: JobRules, in_flight: Callable[[str, int, int], bool],
-                 chunk_stores: dict[TierName, ChunkStore] | None = None,
-                 tiers: Mapping[TierName, Tier] | None = None) -> None:
-        """``tiers``: each tier's storage; by default the file-system tiers of ``config``'s directories."""
+                 chunk_stores: dict[TierName, ChunkStore] | None = None, *,
+                 tiers: Mapping[TierName, Tier]) -> None:
+        """``tiers``: each disk tier's storage (no shared tier: no entry)."""
         self.config = config
-        self.tiers = dict(tiers) if tiers is not None else open_tiers(config, owner)
+        self.tiers = dict(tiers)
         self.catalog = catalog
         self.metrics = metrics
         self.owner = owner

@@ -5,13 +5,14 @@ the memory tier's; the node gathers the inputs, the servicer puts the records on
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckptstage.daemon.catalog import Checkpoint, Part, TierName
 from ckptstage.daemon.errors import CheckpointNotFound
 from ckptstage.daemon.memtier import MemoryStep
 from ckptstage.daemon.quarantine import Quarantined
+from ckptstage.daemon.tier import Tier
 
 MEMORY_ONLY = "memory-only"  # the drain state of a step only the memory tier holds
 
@@ -82,17 +83,21 @@ def memory_entry(kept: MemoryStep) -> CheckpointEntry:
         attempt=kept.attempt)
 
 
-def locations(parts: Sequence[Part], in_memory: bool) -> list[Location]:
-    """One rank's copies, best first: the memory tier's (when it holds the committed part), then the local
-    and shared tiers' directories."""
-    out = [Location(p.tier, str(p.path)) for p in parts]
+def locations(parts: Sequence[Part], in_memory: bool, tiers: Mapping[TierName, Tier]) -> list[Location]:
+    """One rank's copies, best first: the memory tier's (when it holds the committed part), then the
+    directories where a reader on this node opens the local and shared tiers' copies (a copy of a tier
+    that cannot be read directly is left out: see :meth:`Tier.readable_path`)."""
+    out = [Location(p.tier, str(path)) for p in parts if p.tier in tiers
+           for path in [tiers[p.tier].readable_path(p.path)] if path is not None]
     return [Location(TierName.MEMORY, None)] + out if parts and in_memory else out
 
 
-def located(ckpt: Checkpoint, rank: int, all_ranks: bool, in_memory: Callable[[int], bool]) -> Located:
-    """Where the committed step's parts are; ``in_memory(rank)``: whether the memory tier serves that rank's."""
+def located(ckpt: Checkpoint, rank: int, all_ranks: bool, in_memory: Callable[[int], bool],
+            tiers: Mapping[TierName, Tier]) -> Located:
+    """Where the committed step's parts are; ``in_memory(rank)``: whether the memory tier serves that rank's;
+    ``tiers``: the storage of each disk tier, which says where its parts are read."""
     def where(r: int) -> list[Location]:
-        return locations(ckpt.committed(r), in_memory(r))
+        return locations(ckpt.committed(r), in_memory(r), tiers)
 
     record = ckpt.record
     every = {r: where(r) for r in range(ckpt.world_size)} if all_ranks else {}

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptstage.daemon import arena as arena_mod
-from ckptstage.daemon import fsutil
 from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.chunkstore import ChunkStore
 from ckptstage.daemon import overwrite as overwrite_mod
@@ -53,7 +52,9 @@ from ckptstage.daemon.quarantine import Quarantine
 from ckptstage.daemon.sessions import Session, SessionInfo, SessionTable
 from ckptstage.daemon.sharedsync import SharedSync
 from ckptstage.daemon.status import NodeStatus, StatusReader
+from ckptstage.daemon.tier import PartWriter
 from ckptstage.daemon.tierprobe import TierProbe
+from ckptstage.daemon.tiers import open_tiers
 from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
@@ -118,8 +119,12 @@ class Node:
         self.budget.reclaim = self.memory.reclaim  # kept copies make way for sessions that need the room
         self.sessions = SessionTable()
         self.owner = node_name(config.local.dir)
+        # The storage of each disk tier: everything below the node reaches a tier through these.
+        self.tiers = open_tiers(config, self.owner)
+        local = self.tiers[TierName.LOCAL]
+        shared = self.tiers.get(TierName.SHARED)
         self.catalog = Catalog(config.local.dir / STATE_DIR / "pins.json")
-        self.job_rules = JobRules(config.local.dir / STATE_DIR / "job-retention.json", config.shared.dir)
+        self.job_rules = JobRules(config.local.dir / STATE_DIR / "job-retention.json", shared)
         self._threads: list[threading.Thread] = []
         self._saves: dict[str, Save] = {}  # in flight
         self._settled: OrderedDict[str, SettledSave] = OrderedDict()  # bounded: MAX_SETTLED_SAVES
@@ -130,42 +135,36 @@ class Node:
         self._settled_cond = threading.Condition(self._saves_lock)
         self._stopping = threading.Event()
         self._shared_wake = threading.Event()  # job rules changed: publish them now
-        self.tier_probes: dict[TierName, TierProbe] = {TierName.LOCAL: TierProbe("local", config.local.dir)}
-        if config.shared.dir is not None:
-            self.tier_probes[TierName.SHARED] = TierProbe("shared", config.shared.dir)
+        disk_tiers = {name: tier for name, tier in self.tiers.items() if name in (TierName.LOCAL, TierName.SHARED)}
+        self.tier_probes = {name: TierProbe(name.value, tier) for name, tier in disk_tiers.items()}
         grace = config.persist.chunk_grace_s
-        self.chunk_stores = {TierName.LOCAL: ChunkStore(config.local.dir, self.owner, grace)}
-        if config.shared.enabled:
-            assert config.shared.dir is not None
-            self.chunk_stores[TierName.SHARED] = ChunkStore(config.shared.dir, self.owner, grace)
+        self.chunk_stores = {name: ChunkStore(tier, self.owner, grace) for name, tier in disk_tiers.items()}
         self.persister = Persister(config.persist.workers, self._on_commit, self._on_failure, self._on_progress,
                                    config.persist.nice)
-        self.commits = Commits(self.catalog, config.local.dir, config.shared.dir if config.shared.enabled else None,
-                               self.owner, clock)
+        self.commits = Commits(self.catalog, local, shared, self.owner, clock)
         self.swapper = overwrite_mod.Swapper(self.catalog, self.owner)
         self.drainer: Drainer | None = None
         self.shared_sync: SharedSync | None = None
-        if config.shared.enabled:
-            assert config.shared.dir is not None
-            self.drainer = Drainer(config.shared, config.local.dir, self.owner, self.catalog, self.metrics,
+        if shared is not None:
+            self.drainer = Drainer(config.shared, self.owner, self.catalog, self.metrics,
                                    on_drained=lambda part: self.apply_retention(part.job, trigger="drain"),
                                    on_corrupt=lambda part, why: self.report_corrupt(
                                        part.job, part.step, part.rank, TierName.LOCAL, why),
                                    on_indexed=self._on_shared_indexed,
                                    nice=config.persist.nice,
                                    on_published=lambda part: self.commits.seal_shared(part.job, part.step),
-                                   swapper=self.swapper, chunk_stores=self.chunk_stores)
-            self.shared_sync = SharedSync(self.catalog, config.shared.dir,
+                                   swapper=self.swapper, chunk_stores=self.chunk_stores, tiers=disk_tiers)
+            self.shared_sync = SharedSync(self.catalog, shared,
                                           watched=lambda: {s.info.job for s in self.sessions.all()})
-        self.quarantine = Quarantine(self.catalog, self.metrics)
+        self.quarantine = Quarantine(self.catalog, self.metrics, tiers=disk_tiers)
         self.incomplete = IncompleteSteps(self.catalog, config.retention.incomplete_after_s,
                                           busy=lambda job, step: any(s.spec.job == job and s.spec.step == step
                                                                      for s in self._live_saves()), clock=clock)
         self.janitor = Janitor(config, self.catalog, self.metrics, self.owner, self.drainer, self.job_rules,
-                               self._in_flight, self.chunk_stores)
+                               self._in_flight, self.chunk_stores, tiers=disk_tiers)
         self._pins_lock = threading.Lock()  # a pin's check and change, one caller at a time
-        self._status = StatusReader(config.local.dir, config.shared.dir, self.catalog, self.sessions, self.budget,
-                                    self.memory, self.drainer, self.tier_probes, self.job_summaries, self.started)
+        self._status = StatusReader(disk_tiers, self.catalog, self.sessions, self.budget, self.memory, self.drainer,
+                                    self.tier_probes, self.job_summaries, self.started)
         self.metrics.add_state(self._probe())
 
     # --- life cycle -------------------------------------------------------------
@@ -181,18 +180,19 @@ class Node:
         shared tier's refresh and retention on the same cadence, the tier
         probes, and the reaper of sessions that never attached.
         """
-        fsutil.makedirs_durable(self.config.local.dir)
-        overwrite_mod.recover(self.config.local.dir, self.owner)  # before the temporaries go
-        removed = fsutil.clean_temporaries(self.config.local.dir, self.owner)
+        local = self.tiers[TierName.LOCAL]
+        local.prepare()
+        overwrite_mod.recover(local.root, self.owner)  # before the temporaries go
+        removed = local.clean_temporaries()
         stale = arena_mod.sweep_stale()
-        n_local = self.catalog.load_tier(TierName.LOCAL, self.config.local.dir)
-        self.quarantine.load_tier(TierName.LOCAL.value, self.config.local.dir)
+        n_local = self.catalog.load_tier(TierName.LOCAL, local)
+        self.quarantine.load_tier(TierName.LOCAL)
         self.catalog.prune_drained()
         # A crash between a step's last local part and its commit record: the record is written now.
         self.commits.seal_all(TierName.LOCAL)
         self.job_rules.load()
         log.info("local tier %s: %d committed parts, %d temporaries removed, %d stale arenas removed",
-                 self.config.local.dir, n_local, removed, stale,
+                 local.root, n_local, removed, stale,
                  extra=fields(tier=TierName.LOCAL, parts=n_local, temporaries_removed=removed, stale_arenas=stale))
         for probe in self.tier_probes.values():
             probe.start()
@@ -312,23 +312,24 @@ class Node:
                                  f"{info.attempt!r}")
         if self._in_flight(info.job, step, info.rank):
             raise AlreadyExists(f"step {step} of job {info.job!r} rank {info.rank} is being saved; save a new step")
-        local = self.config.local.dir
+        local = self.tiers[TierName.LOCAL]
         staged = self.commits.check_begin(info.job, step, info.rank, info.attempt, overwrite)
         if staged or (overwrite and self.catalog.has(info.job, step, info.rank)):
             # Replacing what is saved already (whole, or this rank's part in place): every rank must save
             # through this daemon, so that it alone decides what each tier's step is made of.
             self._check_replaceable_here(info, step)
         base = session.stream_base_for_next_save(stream_base)  # may refuse: before any file is created
-        writer: fsutil.PartWriter | None = None
+        writer: PartWriter | None = None
         if self._memory_only(session, step, data_bytes, base, overwrite or staged):
             pass  # kept in the arena only: no file
         elif staged:
-            writer = fsutil.PartWriter(local, self.owner, info.job, step, info.rank, replace=lambda _: True,
-                                       final=overwrite_mod.staged_part_dir(local, self.owner, info.job, step,
-                                                                           info.rank))
+            writer = local.begin_part(info.job, step, info.rank, replace=lambda _: True,
+                                      final=overwrite_mod.staged_part_dir(local.root, self.owner, info.job, step,
+                                                                          info.rank))
         else:
-            writer = fsutil.PartWriter(local, self.owner, info.job, step, info.rank,
-                                       replace=self.commits.replacer(local, info.job, step, info.attempt, overwrite))
+            writer = local.begin_part(info.job, step, info.rank,
+                                      replace=self.commits.replacer(TierName.LOCAL, info.job, step, info.attempt,
+                                                                    overwrite))
         try:
             save = Save(uuid.uuid4().hex[:16], session.id, spec, session.arena,
                         base, session.chunk_bytes, writer,
@@ -337,7 +338,7 @@ class Node:
         except (OSError, OverflowError, ValueError) as e:
             if writer is not None:
                 writer.abort()
-            raise SaveFailed(f"cannot create the data file for step {step} on {self.config.local.dir}: {e}") from e
+            raise SaveFailed(f"cannot create the data file for step {step} on {local.root}: {e}") from e
         except BaseException:
             if writer is not None:
                 writer.abort()
@@ -449,7 +450,7 @@ class Node:
                 return listing.memory_located(kept, rank, all_ranks)
         ckpt, _ = self.locate(job, step, rank, all_ranks)
         return listing.located(ckpt, rank, all_ranks,
-                               lambda r: memory and self.memory.has(ckpt.job, ckpt.step, r))
+                               lambda r: memory and self.memory.has(ckpt.job, ckpt.step, r), self.tiers)
 
     def locate(self, job: str, step: int | None, rank: int, all_ranks: bool = False) -> tuple[Checkpoint, list[Part]]:
         """The complete step (the newest when ``step`` is None) and ``rank``'s copies of the committed
@@ -631,7 +632,7 @@ class Node:
     def _on_staged_commit(self, save: Save) -> None:
         """A part of a replacement is committed in the staging area: swap the step in once every rank's is."""
         spec = save.spec
-        local = self.config.local.dir
+        local = self.tiers[TierName.LOCAL].root
         attempt = layout.manifest_attempt(spec.manifest)
         staged = [p for p in overwrite_mod.staged_parts(local, self.owner, spec.job, spec.step, TierName.LOCAL)
                   if p.attempt == attempt]
@@ -661,7 +662,7 @@ class Node:
         assert save.committed_path is not None
         if save.chunks is not None:
             self.metrics.chunks_reused.labels("local").inc(save.chunks.reused_bytes)
-        if overwrite_mod.is_staged(self.config.local.dir, self.owner, save.committed_path):
+        if overwrite_mod.is_staged(self.tiers[TierName.LOCAL].root, self.owner, save.committed_path):
             self.metrics.saves_committed.labels("local").inc()
             self.metrics.bytes_persisted.labels("local").inc(save.spec.data_bytes)
             self.memory.drop_job(save.spec.job, save.spec.step)  # the step is being replaced

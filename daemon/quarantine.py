@@ -25,7 +25,6 @@ from ckptstage.daemon.catalog import Catalog, Part
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.tier import Tier, TierName
-from ckptstage.daemon.tiers import as_tier, holding
 from ckptstage.protos import chunks, layout
 
 log = logging.getLogger(__name__)
@@ -47,14 +46,13 @@ class Quarantined:
 
 
 class Quarantine:
-    def __init__(self, catalog: Catalog, metrics: Metrics, verify: Callable[[Path], None] | None = None,
-                 tiers: Mapping[TierName, Tier] | None = None) -> None:
-        """``tiers``: each tier's storage (a tier indexed by :meth:`load_tier` is added; a part of a tier not
-        given is taken for a file-system tier's). ``verify(part)`` replaces the tier's own verification."""
+    def __init__(self, catalog: Catalog, metrics: Metrics, tiers: Mapping[TierName, Tier],
+                 verify: Callable[[Path], None] | None = None) -> None:
+        """``tiers``: each disk tier's storage. ``verify(part)`` replaces the tier's own verification."""
         self._catalog = catalog
         self._metrics = metrics
         self._verify = verify
-        self._tiers = dict(tiers or {})
+        self._tiers = dict(tiers)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="quarantine")
         self._lock = threading.Lock()
         self._pending: set[Path] = set()
@@ -75,16 +73,17 @@ class Quarantine:
         with self._lock:
             return [q for q in self._moved if q.job == job]
 
-    def load_tier(self, tier: str, source: Tier | Path) -> int:
-        """Finds copies quarantined before a restart (``<tier>/<job>/step-*/.corrupt-*``); returns how many."""
-        storage = self._tiers.setdefault(TierName(tier), as_tier(source))
-        found = storage.list_quarantined()
+    def load_tier(self, tier: TierName) -> int:
+        """Finds copies quarantined on ``tier`` before a restart (``<tier>/<job>/step-*/.corrupt-*``); returns
+        how many."""
+        found = self._tiers[tier].list_quarantined()
         with self._lock:
-            self._moved += [Quarantined(q.job, q.step, q.rank, tier, q.location, "found at start") for q in found]
+            self._moved += [Quarantined(q.job, q.step, q.rank, tier.value, q.location, "found at start")
+                            for q in found]
         return len(found)
 
     def _storage(self, part: Part) -> Tier:
-        return self._tiers.get(part.tier) or holding(part.path)
+        return self._tiers[part.tier]
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

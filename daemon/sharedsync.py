@@ -27,12 +27,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from ckptstage.daemon.catalog import Catalog, TierName
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.tier import Tier
-from ckptstage.daemon.tiers import as_tier
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +44,12 @@ class _Sync:
 
 
 class SharedSync:
-    def __init__(self, catalog: Catalog, shared: Tier | Path, max_age_s: float = 1.0, wait_s: float = 0.75,
+    def __init__(self, catalog: Catalog, shared: Tier, max_age_s: float = 1.0, wait_s: float = 0.75,
                  interval_s: float = 1.0, watch_s: float = 60.0, max_threads: int = 8,
                  watched: Callable[[], set[str]] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.catalog = catalog
-        self.shared = as_tier(shared)
+        self.shared = shared
         self.max_age_s = max_age_s
         self.wait_s = wait_s
         self.interval_s = interval_s

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from ckptstage.daemon.arena import Budget
 from ckptstage.daemon.catalog import Catalog, TierName
@@ -21,6 +20,7 @@ from ckptstage.daemon.drainer import Drainer
 from ckptstage.daemon.jobs import JobSummary, TierHealth
 from ckptstage.daemon.memtier import MemoryTier
 from ckptstage.daemon.sessions import SessionTable
+from ckptstage.daemon.tier import Tier
 from ckptstage.daemon.tierprobe import TierProbe
 
 # TierReport.state values.
@@ -83,10 +83,11 @@ def tier_state(enabled: bool, reachable: bool | None, health: TierHealth | None)
 class StatusReader:
     """Builds :class:`NodeStatus` from the node's parts (injected, so that it reads and never owns them)."""
 
-    def __init__(self, local_dir: Path, shared_dir: Path | None, catalog: Catalog, sessions: SessionTable,
-                 budget: Budget, memory: MemoryTier, drainer: Drainer | None, probes: dict[TierName, TierProbe],
+    def __init__(self, tiers: Mapping[TierName, Tier], catalog: Catalog, sessions: SessionTable,
+                 budget: Budget, memory: MemoryTier, drainer: Drainer | None, probes: Mapping[TierName, TierProbe],
                  jobs: Callable[[], list[JobSummary]], started: float | None = None) -> None:
-        self._dirs = {TierName.LOCAL: local_dir, TierName.SHARED: shared_dir}
+        """``tiers``: the storage of each disk tier the node has (no shared tier: no entry)."""
+        self._tiers = tiers
         self._catalog = catalog
         self._sessions = sessions
         self._budget = budget
@@ -107,12 +108,13 @@ class StatusReader:
             memory_parts=len(self._memory.copies()), memory_bytes=self._memory.bytes_kept, jobs=self._jobs())
 
     def tier(self, tier: TierName) -> TierReport:
-        path = self._dirs[tier]
+        storage = self._tiers.get(tier)
         parts = list(self._catalog.all_parts(tier))
         probe = self._probes.get(tier)
         reading = probe.reading() if probe is not None else None
         health = self._drainer.tier_health() if tier == TierName.SHARED and self._drainer else None
-        state, error, when = tier_state(path is not None, reading.reachable if reading else None, health)
-        return TierReport(tier, str(path or ""), path is not None, bool(reading and reading.reachable),
+        state, error, when = tier_state(storage is not None, reading.reachable if reading else None, health)
+        return TierReport(tier, str(storage.root) if storage is not None else "", storage is not None,
+                          bool(reading and reading.reachable),
                           sum(p.nbytes for p in parts), (reading.free_bytes or 0) if reading else 0, len(parts),
                           state, error, when)

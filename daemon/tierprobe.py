@@ -18,7 +18,6 @@ from pathlib import Path
 
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.tier import Tier
-from ckptstage.daemon.tiers import as_tier
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +31,13 @@ class Reading:
 class TierProbe:
     """Probes one tier every ``interval_s`` on its own thread; :meth:`reading` never blocks."""
 
-    def __init__(self, name: str, where: Tier | Path, interval_s: float = 5.0, hung_after_s: float = 2.0,
+    def __init__(self, name: str, tier: Tier, interval_s: float = 5.0, hung_after_s: float = 2.0,
                  free_bytes: Callable[[Path], int] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """``where`` is the tier's storage (a path: the file-system tier there); ``free_bytes(root)``
-        replaces its :meth:`Tier.usage` as the measurement."""
+        """``tier`` is the tier's storage; ``free_bytes(root)`` replaces its :meth:`Tier.usage` as the
+        measurement."""
         self.name = name
-        self.tier = as_tier(where)
+        self.tier = tier
         self.path = self.tier.root
         self._interval = interval_s
         self._hung_after = hung_after_s
