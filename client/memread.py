@@ -83,21 +83,18 @@ def _verify(view: memoryview, entry: layout.FileEntry, where: Path) -> None:
         raise layout.ChecksumMismatch(where, "the manifest's chunk list does not cover the image")
     block, n = entry.chunk_bytes, len(entry.digests)
 
-    def first_bad(lo: int, hi: int) -> int | None:
-        return next((i for i in range(lo, hi)
-                     if layout.chunk_digest(view[i * block:(i + 1) * block]) != entry.digests[i]), None)
+    def check(lo: int, hi: int) -> None:
+        layout.verify_blocks(view[lo * block:hi * block], entry, lo, where)
 
     threads = max(1, min(VERIFY_THREADS, n // 8))  # a small part: one thread, no pool
-    cuts = [n * k // threads for k in range(threads + 1)]
     if threads == 1:
-        bad = [first_bad(0, n)]
-    else:
-        with ThreadPoolExecutor(threads, thread_name_prefix="ckptstage-verify") as pool:
-            bad = list(pool.map(first_bad, cuts[:-1], cuts[1:]))
-    i = next((b for b in bad if b is not None), None)
-    if i is not None:
-        raise layout.ChecksumMismatch(where, f"block {i} (bytes {i * block}-{min((i + 1) * block, entry.size)})"
-                                             " does not match its checksum")
+        check(0, n)
+        return
+    cuts = [n * k // threads for k in range(threads + 1)]
+    with ThreadPoolExecutor(threads, thread_name_prefix="ckptstage-verify") as pool:
+        # In order: the first range that failed raises (its first bad block is the file's first).
+        for _ in pool.map(check, cuts[:-1], cuts[1:]):
+            pass
 
 
 def _tensor(t: layout.TensorEntry, mapped: mmap.mmap, base: int, copy: bool) -> torch.Tensor:

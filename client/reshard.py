@@ -186,14 +186,7 @@ class PartReader:
         files.pread_exact("buffered", [view], offset)
         with self._lock:
             self.bytes_read += len(view)
-        bs = self.file.chunk_bytes
-        for at in range(0, len(view), bs):
-            b = (offset + at) // bs
-            digest = layout.chunk_digest(view[at:at + bs])
-            if digest != self.file.digests[b]:
-                raise layout.ChecksumMismatch(files.path, f"block {b} (bytes {b * bs}..) {layout.CHECKSUM} "
-                                                          f"{digest} != {self.file.digests[b]}"
-                                                          f"{files.where(b * bs, (b + 1) * bs)}")
+        layout.verify_blocks(view, self.file, offset // self.file.chunk_bytes, files.path, files.where)
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from ckptstage.client import tree
 from ckptstage.client.fileplan import dtype_from_name
@@ -214,35 +213,6 @@ def _units(spans: list[_Span], chunk: int) -> list[_Unit]:
     return units
 
 
-class _Verifier:
-    """Hashes the bytes of one unit in file order and checks each digest block as it completes."""
-
-    def __init__(self, file: _File, lo: int) -> None:
-        self.file = file
-        self.pos = lo
-        self.hasher = xxhash.xxh3_64()
-
-    def feed(self, data: memoryview) -> None:
-        chunk = self.file.entry.chunk_bytes
-        while data:
-            take = min(len(data), chunk - self.pos % chunk)
-            self.hasher.update(data[:take])
-            data = data[take:]
-            self.pos += take
-            if self.pos % chunk == 0 or self.pos == self.file.entry.size:
-                self._check((self.pos - 1) // chunk)
-
-    def _check(self, i: int) -> None:
-        digest = self.hasher.hexdigest()
-        self.hasher = xxhash.xxh3_64()
-        want = self.file.entry.digests[i]
-        if digest != want:
-            bs = self.file.entry.chunk_bytes
-            where = self.file.files.where(i * bs, (i + 1) * bs)  # the chunk files holding the block, if any
-            raise layout.ChecksumMismatch(self.file.path, f"chunk {i} (bytes {i * bs}..) {layout.CHECKSUM} "
-                                                          f"{digest} != {want}{where}")
-
-
 class _File:
     """One read_part's data file: its extents' descriptors, its digests, and the reader threads' bounce buffers."""
 
@@ -317,19 +287,18 @@ class _File:
     # ------------------------------------------------------------------ one unit
 
     def _unit(self, u: _Unit, mode: Mode) -> None:
-        verifier = _Verifier(self, u.lo)
+        verifier = layout.BlockVerifier(self.entry, self.path, u.lo, self.files.where)
         io = self.files.pass_over(u.lo, u.hi)
         if mode.kind == "direct":
             self._direct(io, u, verifier)
         else:
             self._buffered(io, CACHED.kind if mode is CACHED else "buffered", u, verifier, mode.request)
-        if verifier.pos != u.hi:
-            raise layout.ChecksumMismatch(self.path, f"bytes {verifier.pos}..{u.hi} were not read")
+        verifier.finish(u.hi)
         io.close()
         with self._lock:
             self.stats.bytes[mode.kind] = self.stats.bytes.get(mode.kind, 0) + u.hi - u.lo
 
-    def _buffered(self, io: _Pass, kind: str, u: _Unit, verifier: _Verifier, request: int) -> None:
+    def _buffered(self, io: _Pass, kind: str, u: _Unit, verifier: layout.BlockVerifier, request: int) -> None:
         """preadv through the page cache into the spans' own bytes, ``request`` bytes per call."""
         pending = list(u.spans)
         while pending:
@@ -348,7 +317,7 @@ class _File:
                 for at in range(0, len(s.view), HASH_BLOCK):
                     verifier.feed(s.view[at:at + HASH_BLOCK])
 
-    def _direct(self, io: _Pass, u: _Unit, verifier: _Verifier) -> None:
+    def _direct(self, io: _Pass, u: _Unit, verifier: layout.BlockVerifier) -> None:
         """O_DIRECT: into windows where a tensor has one, else through the reader's bounce buffer."""
         spans = u.spans
         i = 0
@@ -364,7 +333,7 @@ class _File:
             self._direct_bounce(io, spans[i:j], lo, verifier)
             i = j
 
-    def _direct_window(self, io: _Pass, s: _Span, verifier: _Verifier) -> None:
+    def _direct_window(self, io: _Pass, s: _Span, verifier: layout.BlockVerifier) -> None:
         assert s.window is not None
         pos = s.offset
         while pos < s.end:
@@ -379,7 +348,7 @@ class _File:
             verifier.feed(s.view[pos - s.offset:got - s.offset])
             pos = got
 
-    def _direct_bounce(self, io: _Pass, spans: list[_Span], lo: int, verifier: _Verifier) -> None:
+    def _direct_bounce(self, io: _Pass, spans: list[_Span], lo: int, verifier: layout.BlockVerifier) -> None:
         """One O_DIRECT read of the pages holding ``spans`` (consecutive), then a copy into each.
 
         Hashed and copied block by block, so the copy reads what the hash just brought into the CPU cache.
@@ -490,9 +459,10 @@ class ExtentFiles:
         return range(self.index(lo), self.index(max(lo, hi - 1)) + 1) if self.extents else range(0)
 
     def where(self, lo: int, hi: int) -> str:
-        """`` in <chunk files>`` when bytes [lo, hi) are kept in chunks (for error messages), else nothing."""
+        """`` (chunk files: <paths>)`` when bytes [lo, hi) are kept in chunks (for error messages), else nothing
+        (a :data:`layout.Locate`)."""
         paths = [str(self.extents[i].path) for i in self._range(lo, hi) if self.extents[i].path != self.path]
-        return f" in {', '.join(paths)}" if paths else ""
+        return f" (chunk files: {', '.join(paths)})" if paths else ""
 
     def first(self) -> tuple[int, bool]:
         """(device, whether it takes O_DIRECT) of the first extent's file, opened and its size checked."""

@@ -379,11 +379,13 @@ def _image_matches(copy: MemoryCopy) -> tuple[bool, str]:
         return False, f"the image is {r.size} bytes, the part {entry.size}"
     if len(entry.digests) != layout.chunk_count(entry.size, entry.chunk_bytes):
         return False, "the manifest's block list does not cover the image"
-    block = entry.chunk_bytes
+    block, path = entry.chunk_bytes, r.where / layout.DATA_FILE
     with r.arena.view[r.offset:r.offset + r.size] as image:
-        for i, want in enumerate(entry.digests):
+        for i in range(len(entry.digests)):
             if copy.dropped:  # evicted meanwhile: its memory is wanted now, not after the whole check
                 return False, "dropped while it was checked"
-            if layout.chunk_digest(image[i * block:(i + 1) * block]) != want:
-                return False, f"block {i} was overwritten (a later save began)"
+            try:
+                layout.verify_block(image[i * block:(i + 1) * block], entry, i, path)
+            except layout.ChecksumMismatch as e:
+                return False, f"block {i} was overwritten (a later save began): {e.detail}"
     return True, ""
