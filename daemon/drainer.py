@@ -159,7 +159,7 @@ class Drainer:
         self._on_corrupt = on_corrupt
         self._on_indexed = on_indexed
         self._on_published = on_published  # a part reached the shared tier: re-read its step, seal it
-        self._swapper = swapper or Swapper(catalog, owner)
+        self._swapper = swapper or Swapper(catalog, self.tiers)
         self._stop = threading.Event()
         self._limiter = RateLimiter(config.max_bandwidth, sleep=self._stop.wait)
         self._cond = threading.Condition()
@@ -235,7 +235,7 @@ class Drainer:
         try:
             self.shared.prepare()
             if clean:
-                overwrite.recover(self.shared.root, self.owner)  # before the temporaries go
+                self.shared.recover_staged()  # before the temporaries go
             removed = self.shared.clean_temporaries() if clean else 0
             n = self.catalog.load_tier(TierName.SHARED, self.shared)
         except OSError as e:
@@ -653,14 +653,13 @@ class Drainer:
         record = self._replacement_of(part)
         if record is None:
             return [self._copy(part, TierName.SHARED, rate_limited=True)]
-        root = self.shared.root
-        staged = overwrite.staged_part_dir(root, self.owner, part.job, part.step, part.rank)
+        staged = self.shared.staged_location(part.job, part.step, part.rank)
         self._copy(part, TierName.SHARED, rate_limited=True, final=staged)
-        parts = {p.rank: p for p in overwrite.staged_parts(root, self.owner, part.job, part.step,
-                                                           TierName.SHARED) if p.matches(record)}
+        parts = {p.rank: p for p in overwrite.staged_parts(self.shared, TierName.SHARED, part.job, part.step)
+                 if p.matches(record)}
         if set(parts) != set(range(record.world_size)):
             return []
-        return self._swapper.swap_in(TierName.SHARED, root, record, parts)
+        return self._swapper.swap_in(TierName.SHARED, record, parts)
 
     def _replacement_of(self, part: Part) -> layout.CommitRecord | None:
         """The local commit record that names ``part`` and replaces the step the shared tier holds, if so.

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptstage.daemon import chunkstore, overwrite, retention
+from ckptstage.daemon import chunkstore, retention
 from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.chunkstore import ChunkStore
 from ckptstage.daemon.config import Config
@@ -50,7 +50,7 @@ class Janitor:
     commit runs.
     """
 
-    def __init__(self, config: Config, catalog: Catalog, metrics: Metrics, owner: str, drainer: Drainer | None,
+    def __init__(self, config: Config, catalog: Catalog, metrics: Metrics, drainer: Drainer | None,
                  job_rules: JobRules, in_flight: Callable[[str, int, int], bool],
                  chunk_stores: dict[TierName, ChunkStore] | None = None, *,
                  tiers: Mapping[TierName, Tier]) -> None:
@@ -59,7 +59,6 @@ class Janitor:
         self.tiers = dict(tiers)
         self.catalog = catalog
         self.metrics = metrics
-        self.owner = owner
         self.drainer = drainer
         self.job_rules = job_rules
         self._in_flight = in_flight
@@ -143,7 +142,7 @@ class Janitor:
             if tier == TierName.SHARED and self.drainer is None:
                 continue
             storage = self.tiers[tier]
-            if storage.discard_temporary(overwrite.staged_step_dir(storage.root, self.owner, job, step)):
+            if storage.discard_staged(job, step):
                 log.info("deleted the replacement of %s step %d being assembled on the %s tier", job, step,
                          tier.value, extra=fields(job=job, step=step, tier=tier))
         if self.drainer is not None:

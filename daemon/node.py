@@ -142,7 +142,7 @@ class Node:
         self.persister = Persister(config.persist.workers, self._on_commit, self._on_failure, self._on_progress,
                                    config.persist.nice)
         self.commits = Commits(self.catalog, local, shared, self.owner, clock)
-        self.swapper = overwrite_mod.Swapper(self.catalog, self.owner)
+        self.swapper = overwrite_mod.Swapper(self.catalog, disk_tiers)
         self.drainer: Drainer | None = None
         self.shared_sync: SharedSync | None = None
         if shared is not None:
@@ -160,7 +160,7 @@ class Node:
         self.incomplete = IncompleteSteps(self.catalog, config.retention.incomplete_after_s,
                                           busy=lambda job, step: any(s.spec.job == job and s.spec.step == step
                                                                      for s in self._live_saves()), clock=clock)
-        self.janitor = Janitor(config, self.catalog, self.metrics, self.owner, self.drainer, self.job_rules,
+        self.janitor = Janitor(config, self.catalog, self.metrics, self.drainer, self.job_rules,
                                self._in_flight, self.chunk_stores, tiers=disk_tiers)
         self._pins_lock = threading.Lock()  # a pin's check and change, one caller at a time
         self._status = StatusReader(disk_tiers, self.catalog, self.sessions, self.budget, self.memory, self.drainer,
@@ -182,7 +182,7 @@ class Node:
         """
         local = self.tiers[TierName.LOCAL]
         local.prepare()
-        overwrite_mod.recover(local.root, self.owner)  # before the temporaries go
+        local.recover_staged()  # before the temporaries go
         removed = local.clean_temporaries()
         stale = arena_mod.sweep_stale()
         n_local = self.catalog.load_tier(TierName.LOCAL, local)
@@ -324,8 +324,7 @@ class Node:
             pass  # kept in the arena only: no file
         elif staged:
             writer = local.begin_part(info.job, step, info.rank, replace=lambda _: True,
-                                      final=overwrite_mod.staged_part_dir(local.root, self.owner, info.job, step,
-                                                                          info.rank))
+                                      final=local.staged_location(info.job, step, info.rank))
         else:
             writer = local.begin_part(info.job, step, info.rank,
                                       replace=self.commits.replacer(TierName.LOCAL, info.job, step, info.attempt,
@@ -632,15 +631,14 @@ class Node:
     def _on_staged_commit(self, save: Save) -> None:
         """A part of a replacement is committed in the staging area: swap the step in once every rank's is."""
         spec = save.spec
-        local = self.tiers[TierName.LOCAL].root
         attempt = layout.manifest_attempt(spec.manifest)
-        staged = [p for p in overwrite_mod.staged_parts(local, self.owner, spec.job, spec.step, TierName.LOCAL)
-                  if p.attempt == attempt]
+        staged = [p for p in overwrite_mod.staged_parts(self.tiers[TierName.LOCAL], TierName.LOCAL, spec.job,
+                                                        spec.step) if p.attempt == attempt]
         found = complete_attempt(staged)
         if found is not None:
             _, world, parts = found
             record = self.commits.replacement_record(spec.job, spec.step, attempt, world, parts)
-            for part in self.swapper.swap_in(TierName.LOCAL, local, record, parts):
+            for part in self.swapper.swap_in(TierName.LOCAL, record, parts):
                 if self.drainer is not None:
                     self.drainer.forget(part.job, part.step, part.rank)
                     self.drainer.enqueue(part)
@@ -662,7 +660,8 @@ class Node:
         assert save.committed_path is not None
         if save.chunks is not None:
             self.metrics.chunks_reused.labels("local").inc(save.chunks.reused_bytes)
-        if overwrite_mod.is_staged(self.tiers[TierName.LOCAL].root, self.owner, save.committed_path):
+        spec = save.spec
+        if save.committed_path == self.tiers[TierName.LOCAL].staged_location(spec.job, spec.step, spec.rank):
             self.metrics.saves_committed.labels("local").inc()
             self.metrics.bytes_persisted.labels("local").inc(save.spec.data_bytes)
             self.memory.drop_job(save.spec.job, save.spec.step)  # the step is being replaced
@@ -676,7 +675,6 @@ class Node:
             self._settle(save)
             self.apply_retention(save.spec.job, trigger="commit", shared=False)
             return
-        spec = save.spec
         writer = save.writer
         part = Part(spec.job, spec.step, spec.rank, spec.world_size, TierName.LOCAL, save.committed_path,
                     spec.data_bytes, self.clock(), dict(spec.metrics), layout.manifest_attempt(spec.manifest),

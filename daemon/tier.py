@@ -286,7 +286,41 @@ class Housekeeping(Protocol):
 
 
 @runtime_checkable
-class Tier(PartIndex, PartStorage, ChunkStorage, Housekeeping, Protocol):
+class Replacing(Protocol):
+    """Replacing a committed step whole (a save with overwrite; the rules are :mod:`ckptstage.daemon.overwrite`'s).
+
+    The replacement's parts are published out of sight, in this daemon's
+    staging area for the step, and the whole step takes the old one's place
+    once every rank's part is there: readers see the old step or the new one,
+    never a mix, also after a crash at any point.
+    """
+
+    def staged_location(self, job: str, step: int, rank: int) -> Path:
+        """Where a replacement's part of (job, step) is published (``begin_part(..., final=...)``): in this
+        daemon's temporaries, in no listing but :meth:`list_staged` and :meth:`ChunkStorage.list_manifests`."""
+
+    def list_staged(self, job: str, step: int) -> list[layout.PartRef]:
+        """The parts of the replacement of (job, step) published so far (their manifest is there), by rank."""
+
+    def swap_in(self, record: layout.CommitRecord) -> bool:
+        """Makes the staged replacement of ``record``'s step the step, whole: ``record`` becomes its commit
+        record and the step in place (if any) goes. False when nothing is staged (swapped in already).
+
+        A crash part way leaves what :meth:`recover_staged` turns into the old step or the new one."""
+
+    def discard_staged(self, job: str, step: int) -> bool:
+        """Drops the replacement of (job, step) being assembled (the step was deleted); False when there is none."""
+
+    def recover_staged(self) -> int:
+        """Finishes the swaps a crash cut short; returns how many replacements it put in place.
+
+        Runs at start, before :meth:`Housekeeping.clean_temporaries` (which drops every replacement left
+        staged): a staged step whose commit record was written becomes the step only where no step is in
+        place; otherwise the step in place stays (the staged one was never the step, or is the old one)."""
+
+
+@runtime_checkable
+class Tier(PartIndex, PartStorage, ChunkStorage, Housekeeping, Replacing, Protocol):
     """A storage tier, as one daemon (``owner``, the node's name for its temporaries) uses it."""
 
     @property

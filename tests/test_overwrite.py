@@ -13,7 +13,8 @@ from support import drain, two_ranks, wait_until
 
 from ckptstage.client import AlreadyCommitted, Client, InvalidRequest
 from ckptstage.client.restore import read_part
-from ckptstage.daemon import fsutil, overwrite
+from ckptstage.daemon import fsutil
+from ckptstage.daemon.fstier import FsTier
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
@@ -149,7 +150,7 @@ def test_sigkill_before_the_replacement_is_in_place_leaves_the_old_step(daemon_f
 
 
 def _staged_step(tier: Path, owner: str, job: str, step: int, tag: bytes, record: bool) -> Path:
-    sdir = overwrite.staged_step_dir(tier, owner, job, step)
+    sdir = FsTier(tier, owner).staged_location(job, step, 0).parent
     (sdir / "rank-00000").mkdir(parents=True)
     (sdir / "rank-00000" / "marker").write_bytes(tag)
     if record:
@@ -170,7 +171,7 @@ def test_recovery_keeps_exactly_one_of_the_two(tmp_path, old_in_place, record, e
     if old_in_place:
         (final / "rank-00000").mkdir(parents=True)
         (final / "rank-00000" / "marker").write_bytes(b"old")
-    overwrite.recover(tier, owner)
+    FsTier(tier, owner).recover_staged()
     fsutil.clean_temporaries(tier, owner)
     marker = final / "rank-00000" / "marker"
     assert (marker.read_bytes() if marker.exists() else None) == expect
