@@ -51,8 +51,10 @@ from pathlib import Path
 from ckptstage.daemon import fsutil, jobs, overwrite
 from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.chunkstore import ChunkStore
+from ckptstage.daemon.commits import Commits
 from ckptstage.daemon.config import SharedConfig
 from ckptstage.daemon.errors import SaveFailed
+from ckptstage.daemon.events import Bus
 from ckptstage.daemon.jobs import DrainHealth, TierHealth
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.metrics import Metrics
@@ -136,14 +138,37 @@ _PIECE_BYTES = 64 << 20
 _REMEMBER_DRAINED = 100_000
 
 
+@dataclass(frozen=True)
+class Drained:
+    """A local part is committed on the shared tier (``part``: the shared copy) and marked drained.
+
+    Handled before the drain counts as finished (:meth:`Drainer.wait_idle`): whoever waits for that sees
+    what the handlers did (the retention the drain allows)."""
+
+    part: Part
+
+
+@dataclass(frozen=True)
+class CorruptCopy:
+    """The local copy ``part`` fails its own checksums (``detail``): its drain is given up."""
+
+    part: Part
+    detail: str
+
+
+@dataclass(frozen=True)
+class Indexed:
+    """The shared tier is indexed (at start, or once it answered), and the commit records a crash kept
+    from being written are written: the shared tier's rules may run."""
+
+
 class Drainer:
-    def __init__(self, config: SharedConfig, owner: str, catalog: Catalog, metrics: Metrics,
-                 on_drained: Callable[[Part], None], on_corrupt: Callable[[Part, str], None] | None = None,
-                 on_indexed: Callable[[], None] | None = None, nice: int = 0,
-                 on_published: Callable[[Part], None] | None = None, swapper: Swapper | None = None,
-                 chunk_stores: dict[TierName, ChunkStore] | None = None,
-                 clock: Callable[[], float] = time.time, *, tiers: Mapping[TierName, Tier]) -> None:
-        """``tiers``: the local and shared tiers' storage."""
+    def __init__(self, config: SharedConfig, catalog: Catalog, metrics: Metrics, commits: Commits, events: Bus,
+                 swapper: Swapper | None = None, chunk_stores: dict[TierName, ChunkStore] | None = None,
+                 nice: int = 0, clock: Callable[[], float] = time.time, *, tiers: Mapping[TierName, Tier]) -> None:
+        """``tiers``: the local and shared tiers' storage. ``commits`` writes the shared tier's commit records as
+        parts arrive there; ``events`` is where :class:`Drained`, :class:`CorruptCopy` and :class:`Indexed` are
+        published."""
         self.tiers = dict(tiers)
         self.shared = self.tiers[TierName.SHARED]
         self._clock = clock  # wall time of failures (what operators read)
@@ -151,14 +176,11 @@ class Drainer:
         self._nice = nice  # added to the drain threads' niceness ([persist] nice)
         self.config = config
         self.shared_dir = self.shared.root  # what the log names
-        self.owner = owner
         self.catalog = catalog
         self.metrics = metrics
         self.reachable: bool | None = None
-        self._on_drained = on_drained
-        self._on_corrupt = on_corrupt
-        self._on_indexed = on_indexed
-        self._on_published = on_published  # a part reached the shared tier: re-read its step, seal it
+        self._commits = commits
+        self._events = events
         self._swapper = swapper or Swapper(catalog, self.tiers)
         self._stop = threading.Event()
         self._limiter = RateLimiter(config.max_bandwidth, sleep=self._stop.wait)
@@ -173,7 +195,7 @@ class Drainer:
         self._tier_failures = 0                # failed attempts since the last success
         self._done: dict[Key, str] = {}       # drained in this daemon's life (-> manifest digest), oldest first
         self._staged: set[Key] = set()         # copied into a replacement that waits for its other ranks
-        self._settling = 0                     # drains whose retention pass (on_drained) is still running
+        self._settling = 0                     # drains whose Drained event is still being handled
         self._health: dict[str, _Failures] = {}  # per job, since its last successful drain
         self._tier_error: tuple[str, float] | None = None  # the shared tier cannot be indexed / re-read
         self._shared_indexed = False
@@ -186,7 +208,8 @@ class Drainer:
 
         Runs on a thread of its own (see :meth:`start`): the daemon serves
         meanwhile, and copies start only once the tier is indexed. Then queues
-        what is missing there and tells the node (its shared rules may run).
+        what is missing there, writes the commit records a crash kept from being
+        written, and publishes :class:`Indexed`.
         """
         delay = self.config.retry_initial_s
         while not self._index_shared(clean=True):
@@ -196,8 +219,12 @@ class Drainer:
         self.requeue()
         with self._cond:
             self._cond.notify_all()  # the workers wait for the index
-        if self._on_indexed is not None:
-            self._on_indexed()
+        try:
+            self._commits.seal_all(TierName.SHARED)
+        except (OSError, layout.ManifestError) as e:
+            log.warning("cannot complete the shared tier's commit records: %s", e,
+                        extra=fields(tier=TierName.SHARED, error=e))
+        self._events.publish(Indexed())
 
     def refresh(self) -> None:
         """Brings the index of the shared tier up to date (run by the node's shared-tier timer).
@@ -501,8 +528,7 @@ class Drainer:
     def _failed_drain(self, key: Key, part: Part, error: Exception) -> None:
         if isinstance(error, CorruptSource):
             self._give_up(key, f"local copy is corrupt: {error}")
-            if self._on_corrupt is not None:
-                self._on_corrupt(part, str(error))
+            self._events.publish(CorruptCopy(part, str(error)))
         elif isinstance(error, Conflict):
             self._give_up(key, str(error))
         else:
@@ -535,10 +561,10 @@ class Drainer:
             if local is not None and local.digest == shared.digest:
                 self.catalog.mark_drained(shared.job, shared.step, shared.rank, shared.digest)
                 drained.append(shared)
-        if self._on_published is not None and published:
+        if published:
             try:
                 # Other nodes' ranks of this step, and the step's commit record once all are there.
-                self._on_published(published[0])
+                self._commits.seal_shared(part.job, part.step)
             except OSError as e:
                 # The parts are there and the record is not (a full or failing tier): drain the part again,
                 # with the tier's backoff. Its copy is reused, and the record written once it fits.
@@ -575,7 +601,7 @@ class Drainer:
                  extra=_fields(part, duration_s=elapsed))
         try:
             for shared in drained:
-                self._on_drained(shared)
+                self._events.publish(Drained(shared))
         finally:
             if drained:
                 with self._cond:

@@ -26,6 +26,7 @@ from ckptstage.daemon.chunkstore import ChunkStore
 from ckptstage.daemon import overwrite as overwrite_mod
 from ckptstage.daemon.commits import Commits, complete_attempt
 from ckptstage.daemon.config import Config
+from ckptstage.daemon import drainer as drainer_mod
 from ckptstage.daemon.drainer import CorruptSource, Drainer
 from ckptstage.daemon.errors import (
     AlreadyExists,
@@ -47,6 +48,8 @@ from ckptstage.daemon.logs import fields
 from ckptstage.daemon.manifest_check import parse_manifest
 from ckptstage.daemon.memtier import MemoryTier
 from ckptstage.daemon.metrics import Metrics, StateProbe
+from ckptstage.daemon import persister as persister_mod
+from ckptstage.daemon.events import Bus
 from ckptstage.daemon.persister import Persister, Save
 from ckptstage.daemon.quarantine import Quarantine
 from ckptstage.daemon.sessions import Session, SessionInfo, SessionTable
@@ -139,21 +142,17 @@ class Node:
         self.tier_probes = {name: TierProbe(name.value, tier) for name, tier in disk_tiers.items()}
         grace = config.persist.chunk_grace_s
         self.chunk_stores = {name: ChunkStore(tier, self.owner, grace) for name, tier in disk_tiers.items()}
-        self.persister = Persister(config.persist.workers, self._on_commit, self._on_failure, self._on_progress,
-                                   config.persist.nice)
+        # What the persister and the drainer report (see _subscribe): their events, handled in order.
+        self.events = Bus()
+        self.persister = Persister(config.persist.workers, self.events, config.persist.nice)
         self.commits = Commits(self.catalog, local, shared, self.owner, clock)
         self.swapper = overwrite_mod.Swapper(self.catalog, disk_tiers)
         self.drainer: Drainer | None = None
         self.shared_sync: SharedSync | None = None
         if shared is not None:
-            self.drainer = Drainer(config.shared, self.owner, self.catalog, self.metrics,
-                                   on_drained=lambda part: self.apply_retention(part.job, trigger="drain"),
-                                   on_corrupt=lambda part, why: self.report_corrupt(
-                                       part.job, part.step, part.rank, TierName.LOCAL, why),
-                                   on_indexed=self._on_shared_indexed,
-                                   nice=config.persist.nice,
-                                   on_published=lambda part: self.commits.seal_shared(part.job, part.step),
-                                   swapper=self.swapper, chunk_stores=self.chunk_stores, tiers=disk_tiers)
+            self.drainer = Drainer(config.shared, self.catalog, self.metrics, self.commits, self.events,
+                                   swapper=self.swapper, chunk_stores=self.chunk_stores, nice=config.persist.nice,
+                                   tiers=disk_tiers)
             self.shared_sync = SharedSync(self.catalog, shared,
                                           watched=lambda: {s.info.job for s in self.sessions.all()})
         self.quarantine = Quarantine(self.catalog, self.metrics, tiers=disk_tiers)
@@ -165,7 +164,21 @@ class Node:
         self._pins_lock = threading.Lock()  # a pin's check and change, one caller at a time
         self._status = StatusReader(disk_tiers, self.catalog, self.sessions, self.budget, self.memory, self.drainer,
                                     self.tier_probes, self.job_summaries, self.started)
+        self._subscribe()
         self.metrics.add_state(self._probe())
+
+    def _subscribe(self) -> None:
+        """What follows each event of the layers below, on the thread that published it (see
+        :mod:`ckptstage.daemon.events`): a save's commit is booked before its waiters wake, a drain's retention
+        runs before the drain counts as finished."""
+        on = self.events.subscribe
+        on(persister_mod.Progressed, lambda e: self._owner(e.save).notify())
+        on(persister_mod.Committed, lambda e: self._on_commit(e.save))
+        on(persister_mod.Failed, lambda e: self._on_failure(e.save))
+        on(drainer_mod.Drained, lambda e: self.apply_retention(e.part.job, trigger="drain"))
+        on(drainer_mod.CorruptCopy,
+           lambda e: self.report_corrupt(e.part.job, e.part.step, e.part.rank, TierName.LOCAL, e.detail))
+        on(drainer_mod.Indexed, lambda e: self._on_shared_indexed())
 
     # --- life cycle -------------------------------------------------------------
 
@@ -720,9 +733,6 @@ class Node:
         self.metrics.saves_failed.inc()
         self._settle(save)
 
-    def _on_progress(self, save: Save) -> None:
-        self._owner(save).notify()
-
     def _settle(self, save: Save) -> None:
         """A save committed or failed: its session lets go of it, the node keeps a small record."""
         owner = self._owner(save)
@@ -835,13 +845,8 @@ class Node:
                 log.exception("timed shared retention pass failed")
 
     def _on_shared_indexed(self) -> None:
-        """The drainer has indexed the shared tier (at start, or once it answered): records a crash kept
-        from being written are written, then its rules may run."""
-        try:
-            self.commits.seal_all(TierName.SHARED)
-        except (OSError, layout.ManifestError) as e:
-            log.warning("cannot complete the shared tier's commit records: %s", e,
-                        extra=fields(tier=TierName.SHARED, error=e))
+        """The drainer has indexed the shared tier (at start, or once it answered) and written the records a
+        crash kept from being written: its rules may run."""
         for job in self.catalog.jobs():
             self.apply_retention(job, trigger="start", local=False)
 

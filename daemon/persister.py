@@ -7,6 +7,10 @@ reported, so persisting overlaps the client's copy; a written chunk's arena
 space is released at once, which is what lets a state larger than the arena
 stream through it. When the client finishes and the last chunk is written,
 the file is fsynced and the part committed through :class:`PartWriter`.
+
+What becomes of a save is published on the node's event bus
+(:mod:`ckptstage.daemon.events`): :class:`Progressed` after each chunk
+written, then :class:`Committed` or :class:`Failed`, exactly one of them.
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptstage.daemon.chunkstore import ChunkStore, PartChunks
 from ckptstage.daemon.errors import InvalidRequest, SaveFailed
+from ckptstage.daemon.events import Bus
 from ckptstage.daemon.fsutil import lower_thread_priority
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.manifest_check import SaveSpec
@@ -117,16 +122,39 @@ class Save:
         return start, min(start + self.chunk_bytes, self.spec.data_bytes)
 
 
+@dataclass(frozen=True)
+class Progressed:
+    """A chunk of the save is written: its arena space below ``save.released`` is free again."""
+
+    save: Save
+
+
+@dataclass(frozen=True)
+class Committed:
+    """The save is committed: its part published on the local tier (``save.committed_path``), or, kept in
+    memory only, its manifest vouching for the arena's image (``save.memory_manifest``).
+
+    Handled before ``save.local_done`` is set: whoever waits for that finds the handlers' work done.
+    """
+
+    save: Save
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The save failed (``save.error`` says why): its temporary is gone and its arena space free."""
+
+    save: Save
+
+
 class Persister:
     """The node-wide writer pool that turns reported chunks into committed parts."""
 
-    def __init__(self, workers: int, on_commit: Callable[[Save], None],
-                 on_failure: Callable[[Save], None], on_progress: Callable[[Save], None], nice: int = 0) -> None:
+    def __init__(self, workers: int, events: Bus, nice: int = 0) -> None:
+        """``events``: where :class:`Progressed`, :class:`Committed` and :class:`Failed` are published."""
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="persist",
                                         initializer=lower_thread_priority, initargs=(nice,))
-        self._on_commit = on_commit
-        self._on_failure = on_failure
-        self._on_progress = on_progress
+        self._events = events
 
     def progress(self, save: Save, copied_upto: int, finished: bool = False) -> None:
         """Schedules every chunk the client has completely copied."""
@@ -158,7 +186,7 @@ class Persister:
         spec = save.spec
         log.warning("save %s (%s step %d rank %d) failed: %s", save.id, spec.job, spec.step, spec.rank, reason,
                     extra=fields(job=spec.job, step=spec.step, rank=spec.rank, tier=_tier(save), error=reason))
-        self._on_failure(save)
+        self._events.publish(Failed(save))
 
     def shutdown(self, wait: bool) -> None:
         self._pool.shutdown(wait=wait, cancel_futures=not wait)
@@ -201,7 +229,7 @@ class Persister:
             while save.frontier < save.n_chunks and save.frontier in save.digests:
                 save.frontier += 1
             complete = save.finished and save.frontier == save.n_chunks and save.error is None
-        self._on_progress(save)
+        self._events.publish(Progressed(save))
         return complete
 
     def _commit(self, save: Save) -> None:
@@ -233,10 +261,10 @@ class Persister:
             # would never settle and its temporary would stay until the daemon restarts.
             self.fail(save, f"committing {_where(save)}: {e}")
             return
-        # Index (and queue for draining) before waking waiters: whoever
+        # Handled (indexed, queued for draining) before waiters wake: whoever
         # returns from wait("local") may call wait("shared") at once.
         try:
-            self._on_commit(save)
+            self._events.publish(Committed(save))
         finally:
             save.local_done.set()
 
