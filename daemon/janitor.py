@@ -323,7 +323,11 @@ class Janitor:
         """Deletes one part from ``tier``; False when it stays (in use, or the deletion failed)."""
         if self._in_flight(part.job, part.step, part.rank) and tier == TierName.SHARED:
             return False
-        failure = None if reason == retention.REQUESTED else \
+        # A part that reached the shared tier is no failure when it goes, even while the drainer still
+        # holds it (its step's record could not be sealed because the shared tier's retention had
+        # already removed the step as superseded there).
+        drained = self.catalog.was_drained(part.job, part.step, part.rank)
+        failure = None if reason == retention.REQUESTED or drained else \
             "deleted before it drained: the step is committed by another attempt"
         if self.drainer is not None and tier == TierName.LOCAL and not self.drainer.drop(part, failure):
             return False  # being read by the drainer right now; the next pass gets it
