@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[dev,lightning,hf]' -c constraints.txt --config-settings editable_mode=strict
+	$(PY) -m pip install --quiet -e '.[dev,lightning,hf,s3]' -c constraints.txt --config-settings editable_mode=strict
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -31,6 +31,7 @@ from fractions import Fraction
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
+from urllib.parse import urlsplit
 
 from ckptstage.protos.paths import default_data_dir, default_socket_path  # noqa: F401 - re-exported
 
@@ -310,11 +311,76 @@ def _seconds(minimum: float, maximum: float) -> _Kind:
     return _Kind(parse, repr, bounds)
 
 
+_S3_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_REGION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_PROFILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,127}")
+
+
+def _parse_s3_url(value: Any, key: str) -> str | None:
+    """``"s3://bucket/prefix"`` (the prefix optional, no trailing slash kept), or None for "" = no such tier."""
+    if value == "":
+        return None
+    if not isinstance(value, str) or not value.startswith("s3://"):
+        raise ConfigError(key, f'must be an S3 URL such as "s3://bucket/prefix", got {value!r}')
+    bucket, _, prefix = value[len("s3://"):].partition("/")
+    if not _S3_BUCKET_RE.fullmatch(bucket) or ".." in bucket:
+        raise ConfigError(key, f"{bucket!r} is not a valid bucket name (3 to 63 lower-case letters, digits, dots "
+                               f"and hyphens, starting and ending with a letter or digit), got {value!r}")
+    prefix = prefix.rstrip("/")
+    for seg in prefix.split("/") if prefix else []:
+        if not seg or seg.startswith(".") or any(ord(c) < 0x20 or ord(c) == 0x7F for c in seg):
+            raise ConfigError(key, f"the prefix may not hold an empty, dot-led or control-character segment "
+                                   f"({seg!r}), got {value!r}")
+    return f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+
+
+def _parse_endpoint(value: Any, key: str) -> str | None:
+    """``"http(s)://host[:port]"`` of an S3-compatible server, or None for "" = the AWS endpoint of the region."""
+    if value == "":
+        return None
+    parts = urlsplit(value) if isinstance(value, str) else None
+    try:
+        port_ok = parts is not None and (parts.port is None or 1 <= parts.port <= 65535)
+    except ValueError:
+        port_ok = False
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or not port_ok \
+            or parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        raise ConfigError(key, f'must be an http:// or https:// URL such as "http://127.0.0.1:8333" (host and '
+                               f"port only), got {value!r}")
+    return value.rstrip("/")
+
+
+def _name(pattern: re.Pattern[str], what: str) -> Callable[[Any, str], str | None]:
+    """A name matching ``pattern`` (``what`` says which), or None for ""."""
+    def parse(value: Any, key: str) -> str | None:
+        if value == "":
+            return None
+        if not isinstance(value, str) or not pattern.fullmatch(value):
+            raise ConfigError(key, f"must be {what}, got {value!r}")
+        return value
+
+    return parse
+
+
+def _parse_secret(value: Any, key: str) -> str | None:
+    """A credential written in the file; an error never repeats it."""
+    if value == "":
+        return None
+    if not isinstance(value, str) or not value.strip() or any(ord(c) < 0x21 for c in value):
+        raise ConfigError(key, "must be a non-empty string without spaces (the value is not shown)")
+    return value
+
+
 _BOOL = _Kind(_parse_bool, lambda b: "true" if b else "false")
 _PATH = _Kind(_parse_path, lambda p: _dump_str(str(p)))
 _OPTIONAL_PATH = _Kind(_parse_optional_path, lambda p: _dump_str(str(p)))
 _LISTEN = _Kind(_parse_listen, _dump_str)
 _KEEP_BEST = _Kind(_parse_keep_best, _dump_keep_best)
+_S3_URL = _Kind(_parse_s3_url, _dump_str)
+_ENDPOINT = _Kind(_parse_endpoint, _dump_str)
+_REGION = _Kind(_name(_REGION_RE, 'a region name such as "us-east-1"'), _dump_str)
+_PROFILE = _Kind(_name(_PROFILE_RE, "a profile name of the shared credentials file"), _dump_str)
+_SECRET = _Kind(_parse_secret, _dump_str)
 
 
 def _kind(kind: _Kind) -> dict[str, _Kind]:
@@ -367,9 +433,21 @@ class LocalConfig:
 
 @dataclass(frozen=True)
 class SharedConfig:
-    """The shared (parallel) file system tier, drained to behind the local one."""
+    """The shared tier, drained to behind the local one: a directory of a (parallel) file system, or an
+    S3-compatible object store (``url``)."""
 
-    dir: Path | None = field(default=None, metadata=_kind(_OPTIONAL_PATH))  # None: no shared tier
+    dir: Path | None = field(default=None, metadata=_kind(_OPTIONAL_PATH))  # None: no shared tier (or a url)
+    # "s3://bucket/prefix": the shared tier on an object store instead of a directory.
+    url: str | None = field(default=None, metadata=_kind(_S3_URL))
+    # The object store's endpoint, for a server other than AWS S3 ("http://127.0.0.1:8333").
+    endpoint: str | None = field(default=None, metadata=_kind(_ENDPOINT))
+    region: str | None = field(default=None, metadata=_kind(_REGION))
+    # A profile of the shared credentials and config files (~/.aws/credentials); None: the SDK's chain.
+    profile: str | None = field(default=None, metadata=_kind(_PROFILE))
+    # Keys in the config file: refused unless allow_inline_credentials (prefer the environment or a role).
+    access_key_id: str | None = field(default=None, metadata=_kind(_SECRET))
+    secret_access_key: str | None = field(default=None, metadata=_kind(_SECRET))
+    allow_inline_credentials: bool = field(default=False, metadata=_kind(_BOOL))
     keep_last: int = field(default=5, metadata=_kind(_int(1, MAX_KEEP)))
     # Also keep every step divisible by this.
     keep_every: int | None = field(default=None, metadata=_kind(_int(1, MAX_KEEP_EVERY)))
@@ -391,11 +469,33 @@ class SharedConfig:
                 "shared.retry_max_s",
                 f"{self.retry_max_s} is below shared.retry_initial_s ({self.retry_initial_s})",
             )
+        self._check_object_store()
+
+    def _check_object_store(self) -> None:
+        """``url`` and ``dir`` name one tier two ways; the object store's keys need a url; keys in the
+        file need the operator's consent."""
+        if self.url is not None and self.dir is not None:
+            raise ConfigError("shared.url", f"{self.url!r} and shared.dir ({self.dir}) both name the shared tier; "
+                                            "set only one")
+        if self.url is None:
+            for key in ("endpoint", "region", "profile", "access_key_id", "secret_access_key"):
+                if getattr(self, key) is not None:
+                    raise ConfigError(f"shared.{key}", "is for an object store, but shared.url is not set "
+                                                       '(e.g. url = "s3://bucket/prefix")')
+        inline = [k for k in ("access_key_id", "secret_access_key") if getattr(self, k) is not None]
+        if inline and not self.allow_inline_credentials:
+            raise ConfigError(f"shared.{inline[0]}", "credentials in the config file are refused unless "
+                                                     "shared.allow_inline_credentials = true; prefer the "
+                                                     "environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), "
+                                                     "shared.profile of ~/.aws/credentials, or the node's role")
+        if len(inline) == 1:
+            other = "secret_access_key" if inline[0] == "access_key_id" else "access_key_id"
+            raise ConfigError(f"shared.{other}", f"must be set with shared.{inline[0]}")
 
     @property
     def enabled(self) -> bool:
         """Whether there is a shared tier at all (if not, local retention deletes undrained checkpoints)."""
-        return self.dir is not None
+        return self.dir is not None or self.url is not None
 
     def drains(self, step: int) -> bool:
         """Whether ``step`` goes to the shared tier (``drain_every``); every node of a job decides alike."""

@@ -26,6 +26,7 @@ from ckptstage.daemon.fstier import FsTier
 from ckptstage.daemon.tier import Tier, TierName
 from ckptstage.daemon.tiers import as_tier
 from ckptstage.protos import chunks, layout
+from s3server import object_bytes, open_tier, s3_server  # noqa: F401 - s3_server: the fixture
 
 JOB = "tierjob"
 OWNER = "node-a"
@@ -62,10 +63,23 @@ def _publish(t: Tier, step: int, rank: int = 0, data: bytes = DATA, world_size: 
     return where, writer.manifest_digest
 
 
-@pytest.fixture(params=["fs"])
+@pytest.fixture(params=["fs", "s3"])
 def tier(request: Any, tmp_path: Path) -> Tier:
-    """Each implementation of :class:`Tier`, empty, as the daemon ``node-a`` uses it."""
+    """Each implementation of :class:`Tier`, empty, as the daemon ``node-a`` uses it (the object store:
+    a fresh prefix of the session's SeaweedFS; skipped where it cannot start)."""
+    if request.param == "s3":
+        return open_tier(request.getfixturevalue("s3_server"), OWNER)
     return FsTier(tmp_path / "tier", OWNER)
+
+
+def _stored(t: Tier, location: Path, data: bytes | None = None) -> bytes:
+    """The bytes stored at a location (after writing ``data`` there behind the tier's back, if given):
+    a file of the file-system tier, an object of the object store."""
+    if isinstance(t, FsTier):
+        if data is not None:
+            location.write_bytes(data)
+        return location.read_bytes()
+    return object_bytes(t, location, data)
 
 
 def _members(proto: type) -> dict[str, Any]:
@@ -192,9 +206,9 @@ def test_deleting_parts_then_the_record_removes_the_step(tier: Tier) -> None:
 def test_a_corrupt_byte_fails_verification_naming_the_block(tier: Tier) -> None:
     where, _ = _publish(tier, 4)
     path = where / layout.DATA_FILE
-    data = bytearray(path.read_bytes())
+    data = bytearray(_stored(tier, path))
     data[5000] ^= 0x40  # block 1 of 4 KiB
-    path.write_bytes(bytes(data))
+    _stored(tier, path, bytes(data))
     with pytest.raises(layout.ChecksumMismatch, match=r"chunk 1 \(bytes 4096\.\.\)") as e:
         tier.verify_part(where)
     assert e.value.path == path
@@ -303,7 +317,7 @@ def test_a_corrupt_chunk_is_moved_out_of_its_store(tier: Tier) -> None:
     batch.write(chunks.digest(data), memoryview(data), direct_io=False)
     batch.publish()
     moved = tier.quarantine_chunk(tier.chunk_location(JOB, chunks.digest(data)))
-    assert moved is not None and moved.read_bytes() == data
+    assert moved is not None and _stored(tier, moved) == data
     assert tier.missing_chunks(JOB, [chunks.digest(data)]) == [chunks.digest(data)] and tier.list_chunks(JOB) == []
 
 

@@ -1,0 +1,236 @@
+"""Moving bytes to and from objects: a file written at offsets as an upload, an object read by ranges.
+
+:class:`UploadSink` is a :class:`ckptstage.daemon.tier.DataSink` over one
+object: writes at any offset, from several threads, are gathered into pieces
+of ``piece_bytes``; each piece goes up as one part of a multipart upload as
+soon as it is whole, several at once, while the writer goes on (the drain
+reads piece i+1 while piece i uploads). A file no larger than one piece is
+one plain PUT at :meth:`UploadSink.sync`. The upload is completed by
+``sync`` and aborted by ``close`` without it, so that an object is either
+whole or absent: S3 never shows a multipart upload's object before it is
+completed.
+
+:class:`ObjectReader` is a :class:`ckptstage.daemon.tier.Reader` over one
+object: a read fetches its range as several ranged GETs at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import TracebackType
+from typing import Any
+
+from ckptstage.daemon.s3client import Connection, errors
+
+# S3's limits on a multipart upload: every part but the last at least 5 MiB, at most 10,000 parts.
+MIN_PIECE_BYTES = 5 << 20
+MAX_PIECES = 10_000
+# The most a ranged GET asks for at once.
+READ_PIECE_BYTES = 8 << 20
+
+
+def piece_size(size: int, piece_bytes: int) -> int:
+    """The piece for a file of ``size`` bytes: ``piece_bytes``, or larger where 10,000 would not hold it."""
+    return max(piece_bytes, MIN_PIECE_BYTES, -(-size // MAX_PIECES))
+
+
+class UploadSink:
+    """One object being written: pieces uploaded as they fill, the object whole at :meth:`sync`.
+
+    ``pool`` runs the uploads; at most ``in_flight`` pieces of this object are
+    held in memory waiting for theirs (a write waits for room: back-pressure
+    instead of memory).
+    """
+
+    def __init__(self, conn: Connection, key: str, size: int, piece_bytes: int, pool: ThreadPoolExecutor,
+                 in_flight: int) -> None:
+        self._conn = conn
+        self.key = key
+        self.size = size
+        self._piece = piece_size(size, piece_bytes)
+        self._count = max(1, -(-size // self._piece))
+        self._pool = pool
+        self._room = threading.BoundedSemaphore(max(1, in_flight))
+        self._lock = threading.Lock()
+        self._buffers: dict[int, bytearray] = {}   # piece index -> its bytes, while it fills
+        self._filled: dict[int, int] = {}          # piece index -> bytes written into it
+        self._uploads: dict[int, Future[dict[str, Any]]] = {}
+        self._upload_id: str | None = None
+        self._done = False
+        self._closed = False
+
+    # --- writing ---------------------------------------------------------------------
+
+    def write(self, data: memoryview, offset: int) -> None:
+        """Copies ``data`` into its pieces (the caller may reuse its buffer at once); a piece that is
+        now whole starts uploading."""
+        if offset < 0 or offset + len(data) > self.size:
+            raise ValueError(f"{self.key}: write of {len(data)} bytes at {offset} outside its {self.size} bytes")
+        data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        pos = 0
+        while pos < len(data):
+            index, within = divmod(offset + pos, self._piece)
+            n = min(len(data) - pos, self._length(index) - within)
+            whole = self._put(index, within, data[pos:pos + n])
+            if whole is not None:
+                self._start(index, whole)
+            pos += n
+
+    def _length(self, index: int) -> int:
+        return min(self._piece, self.size - index * self._piece)
+
+    def _put(self, index: int, within: int, data: memoryview) -> bytearray | None:
+        """Copies into piece ``index``; returns its buffer when this made it whole."""
+        with self._lock:
+            buf = self._buffers.get(index)
+            if buf is None:
+                if index in self._uploads:
+                    raise ValueError(f"{self.key}: piece {index} written again after it was uploaded")
+                buf = self._buffers[index] = bytearray(self._length(index))
+            buf[within:within + len(data)] = data
+            self._filled[index] = self._filled.get(index, 0) + len(data)
+            if self._filled[index] < len(buf) or self._count == 1:
+                return None  # a file of one piece is one PUT, at sync
+            del self._buffers[index]
+            return buf
+
+    def _start(self, index: int, buf: bytearray) -> None:
+        self._room.acquire()  # released when this piece's upload is done
+        try:
+            upload_id = self._begin()
+            future = self._pool.submit(self._upload_piece, upload_id, index, buf)
+        except BaseException:
+            self._room.release()
+            raise
+        future.add_done_callback(lambda _f: self._room.release())
+        with self._lock:
+            self._uploads[index] = future
+
+    def _begin(self) -> str:
+        with self._lock:
+            if self._upload_id is None:
+                with errors("starting the upload of", self._conn, self.key):
+                    self._upload_id = str(self._conn.client.create_multipart_upload(
+                        Bucket=self._conn.bucket, Key=self.key)["UploadId"])
+            return self._upload_id
+
+    def _upload_piece(self, upload_id: str, index: int, buf: bytearray) -> dict[str, Any]:
+        with errors(f"uploading piece {index + 1} of", self._conn, self.key):
+            got = self._conn.client.upload_part(Bucket=self._conn.bucket, Key=self.key, UploadId=upload_id,
+                                                PartNumber=index + 1, Body=buf)
+        part = {"PartNumber": index + 1, "ETag": got["ETag"]}
+        for name in ("ChecksumCRC32", "ChecksumCRC32C", "ChecksumCRC64NVME", "ChecksumSHA1", "ChecksumSHA256"):
+            if got.get(name):
+                part[name] = got[name]  # the completion must repeat each piece's checksum
+        return part
+
+    # --- completion ------------------------------------------------------------------
+
+    def sync(self) -> None:
+        """Makes the object whole and visible under its key: the last pieces go up, the upload is
+        completed (or the one PUT made). Bytes never written read as zeros, as in a sparse file."""
+        if self._done:
+            return
+        with self._lock:
+            rest = [(i, self._buffers.pop(i)) for i in sorted(self._buffers)]
+            missing = [i for i in range(self._count) if i not in self._uploads and i not in dict(rest)]
+        rest += [(i, bytearray(self._length(i))) for i in missing]
+        if self._count == 1:
+            [(_, body)] = rest
+            with errors("writing", self._conn, self.key):
+                self._conn.client.put_object(Bucket=self._conn.bucket, Key=self.key, Body=body)
+            self._done = True
+            return
+        for index, buf in sorted(rest):
+            self._start(index, buf)
+        parts = [self._uploads[i].result() for i in range(self._count)]
+        with errors("completing the upload of", self._conn, self.key):
+            self._conn.client.complete_multipart_upload(
+                Bucket=self._conn.bucket, Key=self.key, UploadId=self._upload_id,
+                MultipartUpload={"Parts": parts})
+        self._done = True
+
+    def close(self) -> None:
+        """Releases the pieces; an upload not completed by :meth:`sync` is aborted (nothing is left)."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            self._buffers.clear()
+            futures = list(self._uploads.values())
+        for f in futures:
+            f.exception()  # wait: an abort while a piece is still going up may leave that piece behind
+        if not self._done and self._upload_id is not None:
+            abort(self._conn, self.key, self._upload_id)
+
+
+def abort(conn: Connection, key: str, upload_id: str) -> None:
+    """Aborts a multipart upload (its pieces are deleted); one already gone is no error."""
+    try:
+        with errors("aborting the upload of", conn, key):
+            conn.client.abort_multipart_upload(Bucket=conn.bucket, Key=key, UploadId=upload_id)
+    except FileNotFoundError:
+        pass
+
+
+class ObjectReader:
+    """An object read from its start; each read fetches its range with ranged GETs on ``pool``."""
+
+    def __init__(self, conn: Connection, key: str, pool: ThreadPoolExecutor,
+                 on_missing: Callable[[FileNotFoundError], BaseException] | None = None) -> None:
+        self._conn = conn
+        self.key = key
+        self._pool = pool
+        try:
+            with errors("reading", conn, key):
+                head = conn.client.head_object(Bucket=conn.bucket, Key=key)
+        except FileNotFoundError as e:
+            raise (on_missing(e) if on_missing else e) from None
+        self.size: int = int(head["ContentLength"])
+        self._etag = str(head["ETag"])
+        self._pos = 0
+
+    def readinto(self, buf: memoryview) -> int | None:
+        view = memoryview(buf).cast("B")
+        n = min(len(view), self.size - self._pos)
+        if n <= 0:
+            return 0
+        ranges = [(lo, min(lo + READ_PIECE_BYTES, n)) for lo in range(0, n, READ_PIECE_BYTES)]
+        if len(ranges) == 1:
+            self._fetch(view, self._pos, 0, n)
+        else:
+            for f in [self._pool.submit(self._fetch, view, self._pos, lo, hi) for lo, hi in ranges]:
+                f.result()
+        self._pos += n
+        return n
+
+    def _fetch(self, view: memoryview, start: int, lo: int, hi: int) -> None:
+        """Bytes [start+lo, start+hi) of the object into view[lo:hi]; the object must not have changed."""
+        with errors("reading", self._conn, self.key):
+            got = self._conn.client.get_object(Bucket=self._conn.bucket, Key=self.key, IfMatch=self._etag,
+                                               Range=f"bytes={start + lo}-{start + hi - 1}")
+            data = got["Body"].read()
+        if len(data) != hi - lo:
+            raise OSError(f"reading {self._conn.where(self.key)}: {len(data)} bytes for a range of {hi - lo}")
+        view[lo:hi] = data
+
+    def seek(self, pos: int) -> None:
+        """Where the next read starts."""
+        self._pos = max(0, min(pos, self.size))
+
+    def read(self, n: int) -> bytes:
+        buf = bytearray(max(0, min(n, self.size - self._pos)))
+        got = self.readinto(memoryview(buf)) or 0
+        return bytes(buf[:got])
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> ObjectReader:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

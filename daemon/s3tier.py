@@ -1,0 +1,760 @@
+"""The object-store tier: :class:`ckptstage.daemon.tier.Tier` on an S3-compatible bucket.
+
+Objects mirror docs/FORMAT.md's layout under the URL's prefix, so that a
+person or another tool reads them as the file-system tier's files::
+
+    <prefix>/<job>/step-000000000120/rank-00000/data.safetensors
+    <prefix>/<job>/step-000000000120/rank-00000/manifest.json
+    <prefix>/<job>/step-000000000120/commit.json
+    <prefix>/<job>/chunks/9f/9f2c...          <prefix>/<job>/retention.json
+    <prefix>/.tmp/<owner>/...                 this daemon's temporaries
+
+**Locations.** The interface names places by ``Path``. Here a location is a
+pseudo-path: :data:`PSEUDO_ROOT` / bucket / prefix / the key below the prefix
+(``/s3:/bucket/prefix/job/step-000000000120/rank-00000``), which
+:meth:`S3Tier.key` turns back into the key. No file-system call may be made
+on one: nothing exists under ``/s3:``, and the tier's operations are the only
+way to its objects. Clients cannot open objects as files either:
+:meth:`S3Tier.readable_path` is None, and a restore goes through the daemon,
+which fetches the part to the local tier first.
+
+**Publishing, all or nothing.** A part's files are uploaded under this
+daemon's temporaries (``.tmp/<owner>/<job>.<step>.<rank>.<id>/``), large
+ones as multipart uploads with several pieces in flight
+(:class:`ckptstage.daemon.s3io.UploadSink`). :meth:`S3PartWriter.commit`
+copies them to the part's keys (a server-side copy) and writes
+``manifest.json`` last: a part exists if and only if its manifest object
+does, and a step exists only through its ``commit.json``, created with a
+conditional PUT (``If-None-Match: *``) so that exactly one of racing daemons
+creates it. Nothing relies on a listing showing a write sooner than S3
+promises: a missing manifest or record reads as "not published".
+
+**Deleting.** A part's manifest goes first (the part vanishes at once),
+then its files; a removal is recorded in the temporaries first, so that one
+cut short is finished when the daemon starts (:meth:`S3Tier.clean_temporaries`,
+which also aborts this daemon's multipart uploads left by a crash).
+
+**Versions** are the ETag of the manifest (or record) object, as an integer:
+an object written again with other bytes has another one. Written again with
+the same bytes it keeps it, and then nothing a reader indexed differs.
+
+**Room.** An object store has no free space to speak of: :meth:`S3Tier.usage`
+gives :data:`UNBOUNDED_BYTES` as the total, and the total less what the tier
+holds under its prefix as free (so ``total - free`` is what it holds, as
+with ``statvfs``); it lists the prefix at most every :data:`USAGE_REFRESH_S`.
+
+**Not here yet** (the file-system tier's ``overwrite`` staging and exchange
+work on directories, outside the interface): replacing a committed step with
+a save's ``overwrite``, and the manifests of such replacements in
+:meth:`S3Tier.list_manifests`.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import boto3.s3.transfer
+import xxhash
+
+from ckptstage.daemon.logs import fields
+from ckptstage.daemon.s3client import Connection, check, connect, errors, is_conflict
+from ckptstage.daemon.s3io import MIN_PIECE_BYTES, ObjectReader, UploadSink, abort
+from ckptstage.daemon.tier import Manifest, PartWriter, QuarantinedCopy, Usage
+from ckptstage.protos import chunks, layout
+
+log = logging.getLogger(__name__)
+
+PSEUDO_ROOT = Path("/s3:")  # locations on an object store: never a directory of this node
+PIECE_BYTES = 64 << 20       # a multipart upload's piece (S3 allows 5 MiB to 5 GiB)
+IN_FLIGHT = 4                # pieces of one object uploading at once
+THREADS = 16                 # uploads and ranged reads in flight, across the tier
+UNBOUNDED_BYTES = 1 << 60    # "total bytes" of a store with no limit of its own (1 EiB)
+USAGE_REFRESH_S = 300.0      # how often usage() lists the whole prefix again
+VERIFY_PIECE_BYTES = 64 << 20  # read at once (as several ranged GETs) by verify_part
+MAX_COPY_BYTES = 5 << 30     # the largest object one CopyObject copies; larger ones go piece by piece
+_MANY = 256                  # more chunk names than this: list the store instead of asking for each
+_WRITER_MARK = ".writer"     # in a staged part: who writes it (so a crashed writer's part is found)
+_REMOVING = "removing"       # .tmp/<owner>/removing/<id>.json: a removal under way (its prefix)
+
+
+def version(etag: str) -> int:
+    """An object's version from its ETag: a non-zero integer that changes with the object's bytes."""
+    return xxhash.xxh3_64_intdigest(etag.strip('"').encode()) or 1
+
+
+class S3Tier:
+    """One bucket and prefix holding checkpoints, as the daemon ``owner`` uses it.
+
+    ``owner`` names this daemon's temporaries (``.tmp/<owner>/``); a tier used
+    only to index needs none. ``piece_bytes`` and ``in_flight`` shape uploads
+    (:class:`ckptstage.daemon.s3io.UploadSink`).
+    """
+
+    def __init__(self, conn: Connection, owner: str = "", piece_bytes: int = PIECE_BYTES,
+                 in_flight: int = IN_FLIGHT, threads: int = THREADS) -> None:
+        if piece_bytes < MIN_PIECE_BYTES:
+            raise ValueError(f"a multipart upload's pieces are at least {MIN_PIECE_BYTES} bytes, not {piece_bytes}")
+        self.connection = conn
+        self._owner = owner
+        self._prefix = conn.location.prefix
+        self._root = PSEUDO_ROOT / conn.bucket / self._prefix if self._prefix else PSEUDO_ROOT / conn.bucket
+        self._piece_bytes = piece_bytes
+        self._in_flight = in_flight
+        self._threads = threads
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._pools_lock = threading.Lock()
+        self._usage: tuple[float, int] | None = None  # (when, bytes held)
+
+    @classmethod
+    def from_config(cls, config: Any, owner: str) -> S3Tier:
+        """The tier ``[shared] url`` names (``config``: a :class:`ckptstage.daemon.config.SharedConfig`)."""
+        return cls(connect(config), owner)
+
+    @property
+    def root(self) -> Path:
+        return self._root
+
+    @property
+    def owner(self) -> str:
+        return self._owner
+
+    @property
+    def url(self) -> str:
+        return self.connection.location.url
+
+    def __repr__(self) -> str:
+        return f"S3Tier({self.url!r} at {self.connection.endpoint})"
+
+    def check(self) -> None:
+        """Whether the bucket is there and the credentials may use it; raises an OSError naming the
+        bucket, the endpoint and the credentials' source (see :func:`ckptstage.daemon.s3client.check`)."""
+        check(self.connection)
+
+    # --- keys ---------------------------------------------------------------------------
+
+    def key(self, location: Path | PurePosixPath) -> str:
+        """The object key of a location of this tier; raises OSError (EXDEV) for one elsewhere."""
+        try:
+            rel = PurePosixPath(location).relative_to(PurePosixPath(self._root))
+        except ValueError:
+            raise OSError(errno.EXDEV, f"{location} is not a location of the tier {self.url}") from None
+        text = "" if str(rel) == "." else rel.as_posix()
+        return f"{self._prefix}/{text}".strip("/") if self._prefix else text
+
+    def _location(self, key: str) -> Path:
+        return self._root / key[len(self._prefix):].lstrip("/") if self._prefix else self._root / key
+
+    def _dir_key(self, location: Path) -> str:
+        """The key prefix of everything below a location (ends with a slash)."""
+        key = self.key(location)
+        return f"{key}/" if key else ""
+
+    def _tmp(self) -> Path:
+        return layout.tmp_root(self._root, self._owner)
+
+    def _pool(self, name: str) -> ThreadPoolExecutor:
+        with self._pools_lock:
+            pool = self._pools.get(name)
+            if pool is None:
+                pool = self._pools[name] = ThreadPoolExecutor(self._threads, thread_name_prefix=f"s3-{name}")
+            return pool
+
+    # --- requests -----------------------------------------------------------------------
+
+    def _head(self, key: str) -> dict[str, Any] | None:
+        """The object's metadata; None when it is not there."""
+        try:
+            with errors("looking up", self.connection, key):
+                return dict(self.connection.client.head_object(Bucket=self.connection.bucket, Key=key))
+        except FileNotFoundError:
+            return None
+
+    def _get(self, key: str) -> bytes:
+        """A small object's bytes; FileNotFoundError when it is not there."""
+        with errors("reading", self.connection, key):
+            return bytes(self.connection.client.get_object(Bucket=self.connection.bucket, Key=key)["Body"].read())
+
+    def _put(self, key: str, data: bytes, if_absent: bool = False) -> str:
+        """Writes a small object whole; returns its ETag. ``if_absent``: FileExistsError when one is there."""
+        extra = {"IfNoneMatch": "*"} if if_absent else {}
+        for attempt in range(5):
+            try:
+                with errors("writing", self.connection, key):
+                    got = self.connection.client.put_object(Bucket=self.connection.bucket, Key=key, Body=data,
+                                                            **extra)
+                return str(got["ETag"])
+            except OSError as e:
+                if not (if_absent and is_conflict(e)) or attempt == 4:
+                    raise
+                time.sleep(0.05 * 2 ** attempt)  # another conditional write of the key is under way
+        raise AssertionError("unreachable")
+
+    def _delete(self, key: str, etag: str | None = None) -> None:
+        """Deletes one object (only while it has ``etag``, when given); FileNotFoundError when it is gone
+        (or was written again meanwhile)."""
+        extra = {"IfMatch": etag} if etag else {}
+        try:
+            with errors("deleting", self.connection, key):
+                self.connection.client.delete_object(Bucket=self.connection.bucket, Key=key, **extra)
+        except FileExistsError as e:  # the condition failed: the object is not the one we meant
+            raise FileNotFoundError(errno.ENOENT, str(e)) from e
+
+    def _delete_many(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        for i in range(0, len(keys), 1000):  # the most one request deletes
+            batch = keys[i:i + 1000]
+            with errors("deleting objects under", self.connection, batch[0]):
+                got = self.connection.client.delete_objects(
+                    Bucket=self.connection.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+            failed = [e for e in got.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if failed:
+                raise OSError(errno.EIO, f"deleting {self.connection.where(failed[0].get('Key'))}: "
+                                         f"{failed[0].get('Code')} {failed[0].get('Message')}")
+
+    def _copy(self, source: str, dest: str, size: int | None = None) -> None:
+        """A server-side copy of one object; FileNotFoundError when the source is not there."""
+        conn = self.connection
+        with errors(f"copying s3://{conn.bucket}/{source} to", conn, dest):
+            if size is not None and size <= MAX_COPY_BYTES:
+                conn.client.copy_object(Bucket=conn.bucket, Key=dest, CopySource={"Bucket": conn.bucket,
+                                                                                   "Key": source})
+            else:  # piece by piece (needed above 5 GiB), several at once
+                conn.client.copy({"Bucket": conn.bucket, "Key": source}, conn.bucket, dest,
+                                 Config=boto3.s3.transfer.TransferConfig(
+                                     multipart_threshold=MAX_COPY_BYTES, multipart_chunksize=self._piece_bytes,
+                                     max_concurrency=self._in_flight))
+
+    def _list(self, prefix: str, delimiter: str = "") -> Iterator[dict[str, Any]]:
+        """Every object under ``prefix`` (and, with ``delimiter``, each common prefix as ``{"Prefix": ...}``)."""
+        conn = self.connection
+        kwargs: dict[str, Any] = {"Bucket": conn.bucket, "Prefix": prefix}
+        if delimiter:
+            kwargs["Delimiter"] = delimiter
+        with errors("listing", conn, prefix):
+            for page in conn.client.get_paginator("list_objects_v2").paginate(**kwargs):
+                yield from page.get("CommonPrefixes", [])
+                yield from page.get("Contents", [])
+
+    def _any(self, prefix: str) -> bool:
+        conn = self.connection
+        with errors("listing", conn, prefix):
+            got = conn.client.list_objects_v2(Bucket=conn.bucket, Prefix=prefix, MaxKeys=1)
+        return bool(got.get("Contents"))
+
+    def _remove_tree(self, prefix: str) -> int:
+        """Deletes every object under ``prefix``; returns how many there were."""
+        keys = [o["Key"] for o in self._list(prefix) if "Key" in o]
+        self._delete_many(keys)
+        return len(keys)
+
+    # --- the index ---------------------------------------------------------------------
+
+    def list_jobs(self) -> list[str]:
+        found = []
+        for entry in self._list(self._dir_key(self._root), "/"):
+            name = entry.get("Prefix", "").rstrip("/").rpartition("/")[2]
+            try:
+                found.append(layout.check_job(name))
+            except layout.InvalidName:
+                continue  # .tmp, and names the format does not make
+        return sorted(found)
+
+    def list_steps(self, job: str, step: int | None = None) -> Iterator[layout.StepRef]:
+        """One listing of the job's steps (``<job>/step-``, chunks excluded), read for manifests and records."""
+        job_key = self._dir_key(self._root / layout.check_job(job))
+        prefix = job_key + (f"{layout.step_dirname(step)}/" if step is not None else "step-")
+        parts: dict[int, list[layout.PartRef]] = {}
+        records: dict[int, int] = {}
+        for obj in self._list(prefix):
+            names = obj.get("Key", "")[len(job_key):].split("/")
+            s = layout.parse_step_dirname(names[0])
+            if s is None:
+                continue
+            if names[1:] == [layout.COMMIT_FILE]:
+                records[s] = version(obj["ETag"])
+            elif len(names) == 3 and names[2] == layout.MANIFEST_FILE:
+                r = layout.parse_rank_dirname(names[1])
+                if r is not None:
+                    parts.setdefault(s, []).append(layout.PartRef(job, s, r, self.part_location(job, s, r),
+                                                                  version(obj["ETag"])))
+        for s in sorted(parts.keys() | records.keys()):
+            yield layout.StepRef(job, s, self.step_location(job, s),
+                                 tuple(sorted(parts.get(s, []), key=lambda p: p.rank)), records.get(s))
+
+    def part_location(self, job: str, step: int, rank: int) -> Path:
+        return layout.part_dir(self._root, job, step, rank)
+
+    def step_location(self, job: str, step: int) -> Path:
+        return layout.step_dir(self._root, job, step)
+
+    def has_part(self, part: Path) -> bool:
+        return self.part_version(part) != 0
+
+    def part_version(self, part: Path) -> int:
+        head = self._head(self.key(part / layout.MANIFEST_FILE))
+        return version(head["ETag"]) if head else 0
+
+    def read_manifest(self, part: Path) -> tuple[Manifest, str]:
+        path = part / layout.MANIFEST_FILE
+        try:
+            raw = self._get(self.key(path))
+        except OSError as e:
+            raise layout.ManifestError(f"{path}: unreadable manifest: {e}") from e
+        return layout.parse_manifest_file(raw, path), layout.chunk_digest(raw)
+
+    def has_commit_record(self, step: Path) -> bool:
+        return self.record_version(step) != 0
+
+    def read_commit_record(self, step: Path) -> layout.CommitRecord | None:
+        path = step / layout.COMMIT_FILE
+        try:
+            raw = self._get(self.key(path))
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise layout.ManifestError(f"{path}: unreadable commit record: {e}") from e
+        return layout.parse_commit_record(raw, path)
+
+    def record_version(self, step: Path) -> int:
+        head = self._head(self.key(step / layout.COMMIT_FILE))
+        return version(head["ETag"]) if head else 0
+
+    # --- parts and records --------------------------------------------------------------
+
+    def begin_part(self, job: str, step: int, rank: int, replace: Callable[[Path], bool] | None = None,
+                   final: Path | None = None) -> S3PartWriter:
+        staging = self._tmp() / f"{layout.check_job(job)}.{step}.{rank}.{uuid.uuid4().hex[:12]}"
+        return S3PartWriter(self, final or self.part_location(job, step, rank), staging, replace)
+
+    def open_file(self, part: Path, name: str) -> ObjectReader:
+        return ObjectReader(self.connection, self.key(part / name), self._pool("read"))
+
+    def verify_part(self, part: Path) -> None:
+        """Reads every byte of the part (its objects, or its chunks) by ranges and checks it against the
+        manifest: sizes, then each block's digest, as :func:`ckptstage.protos.chunks.verify_part` does."""
+        manifest = self.read_manifest(part)[0]
+        piece = memoryview(bytearray(VERIFY_PIECE_BYTES))
+        for name, entry in layout.manifest_files(manifest).items():
+            block = memoryview(bytearray(entry.chunk_bytes))
+            fill = index = 0
+            where = part / name
+            for ext in chunks.extents(part, manifest, name):
+                where = ext.path
+                try:
+                    reader = ObjectReader(self.connection, self.key(ext.path), self._pool("read"))
+                except FileNotFoundError as e:
+                    raise layout.ChecksumMismatch(ext.path, f"missing: {e}") from e
+                except OSError as e:
+                    raise layout.ManifestError(f"{ext.path}: unreadable: {e}") from e
+                if reader.size != ext.hi - ext.base:
+                    raise layout.ChecksumMismatch(ext.path, f"size {reader.size} != {ext.hi - ext.base} in the "
+                                                            "manifest")
+                reader.seek(ext.lo - ext.base)
+                left = ext.hi - ext.lo
+                while left:
+                    try:
+                        n = reader.readinto(piece[:min(len(piece), left)]) or 0
+                    except OSError as e:
+                        raise layout.ManifestError(f"{ext.path}: unreadable: {e}") from e
+                    if not n:
+                        raise layout.ChecksumMismatch(ext.path, "shorter than the manifest says")
+                    left -= n
+                    pos = 0
+                    while pos < n:
+                        take = min(len(block) - fill, n - pos)
+                        block[fill:fill + take] = piece[pos:pos + take]
+                        fill, pos = fill + take, pos + take
+                        if fill == len(block):
+                            layout.verify_block(block, entry, index, where)
+                            fill, index = 0, index + 1
+            if fill or index == 0:
+                layout.verify_block(block[:fill], entry, index, where)
+                index += 1
+            if index != len(entry.digests):
+                raise layout.ChecksumMismatch(part / name, f"{index} blocks read, the manifest lists "
+                                                           f"{len(entry.digests)}")
+
+    def readable_path(self, part: Path) -> Path | None:
+        return None  # objects are not files: the daemon fetches the part to the local tier for readers
+
+    def remove_part(self, part: Path) -> None:
+        """The manifest first (the part is gone at once), then its files; recorded in the temporaries
+        first, so that a removal cut short is finished on start."""
+        manifest = self.key(part / layout.MANIFEST_FILE)
+        head = self._head(manifest)
+        if head is None:
+            raise FileNotFoundError(errno.ENOENT, f"no part at {part}")
+        self._remove_published(part, str(head["ETag"]))
+
+    def _remove_published(self, part: Path, etag: str) -> None:
+        note = self.key(self._tmp() / _REMOVING / f"{uuid.uuid4().hex[:12]}.json") if self._owner else None
+        if note is not None:
+            self._put(note, json.dumps({"part": self._dir_key(part)}).encode())
+        self._delete(self.key(part / layout.MANIFEST_FILE), etag)
+        self._remove_tree(self._dir_key(part))
+        if note is not None:
+            self._delete(note)
+
+    def create_commit_record(self, step: Path, record: layout.CommitRecord) -> bool:
+        try:
+            self._put(self.key(step / layout.COMMIT_FILE), layout.commit_record_bytes(record), if_absent=True)
+        except FileExistsError:
+            return False
+        return True
+
+    def remove_commit_record(self, step: Path) -> None:
+        key = self.key(step / layout.COMMIT_FILE)
+        head = self._head(key)
+        if head is None:
+            raise FileNotFoundError(errno.ENOENT, f"no commit record in {step}")
+        self._delete(key, str(head["ETag"]))
+
+    def read_job_json(self, job: str, name: str, default: Any) -> Any:
+        try:
+            raw = self._get(self.key(self._root / layout.check_job(job) / _plain_name(name)))
+        except FileNotFoundError:
+            return default
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return default  # as the file-system tier reads an unreadable document
+
+    def write_job_json(self, job: str, name: str, obj: Any) -> None:
+        self._put(self.key(self._root / layout.check_job(job) / _plain_name(name)),
+                  json.dumps(obj, sort_keys=True).encode())  # one PUT: readers see the old or the new
+
+    # --- chunk stores -------------------------------------------------------------------
+
+    def _store(self, job: str) -> Path:
+        return chunks.store_dir(self._root, job)
+
+    def has_chunk_store(self, job: str) -> bool:
+        return self._any(self._dir_key(self._store(job)))
+
+    def chunk_location(self, job: str, name: str) -> Path:
+        return chunks.chunk_path(self._store(job), name)
+
+    def touch_chunk(self, job: str, name: str) -> bool:
+        """Copies the chunk onto itself: its modification time (what a sweep reads) becomes now."""
+        key = self.key(self.chunk_location(job, name))
+        conn = self.connection
+        try:
+            with errors("touching", conn, key):
+                conn.client.copy_object(Bucket=conn.bucket, Key=key, CopySource={"Bucket": conn.bucket, "Key": key},
+                                        MetadataDirective="REPLACE", Metadata={"touched": f"{time.time():.3f}"})
+        except FileNotFoundError:
+            return False
+        return True
+
+    def chunk_size(self, job: str, name: str) -> int:
+        key = self.key(self.chunk_location(job, name))
+        head = self._head(key)
+        if head is None:
+            raise FileNotFoundError(errno.ENOENT, f"no chunk {self.connection.where(key)}")
+        return int(head["ContentLength"])
+
+    def open_chunk(self, job: str, name: str) -> ObjectReader:
+        return ObjectReader(self.connection, self.key(self.chunk_location(job, name)), self._pool("read"))
+
+    def missing_chunks(self, job: str, names: Iterable[str]) -> list[str]:
+        names = list(names)
+        if len(names) > _MANY:
+            held = set(self.list_chunks(job))
+            return [n for n in names if n not in held]
+        keys = [self.key(self.chunk_location(job, n)) for n in names]
+        there = list(self._pool("read").map(self._head, keys))
+        return [n for n, head in zip(names, there) if head is None]
+
+    def new_chunks(self, job: str, part: PartWriter | None = None) -> S3ChunkBatch:
+        if part is not None:
+            assert isinstance(part, S3PartWriter), "a part of this tier stages the batch"
+            staging = part.staging / ".new"  # with the part's temporaries: an abort removes it with the rest
+        else:
+            staging = self._tmp() / f"chunks.{uuid.uuid4().hex[:12]}"
+        return S3ChunkBatch(self, job, staging)
+
+    def list_manifests(self, job: str) -> list[Path]:
+        return [p.path for s in self.list_steps(job) for p in s.parts]
+
+    def manifest_version(self, part: Path) -> tuple[int, ...]:
+        key = self.key(part / layout.MANIFEST_FILE)
+        head = self._head(key)
+        if head is None:
+            raise FileNotFoundError(errno.ENOENT, f"no manifest {self.connection.where(key)}")
+        return version(head["ETag"]), int(head["ContentLength"])
+
+    def list_chunks(self, job: str) -> list[str]:
+        out = []
+        for obj in self._list(self._dir_key(self._store(job))):
+            fan, _, name = obj.get("Key", "").rpartition("/")
+            if chunks.is_chunk_name(name) and fan.endswith(f"/{name[:2]}"):  # not .condemned nor .corrupt
+                out.append(name)
+        return out
+
+    def _condemned(self, job: str, name: str) -> str:
+        return self.key(self._store(job) / chunks.CONDEMNED_DIR / name)
+
+    def condemn_chunk(self, job: str, name: str, untouched_since: float) -> bool:
+        key = self.key(self.chunk_location(job, name))
+        head = self._head(key)
+        # S3 keeps modification times to the second: the second it names may run up to 1 s later.
+        if head is None or head["LastModified"].timestamp() + 1 > untouched_since:
+            return False
+        try:
+            self._copy(key, self._condemned(job, name), int(head["ContentLength"]))
+            self._delete(key, str(head["ETag"]))
+        except FileNotFoundError:
+            return False  # another node's sweep took it first
+        return True
+
+    def condemned_chunks(self, job: str) -> list[str]:
+        prefix = self._dir_key(self._store(job) / chunks.CONDEMNED_DIR)
+        return [name for obj in self._list(prefix)
+                if chunks.is_chunk_name(name := obj.get("Key", "")[len(prefix):])]
+
+    def restore_chunk(self, job: str, name: str) -> None:
+        condemned = self._condemned(job, name)
+        head = self._head(condemned)
+        if head is None:
+            raise FileNotFoundError(errno.ENOENT, f"no condemned chunk {self.connection.where(condemned)}")
+        self._copy(condemned, self.key(self.chunk_location(job, name)), int(head["ContentLength"]))
+        self._delete(condemned)
+
+    def delete_condemned_chunk(self, job: str, name: str) -> int:
+        condemned = self._condemned(job, name)
+        head = self._head(condemned)
+        if head is None:
+            raise FileNotFoundError(errno.ENOENT, f"no condemned chunk {self.connection.where(condemned)}")
+        self._delete(condemned, str(head["ETag"]))
+        return int(head["ContentLength"])
+
+    # --- housekeeping -------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Checks that the bucket answers to these credentials (a bucket is the operator's to create)."""
+        self.check()
+
+    def clean_temporaries(self) -> int:
+        """Finishes removals cut short, aborts this daemon's multipart uploads and deletes its staged
+        objects; returns how many entries of ``.tmp/<owner>/`` that was."""
+        tmp = self._dir_key(self._tmp())
+        entries: set[str] = set()
+        for obj in list(self._list(tmp + f"{_REMOVING}/")):
+            self._finish_removal(obj["Key"])
+            entries.add(_REMOVING)
+        conn = self.connection
+        with errors("listing the multipart uploads under", conn, tmp):
+            pages = list(conn.client.get_paginator("list_multipart_uploads").paginate(Bucket=conn.bucket,
+                                                                                       Prefix=tmp))
+        for upload in (u for page in pages for u in page.get("Uploads", [])):
+            abort(conn, upload["Key"], upload["UploadId"])
+            entries.add(upload["Key"][len(tmp):].split("/")[0])
+        keys = [o["Key"] for o in self._list(tmp) if "Key" in o]
+        entries.update(k[len(tmp):].split("/")[0] for k in keys)
+        self._delete_many(keys)
+        return len(entries)
+
+    def _finish_removal(self, note: str) -> None:
+        """A removal cut short: the part's remaining objects go, unless a part was published there since."""
+        try:
+            prefix = str(json.loads(self._get(note))["part"])
+        except (ValueError, KeyError, TypeError):
+            prefix = ""  # not one of ours to finish
+        if prefix and self._head(prefix + layout.MANIFEST_FILE) is None:
+            self._remove_tree(prefix)
+        self._delete(note)
+
+    def discard_temporary(self, location: Path) -> bool:
+        prefix = self._dir_key(location)
+        if not prefix.startswith(self._dir_key(self._tmp())):
+            raise OSError(errno.EXDEV, f"{location} is not among the temporaries of {self._owner} on {self.url}")
+        conn = self.connection
+        with errors("listing the multipart uploads under", conn, prefix):
+            uploads = [u for page in conn.client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=conn.bucket, Prefix=prefix) for u in page.get("Uploads", [])]
+        for upload in uploads:
+            abort(conn, upload["Key"], upload["UploadId"])
+        return self._remove_tree(prefix) > 0 or bool(uploads)
+
+    def usage(self) -> Usage:
+        """No free space to speak of (see the module docstring); raises OSError when the store does not
+        answer. Lists the prefix at most every :data:`USAGE_REFRESH_S`, else asks for one key."""
+        now = time.monotonic()
+        if self._usage is None or now - self._usage[0] >= USAGE_REFRESH_S:
+            held = sum(int(o.get("Size", 0)) for o in self._list(self._dir_key(self._root)))
+            self._usage = (now, held)
+        else:
+            self._any(self._dir_key(self._root))  # still answering?
+        held = min(self._usage[1], UNBOUNDED_BYTES - 1)
+        return Usage(free_bytes=UNBOUNDED_BYTES - held, total_bytes=UNBOUNDED_BYTES)
+
+    def quarantine_part(self, part: Path) -> Path:
+        """Copies the part's objects beside it as ``.corrupt-rank-R-<random>/``, then removes the part."""
+        target = part.parent / f"{layout.CORRUPT_PREFIX}{part.name}-{uuid.uuid4().hex[:6]}"
+        manifest = self.key(part / layout.MANIFEST_FILE)
+        head = self._head(manifest)
+        if head is None:
+            raise FileNotFoundError(errno.ENOENT, f"no part at {part}")
+        source, dest = self._dir_key(part), self._dir_key(target)
+        for obj in list(self._list(source)):
+            self._copy(obj["Key"], dest + obj["Key"][len(source):], int(obj.get("Size", 0)))
+        self._remove_published(part, str(head["ETag"]))
+        return target
+
+    def quarantine_chunk(self, location: Path) -> Path | None:
+        store = location.parent.parent
+        if store.name != chunks.CHUNKS_DIR or not chunks.is_chunk_name(location.name):
+            return None
+        target = store / chunks.CORRUPT_DIR / f"{location.name}-{uuid.uuid4().hex[:6]}"
+        key = self.key(location)
+        head = self._head(key)
+        if head is None:
+            raise FileNotFoundError(errno.ENOENT, f"no chunk {self.connection.where(key)}")
+        self._copy(key, self.key(target), int(head["ContentLength"]))
+        self._delete(key, str(head["ETag"]))
+        return target
+
+    def list_quarantined(self) -> list[QuarantinedCopy]:
+        found: dict[Path, QuarantinedCopy] = {}
+        for job in self.list_jobs():
+            job_key = self._dir_key(self._root / job)
+            for obj in self._list(job_key + "step-"):
+                names = obj.get("Key", "")[len(job_key):].split("/")
+                if len(names) < 3 or not names[1].startswith(layout.CORRUPT_PREFIX):
+                    continue
+                step = layout.parse_step_dirname(names[0])
+                rank = layout.parse_rank_dirname(names[1][len(layout.CORRUPT_PREFIX):].rsplit("-", 1)[0])
+                if step is not None and rank is not None:
+                    where = self._root / job / names[0] / names[1]
+                    found[where] = QuarantinedCopy(job, step, rank, where)
+        return list(found.values())
+
+
+def _plain_name(name: str) -> str:
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"{name!r} is not a plain object name")
+    return name
+
+
+class S3PartWriter:
+    """One part being written: its files staged in the temporaries, published by :meth:`commit`."""
+
+    def __init__(self, tier: S3Tier, final: Path, staging: Path, replace: Callable[[Path], bool] | None) -> None:
+        if not tier.owner:
+            raise ValueError(f"{tier.url}: a tier opened without an owner only indexes; it writes no part")
+        self._tier = tier
+        self.final = final
+        self.staging = staging
+        self.replace = replace
+        self.manifest_digest = ""  # xxh3-64 of the committed manifest.json
+        self.ino = 0               # the committed part's version
+        self._files: dict[str, UploadSink] = {}
+        self._marked = False
+        self._done = False
+
+    def create_file(self, name: str, size: int, direct_io: bool, reserve: bool = True) -> UploadSink:
+        """A new file of the part, uploaded to the temporaries as it is written (``direct_io`` and
+        ``reserve`` mean nothing to an object store)."""
+        tier = self._tier
+        if not self._marked:  # names this writer in the temporaries before any upload, for a clean-up
+            tier._put(tier.key(self.staging / _WRITER_MARK), json.dumps(
+                {"owner": tier.owner, "final": tier.key(self.final), "started": time.time()}).encode())
+            self._marked = True
+        sink = UploadSink(tier.connection, tier.key(self.staging / _plain_name(name)), size, tier._piece_bytes,
+                          tier._pool("upload"), tier._in_flight)
+        self._files[name] = sink
+        return sink
+
+    def commit(self, manifest: Manifest) -> Path:
+        """Copies the files to the part's keys, then writes the manifest: the part exists from then on.
+
+        A part already there is replaced only if ``replace`` allows it: its
+        manifest goes first, then its objects, so readers see the old part,
+        nothing, then the new one.
+        """
+        tier = self._tier
+        for sink in self._files.values():
+            sink.sync()  # already done by the caller; a no-op then
+        head = tier._head(tier.key(self.final / layout.MANIFEST_FILE))
+        if head is not None and not (self.replace is not None and self.replace(self.final)):
+            raise FileExistsError(errno.EEXIST, f"{self.final} is already committed")
+        if head is not None:
+            tier._remove_published(self.final, str(head["ETag"]))
+        else:  # objects of a publication a crash cut short, never visible: they must not join this part
+            final = tier._dir_key(self.final)
+            strays = [o["Key"] for o in tier._list(final) if o.get("Key", "")[len(final):] not in self._files]
+            tier._delete_many(strays)
+        for name, sink in self._files.items():
+            tier._copy(sink.key, tier.key(self.final / name), sink.size)
+        raw = layout.manifest_file_bytes(manifest)
+        etag = tier._put(tier.key(self.final / layout.MANIFEST_FILE), raw)  # last: publishes the part
+        self.manifest_digest = layout.chunk_digest(raw)
+        self.ino = version(etag)
+        self._done = True
+        self._drop_staging()
+        return self.final
+
+    def abort(self) -> None:
+        """Drops what was written (a no-op once committed)."""
+        if self._done:
+            return
+        self._done = True
+        for sink in self._files.values():
+            sink.close()
+        self._drop_staging()
+
+    def _drop_staging(self) -> None:
+        try:
+            self._tier._remove_tree(self._tier._dir_key(self.staging))
+        except OSError as e:  # the daemon's next start removes them
+            log.warning("cannot remove the temporaries %s: %s", self.staging, e, extra=fields(error=e))
+
+
+class S3ChunkBatch:
+    """New chunks uploaded under the temporaries, then copied into the store together by :meth:`publish`."""
+
+    def __init__(self, tier: S3Tier, job: str, staging: Path) -> None:
+        self._tier = tier
+        self._job = job
+        self._staging = staging
+        self._lock = threading.Lock()
+        self._written: dict[str, int] = {}
+        self._published = False
+
+    def write(self, name: str, data: memoryview, direct_io: bool) -> None:
+        if not chunks.is_chunk_name(name):
+            raise ValueError(f"{name!r} is not a chunk name")
+        self._tier._put(self._tier.key(self._staging / name), bytes(data))
+        with self._lock:
+            self._written[name] = len(data)
+
+    def publish(self) -> None:
+        """Copies each staged chunk into the store (a chunk of that name there already has the same
+        bytes), then removes the staged ones: every chunk is in the store before any manifest names it."""
+        with self._lock:
+            written, self._written = self._written, {}
+        tier = self._tier
+
+        def move(item: tuple[str, int]) -> None:
+            name, size = item
+            tier._copy(tier.key(self._staging / name), tier.key(tier.chunk_location(self._job, name)), size)
+
+        for _ in tier._pool("upload").map(move, written.items()):
+            pass
+        self._published = True
+        tier._remove_tree(tier._dir_key(self._staging))
+
+    def discard(self) -> None:
+        if not self._published:
+            with self._lock:
+                self._written.clear()
+            self._tier._remove_tree(self._tier._dir_key(self._staging))
