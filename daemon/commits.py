@@ -17,7 +17,12 @@ and only if its record is there with every part it names
 
 The rules for saving a step again live here too: a step with a commit record
 is never overwritten; an earlier attempt's part of an incomplete step is
-replaced by a later attempt's.
+replaced by a later attempt's; a committed step is replaced whole
+(:mod:`ckptstage.daemon.overwrite`).
+
+Waiting for a step (:meth:`Commits.wait_step`) sleeps on the records this
+daemon indexes: every record written here, or swapped in, wakes the waits at
+once; the shared tier, where other nodes' daemons write, is re-read on a poll.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from pathlib import Path
 from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.errors import AlreadyExists
 from ckptstage.daemon.logs import fields
+from ckptstage.daemon.overwrite import Swapper
 from ckptstage.daemon.tier import Tier
 from ckptstage.protos import chunks, layout
 
@@ -70,6 +76,9 @@ class Commits:
             self.tiers[TierName.SHARED] = shared
         self.owner = owner
         self.clock = clock
+        self._swapper = Swapper(catalog, self.tiers)
+        # Notified whenever a commit record is indexed here: what wait_step sleeps on.
+        self._recorded = threading.Condition()
 
     # --- saving a step again ----------------------------------------------------------
 
@@ -131,6 +140,15 @@ class Commits:
 
     # --- writing records ------------------------------------------------------------------
 
+    def swap_in(self, tier: TierName, record: layout.CommitRecord, parts: dict[int, Part]) -> list[Part]:
+        """Puts a whole staged replacement in place of its step on ``tier`` with ``record`` (see
+        :class:`overwrite.Swapper <ckptstage.daemon.overwrite.Swapper>`); returns the new parts, [] when
+        another thread swapped it in already."""
+        moved = self._swapper.swap_in(tier, record, parts)
+        if moved:
+            self.wake()
+        return moved
+
     def replacement_record(self, job: str, step: int, attempt: str, world: int,
                            parts: dict[int, Part]) -> layout.CommitRecord:
         """The commit record of a replacement of (job, step): its parts, and what it replaces on any tier."""
@@ -154,6 +172,7 @@ class Commits:
         if ckpt is None:
             return None
         if TierName.LOCAL in ckpt.records:
+            self.wake()  # its parts may have just come back (a prefetch): the step may be complete again
             return ckpt.records[TierName.LOCAL]
         found = complete_attempt(ckpt.on_tier(TierName.LOCAL))
         if found is None:
@@ -242,6 +261,7 @@ class Commits:
         final = where / layout.COMMIT_FILE  # what the log names
         if storage.create_commit_record(where, record):
             self.catalog.set_record(tier, record, storage.record_version(where))
+            self.wake()
             log.info("committed %s step %d on the %s tier: %d ranks of attempt %r", job, step, tier.value, world,
                      attempt, extra=fields(job=job, step=step, tier=tier, world_size=world, attempt=attempt))
             return record
@@ -259,6 +279,7 @@ class Commits:
                         "are stragglers", job, step, tier.value, theirs.attempt, attempt,
                         extra=fields(job=job, step=step, tier=tier, attempt=attempt))
         self.catalog.set_record(tier, theirs, storage.record_version(where))
+        self.wake()
         return theirs
 
     # --- waiting for a step ---------------------------------------------------------------
@@ -268,22 +289,37 @@ class Commits:
                   stop: threading.Event | None = None) -> Checkpoint | None:
         """The step once it is complete on ``tier`` (None: any tier); None at the timeout or once ``stop`` is set.
 
-        ``refresh(job, step, wait_s)`` is called every :data:`POLL_S` while
-        waiting on the shared tier, to notice records other nodes' daemons
-        write; it waits at most ``wait_s`` (see :class:`SharedSync`). ``stop``
-        (the daemon shutting down) ends the wait: the thread that runs it must
+        A record this daemon indexes (a commit here, a replacement swapped
+        in, a shared record its drain wrote) ends the wait at once. Records
+        other nodes' daemons write are noticed by ``refresh(job, step,
+        wait_s)``, called every :data:`POLL_S` unless the wait is for the
+        local tier, which only this daemon writes; it waits at most ``wait_s``
+        (see :class:`SharedSync`). ``stop`` (the daemon shutting down, which
+        then calls :meth:`wake`) ends the wait: the thread that runs it must
         not hold the process's exit.
         """
         deadline = time.monotonic() + timeout
         stop = stop or threading.Event()
-        while not stop.is_set():
-            if refresh is not None and tier != TierName.LOCAL:
-                refresh(job, step, max(0.0, deadline - time.monotonic()))
-            ckpt = self.catalog.get(job, step)
-            if ckpt is not None and (ckpt.complete if tier is None else ckpt.complete_on(tier)):
-                return ckpt
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            stop.wait(min(POLL_S, left))
-        return None
+        poll = refresh if tier != TierName.LOCAL else None
+        while True:
+            if poll is not None:
+                poll(job, step, max(0.0, deadline - time.monotonic()))
+            next_poll = time.monotonic() + POLL_S
+            with self._recorded:  # checked under the lock the notifier takes: no wake-up is lost
+                while True:
+                    if stop.is_set():
+                        return None
+                    ckpt = self.catalog.get(job, step)
+                    if ckpt is not None and (ckpt.complete if tier is None else ckpt.complete_on(tier)):
+                        return ckpt
+                    now = time.monotonic()
+                    if now >= deadline:
+                        return None
+                    if poll is not None and now >= next_poll:
+                        break  # the shared tier is read again
+                    self._recorded.wait(min(deadline, next_poll) - now if poll is not None else deadline - now)
+
+    def wake(self) -> None:
+        """Wakes every step wait to look again: a record was indexed, or the daemon is stopping."""
+        with self._recorded:
+            self._recorded.notify_all()

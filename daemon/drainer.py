@@ -58,7 +58,6 @@ from ckptstage.daemon.events import Bus
 from ckptstage.daemon.jobs import DrainHealth, TierHealth
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.metrics import Metrics
-from ckptstage.daemon.overwrite import Swapper
 from ckptstage.daemon.tier import ChunkBatch, Manifest, PartWriter, Tier
 from ckptstage.protos import chunks, layout
 
@@ -164,10 +163,10 @@ class Indexed:
 
 class Drainer:
     def __init__(self, config: SharedConfig, catalog: Catalog, metrics: Metrics, commits: Commits, events: Bus,
-                 swapper: Swapper | None = None, chunk_stores: dict[TierName, ChunkStore] | None = None,
-                 nice: int = 0, clock: Callable[[], float] = time.time, *, tiers: Mapping[TierName, Tier]) -> None:
+                 chunk_stores: dict[TierName, ChunkStore] | None = None, nice: int = 0,
+                 clock: Callable[[], float] = time.time, *, tiers: Mapping[TierName, Tier]) -> None:
         """``tiers``: the local and shared tiers' storage. ``commits`` writes the shared tier's commit records as
-        parts arrive there; ``events`` is where :class:`Drained`, :class:`CorruptCopy` and :class:`Indexed` are
+        parts arrive there, and swaps replacements in; ``events`` is where :class:`Drained`, :class:`CorruptCopy` and :class:`Indexed` are
         published."""
         self.tiers = dict(tiers)
         self.shared = self.tiers[TierName.SHARED]
@@ -181,7 +180,6 @@ class Drainer:
         self.reachable: bool | None = None
         self._commits = commits
         self._events = events
-        self._swapper = swapper or Swapper(catalog, self.tiers)
         self._stop = threading.Event()
         self._limiter = RateLimiter(config.max_bandwidth, sleep=self._stop.wait)
         self._cond = threading.Condition()
@@ -685,7 +683,7 @@ class Drainer:
                  if p.matches(record)}
         if set(parts) != set(range(record.world_size)):
             return []
-        return self._swapper.swap_in(TierName.SHARED, record, parts)
+        return self._commits.swap_in(TierName.SHARED, record, parts)
 
     def _replacement_of(self, part: Part) -> layout.CommitRecord | None:
         """The local commit record that names ``part`` and replaces the step the shared tier holds, if so.

@@ -146,13 +146,11 @@ class Node:
         self.events = Bus()
         self.persister = Persister(config.persist.workers, self.events, config.persist.nice)
         self.commits = Commits(self.catalog, local, shared, self.owner, clock)
-        self.swapper = overwrite_mod.Swapper(self.catalog, disk_tiers)
         self.drainer: Drainer | None = None
         self.shared_sync: SharedSync | None = None
         if shared is not None:
             self.drainer = Drainer(config.shared, self.catalog, self.metrics, self.commits, self.events,
-                                   swapper=self.swapper, chunk_stores=self.chunk_stores, nice=config.persist.nice,
-                                   tiers=disk_tiers)
+                                   chunk_stores=self.chunk_stores, nice=config.persist.nice, tiers=disk_tiers)
             self.shared_sync = SharedSync(self.catalog, shared,
                                           watched=lambda: {s.info.job for s in self.sessions.all()})
         self.quarantine = Quarantine(self.catalog, self.metrics, tiers=disk_tiers)
@@ -222,6 +220,7 @@ class Node:
     def shutdown(self, timeout: float) -> None:
         """Stops taking saves, lets finished ones commit (bounded), then stops the drainer."""
         self._stopping.set()
+        self.commits.wake()  # step waits end (they check _stopping)
         self._shared_wake.set()  # the shared-tier thread sleeps on it
         deadline = time.monotonic() + timeout
         self.memory.shutdown()  # first: the sessions closed below free their arenas instead of handing them over
@@ -651,7 +650,7 @@ class Node:
         if found is not None:
             _, world, parts = found
             record = self.commits.replacement_record(spec.job, spec.step, attempt, world, parts)
-            for part in self.swapper.swap_in(TierName.LOCAL, record, parts):
+            for part in self.commits.swap_in(TierName.LOCAL, record, parts):
                 if self.drainer is not None:
                     self.drainer.forget(part.job, part.step, part.rank)
                     self.drainer.enqueue(part)
