@@ -127,6 +127,9 @@ def open_connection(location: Location, endpoint: str | None = None, region: str
                     secret_access_key: str | None = None) -> Connection:
     """A client for ``location``: at ``endpoint`` (None: AWS), with the SDK's credential chain unless keys
     are given."""
+    for sdk in ("botocore", "boto3", "s3transfer", "urllib3"):  # their DEBUG is every request, signed headers
+        if logging.getLogger(sdk).level == logging.NOTSET:
+            logging.getLogger(sdk).setLevel(logging.WARNING)
     keys = {"aws_access_key_id": access_key_id, "aws_secret_access_key": secret_access_key} \
         if access_key_id is not None else {}
     session = boto3.session.Session(profile_name=profile, region_name=region, **keys)

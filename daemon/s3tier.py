@@ -43,10 +43,10 @@ gives :data:`UNBOUNDED_BYTES` as the total, and the total less what the tier
 holds under its prefix as free (so ``total - free`` is what it holds, as
 with ``statvfs``); it lists the prefix at most every :data:`USAGE_REFRESH_S`.
 
-**Not here yet** (the file-system tier's ``overwrite`` staging and exchange
-work on directories, outside the interface): replacing a committed step with
-a save's ``overwrite``, and the manifests of such replacements in
-:meth:`S3Tier.list_manifests`.
+**Replacing a step** (a save with ``overwrite``): the replacement is staged
+in the temporaries and swapped in as described above :meth:`S3Tier.swap_in`;
+there is no atomic exchange of many objects, so readers see the old step,
+then no step (no record) for the time of the copies, then the new one.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ MAX_COPY_BYTES = 5 << 30     # the largest object one CopyObject copies; larger 
 _MANY = 256                  # more chunk names than this: list the store instead of asking for each
 _WRITER_MARK = ".writer"     # in a staged part: who writes it (so a crashed writer's part is found)
 _REMOVING = "removing"       # .tmp/<owner>/removing/<id>.json: a removal under way (its prefix)
+_REPLACE_DIR = "replace"     # .tmp/<owner>/replace/<job>/step-N/: replacements being assembled
 
 
 def version(etag: str) -> int:
@@ -483,7 +484,18 @@ class S3Tier:
         return S3ChunkBatch(self, job, staging)
 
     def list_manifests(self, job: str) -> list[Path]:
-        return [p.path for s in self.list_steps(job) for p in s.parts]
+        """The published parts, and the replacements any daemon is assembling in its temporaries."""
+        parts = [p.path for s in self.list_steps(job) for p in s.parts]
+        tmp = self._dir_key(self._root / layout.TMP_DIR)
+        for owner in self._list(tmp, "/"):
+            staging = owner.get("Prefix", "") + f"{_REPLACE_DIR}/{layout.check_job(job)}/"
+            for obj in self._list(staging):
+                names = obj.get("Key", "")[len(staging):].split("/")
+                if len(names) == 3 and names[2] == layout.MANIFEST_FILE and \
+                        layout.parse_step_dirname(names[0]) is not None and layout.parse_rank_dirname(names[1]) \
+                        is not None:
+                    parts.append(self._location(obj["Key"]).parent)
+        return parts
 
     def manifest_version(self, part: Path) -> tuple[int, ...]:
         key = self.key(part / layout.MANIFEST_FILE)
@@ -637,6 +649,92 @@ class S3Tier:
                     where = self._root / job / names[0] / names[1]
                     found[where] = QuarantinedCopy(job, step, rank, where)
         return list(found.values())
+
+    # --- replacing a step ---------------------------------------------------------------
+    #
+    # A replacement's parts are published in .tmp/<owner>/replace/<job>/step-N/rank-R/. swap_in writes its
+    # commit record there first (sealed: from then on a crash rolls it forward), then removes the step in
+    # place, its record first (the step stops existing at once, never half there), then its objects
+    # (manifests first), copies the staged objects in (manifests last), and writes the record at the step.
+    # On an object store the step "is in place" when its commit record is: a step whose record was removed
+    # is one a swap was replacing.
+
+    def _staged_step(self, job: str, step: int) -> Path:
+        return self._tmp() / _REPLACE_DIR / layout.check_job(job) / layout.step_dirname(step)
+
+    def staged_location(self, job: str, step: int, rank: int) -> Path:
+        return self._staged_step(job, step) / layout.rank_dirname(rank)
+
+    def list_staged(self, job: str, step: int) -> list[layout.PartRef]:
+        staged = self._staged_step(job, step)
+        prefix = self._dir_key(staged)
+        found = []
+        for obj in self._list(prefix):
+            names = obj.get("Key", "")[len(prefix):].split("/")
+            rank = layout.parse_rank_dirname(names[0])
+            if rank is not None and names[1:] == [layout.MANIFEST_FILE]:
+                found.append(layout.PartRef(job, step, rank, staged / names[0], version(obj["ETag"])))
+        return sorted(found, key=lambda ref: ref.rank)
+
+    def swap_in(self, record: layout.CommitRecord) -> bool:
+        staged = self._staged_step(record.job, record.step)
+        if not self.list_staged(record.job, record.step):
+            return False
+        raw = layout.commit_record_bytes(record)
+        self._put(self.key(staged / layout.COMMIT_FILE), raw)  # sealed
+        self._move_in(staged, record.job, record.step, raw)
+        return True
+
+    def _move_in(self, staged: Path, job: str, step: int, record: bytes) -> None:
+        """The staged step becomes the step: the one in place goes (record first), the staged objects are
+        copied in (manifests last), then the record is written; the staging area goes last."""
+        final = self.step_location(job, step)
+        try:
+            self._delete(self.key(final / layout.COMMIT_FILE))
+        except FileNotFoundError:
+            pass
+        self._remove_step_objects(final)
+        source, dest = self._dir_key(staged), self._dir_key(final)
+        objects = [o for o in self._list(source) if o.get("Key", "")[len(source):] != layout.COMMIT_FILE]
+        objects.sort(key=lambda o: o["Key"].endswith("/" + layout.MANIFEST_FILE))  # data first, manifests last
+        for obj in objects:
+            self._copy(obj["Key"], dest + obj["Key"][len(source):], int(obj.get("Size", 0)))
+        self._put(self.key(final / layout.COMMIT_FILE), record)
+        self._remove_tree(source)
+
+    def _remove_step_objects(self, step: Path) -> None:
+        """Every object of a step, each part's manifest before its files."""
+        keys = [o["Key"] for o in self._list(self._dir_key(step)) if "Key" in o]
+        self._delete_many([k for k in keys if k.endswith("/" + layout.MANIFEST_FILE)])
+        self._delete_many([k for k in keys if not k.endswith("/" + layout.MANIFEST_FILE)])
+
+    def discard_staged(self, job: str, step: int) -> bool:
+        return self.discard_temporary(self._staged_step(job, step))
+
+    def recover_staged(self) -> int:
+        root = self._dir_key(self._tmp() / _REPLACE_DIR)
+        done = 0
+        for obj in list(self._list(root)):
+            names = obj.get("Key", "")[len(root):].split("/")
+            step = layout.parse_step_dirname(names[1]) if len(names) == 3 else None
+            if step is None or names[2] != layout.COMMIT_FILE:
+                continue
+            job = names[0]
+            staged = self._staged_step(job, step)
+            if self.has_commit_record(self.step_location(job, step)):
+                continue  # the old step stays (the swap never began), or the new one is in place already
+            try:
+                raw = self._get(obj["Key"])
+                layout.parse_commit_record(raw, staged / layout.COMMIT_FILE)
+                self._move_in(staged, job, step, raw)
+            except (OSError, layout.ManifestError) as e:
+                log.error("cannot finish the replacement of %s step %d on %s: %s", job, step, self.url, e,
+                          extra=fields(job=job, step=step, path=self.url, error=e))
+                continue
+            log.info("finished the replacement of %s step %d on %s that a crash interrupted", job, step, self.url,
+                     extra=fields(job=job, step=step, path=self.url))
+            done += 1
+        return done
 
 
 def _plain_name(name: str) -> str:
