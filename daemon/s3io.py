@@ -97,6 +97,10 @@ class UploadSink:
             return buf
 
     def _start(self, index: int, buf: bytearray) -> None:
+        with self._lock:
+            failed = [f for f in self._uploads.values() if f.done() and f.exception() is not None]
+        if failed:  # a piece that could not go up (after the SDK's retries) fails the file now, not at sync
+            raise failed[0].exception()  # type: ignore[misc]
         self._room.acquire()  # released when this piece's upload is done
         try:
             upload_id = self._begin()
