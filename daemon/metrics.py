@@ -46,6 +46,7 @@ class StateProbe:
     drain_queue: Callable[[], tuple[int, int]]   # (parts, bytes)
     drain_lag_s: Callable[[], float]
     shared_reachable: Callable[[], bool | None]
+    tier_size: Callable[[str], int | None] = lambda tier: None  # the tier probe's last reading; never blocks
     incomplete_steps: Callable[[], int] = lambda: 0
     memory_copies: Callable[[], int] = lambda: 0  # parts the memory tier serves
     memory_bytes: Callable[[], int] = lambda: 0   # shared memory it holds (part of arena_used)
@@ -135,13 +136,18 @@ class _StateCollector(Collector):
         used = GaugeMetricFamily("ckptstage_tier_used_bytes", "Bytes of committed checkpoints.", labels=["tier"])
         free = GaugeMetricFamily("ckptstage_tier_free_bytes", "Free bytes on the tier's file system.",
                                  labels=["tier"])
+        size = GaugeMetricFamily("ckptstage_tier_size_bytes", "Size of the tier's file system.", labels=["tier"])
         for tier in p.tiers():
             used.add_metric([tier], p.tier_used(tier))
             nfree = p.tier_free(tier)
             if nfree is not None:
                 free.add_metric([tier], nfree)
+            nsize = p.tier_size(tier)
+            if nsize is not None:
+                size.add_metric([tier], nsize)
         yield used
         yield free
+        yield size
         parts, nbytes = p.drain_queue()
         yield GaugeMetricFamily("ckptstage_drain_queue_parts", "Parts waiting to reach the shared tier.",
                                 value=parts)

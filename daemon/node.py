@@ -869,11 +869,14 @@ class Node:
         def tier_free(tier: str) -> int | None:
             return self.tier_probes[TierName(tier)].reading().free_bytes
 
+        def tier_size(tier: str) -> int | None:
+            return self.tier_probes[TierName(tier)].reading().total_bytes
+
         d = self.drainer
         return StateProbe(
             arena_used=lambda: self.budget.used, arena_total=lambda: self.budget.total,
             sessions=lambda: len(self.sessions.all()), tiers=lambda: [t.value for t in self.tier_probes],
-            tier_used=tier_used, tier_free=tier_free,
+            tier_used=tier_used, tier_free=tier_free, tier_size=tier_size,
             drain_queue=(lambda: d.pending()) if d else (lambda: (0, 0)),
             drain_lag_s=(lambda: d.lag_s()) if d else (lambda: 0.0),
             shared_reachable=(lambda: d.reachable) if d else (lambda: None),

@@ -14,10 +14,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from ckptstage.daemon.logs import fields
-from ckptstage.daemon.tier import Tier
+from ckptstage.daemon.tier import Tier, Usage
 
 log = logging.getLogger(__name__)
 
@@ -26,25 +25,23 @@ log = logging.getLogger(__name__)
 class Reading:
     free_bytes: int | None  # None until a probe has succeeded
     reachable: bool | None  # None before the first probe came back
+    total_bytes: int | None = None  # the size of the tier's storage; None until a probe has succeeded
 
 
 class TierProbe:
     """Probes one tier every ``interval_s`` on its own thread; :meth:`reading` never blocks."""
 
     def __init__(self, name: str, tier: Tier, interval_s: float = 5.0, hung_after_s: float = 2.0,
-                 free_bytes: Callable[[Path], int] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """``tier`` is the tier's storage; ``free_bytes(root)`` replaces its :meth:`Tier.usage` as the
-        measurement."""
+        """``tier`` is the tier's storage; the measurement is its :meth:`Tier.usage`."""
         self.name = name
         self.tier = tier
         self.path = self.tier.root
         self._interval = interval_s
         self._hung_after = hung_after_s
-        self._measure = free_bytes or (lambda _root: self.tier.usage().free_bytes)
         self._clock = clock
         self._lock = threading.Lock()
-        self._free: int | None = None
+        self._usage: Usage | None = None
         self._ok: bool | None = None
         self._since: float | None = None  # when the probe now running started
         self._stop = threading.Event()
@@ -59,14 +56,16 @@ class TierProbe:
     def reading(self) -> Reading:
         with self._lock:
             hung = self._since is not None and self._clock() - self._since > self._hung_after
-            return Reading(self._free, False if hung else self._ok)
+            usage = self._usage
+            return Reading(usage.free_bytes if usage else None, False if hung else self._ok,
+                           usage.total_bytes if usage else None)
 
     def probe(self) -> None:
         """One measurement, on the calling thread (the probe thread, or a test)."""
         with self._lock:
             self._since = self._clock()
         try:
-            free = self._measure(self.path)
+            usage = self.tier.usage()
         except OSError as e:
             with self._lock:
                 was, self._ok, self._since = self._ok, False, None
@@ -75,7 +74,7 @@ class TierProbe:
                             extra=fields(tier=self.name, error=e))
             return
         with self._lock:
-            self._free, self._ok, self._since = free, True, None
+            self._usage, self._ok, self._since = usage, True, None
 
     def _loop(self) -> None:
         while True:

@@ -487,8 +487,10 @@ PROMTOOL_CASES: list[dict[str, Any]] = [
          series("up", "1x10 0x20"),
          series("ckptstage_tier_free_bytes", "10x30", tier="local"),
          series("ckptstage_tier_used_bytes", "100x30", tier="local"),
+         series("ckptstage_tier_size_bytes", "1000x30", tier="local"),  # 1% free
          series("ckptstage_tier_free_bytes", "1000x30", tier="shared"),
-         series("ckptstage_tier_used_bytes", "100x30", tier="shared"),
+         series("ckptstage_tier_used_bytes", "3000x30", tier="shared"),
+         series("ckptstage_tier_size_bytes", "5000x30", tier="shared"),  # 20% free: not nearly full
          series("ckptstage_corrupt_parts_total", "0x5 1x25", tier="shared"),
          series("ckptstage_corrupt_parts_total", "0x30", tier="local"),
          series("ckptstage_shared_tier_up", "1x5 0x25"),
