@@ -448,6 +448,10 @@ class SharedConfig:
     access_key_id: str | None = field(default=None, metadata=_kind(_SECRET))
     secret_access_key: str | None = field(default=None, metadata=_kind(_SECRET))
     allow_inline_credentials: bool = field(default=False, metadata=_kind(_BOOL))
+    # An object store's files go up as multipart uploads in pieces of this size (S3 allows 5 MiB to 5 GiB;
+    # a file of more than 10,000 pieces gets larger ones), this many pieces of one file at once.
+    multipart_bytes: int = field(default=64 << 20, metadata=_kind(_size(5 << 20, 5 << 30)))
+    multipart_concurrency: int = field(default=8, metadata=_kind(_int(1, 64)))
     keep_last: int = field(default=5, metadata=_kind(_int(1, MAX_KEEP)))
     # Also keep every step divisible by this.
     keep_every: int | None = field(default=None, metadata=_kind(_int(1, MAX_KEEP_EVERY)))

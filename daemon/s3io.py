@@ -41,11 +41,13 @@ class UploadSink:
 
     ``pool`` runs the uploads; at most ``in_flight`` pieces of this object are
     held in memory waiting for theirs (a write waits for room: back-pressure
-    instead of memory).
+    instead of memory). ``before_complete`` is called before the object is
+    made whole: it raises to keep it from appearing (the writer lost its
+    claim on the key).
     """
 
     def __init__(self, conn: Connection, key: str, size: int, piece_bytes: int, pool: ThreadPoolExecutor,
-                 in_flight: int) -> None:
+                 in_flight: int, before_complete: Callable[[], None] | None = None) -> None:
         self._conn = conn
         self.key = key
         self.size = size
@@ -58,6 +60,7 @@ class UploadSink:
         self._filled: dict[int, int] = {}          # piece index -> bytes written into it
         self._uploads: dict[int, Future[dict[str, Any]]] = {}
         self._upload_id: str | None = None
+        self._before_complete = before_complete
         self._done = False
         self._closed = False
 
@@ -143,6 +146,8 @@ class UploadSink:
         rest += [(i, bytearray(self._length(i))) for i in missing]
         if self._count == 1:
             [(_, body)] = rest
+            if self._before_complete is not None:
+                self._before_complete()
             with errors("writing", self._conn, self.key):
                 self._conn.client.put_object(Bucket=self._conn.bucket, Key=self.key, Body=body)
             self._done = True
@@ -150,6 +155,8 @@ class UploadSink:
         for index, buf in sorted(rest):
             self._start(index, buf)
         parts = [self._uploads[i].result() for i in range(self._count)]
+        if self._before_complete is not None:
+            self._before_complete()
         with errors("completing the upload of", self._conn, self.key):
             self._conn.client.complete_multipart_upload(
                 Bucket=self._conn.bucket, Key=self.key, UploadId=self._upload_id,

@@ -18,16 +18,29 @@ way to its objects. Clients cannot open objects as files either:
 :meth:`S3Tier.readable_path` is None, and a restore goes through the daemon,
 which fetches the part to the local tier first.
 
-**Publishing, all or nothing.** A part's files are uploaded under this
-daemon's temporaries (``.tmp/<owner>/<job>.<step>.<rank>.<id>/``), large
-ones as multipart uploads with several pieces in flight
-(:class:`ckptstage.daemon.s3io.UploadSink`). :meth:`S3PartWriter.commit`
-copies them to the part's keys (a server-side copy) and writes
-``manifest.json`` last: a part exists if and only if its manifest object
-does, and a step exists only through its ``commit.json``, created with a
-conditional PUT (``If-None-Match: *``) so that exactly one of racing daemons
-creates it. Nothing relies on a listing showing a write sooner than S3
-promises: a missing manifest or record reads as "not published".
+**Publishing, all or nothing.** A part's files are uploaded straight to
+their keys, large ones as multipart uploads with several pieces in flight
+(:class:`ckptstage.daemon.s3io.UploadSink`), and :meth:`S3PartWriter.commit`
+writes ``manifest.json`` last: a part exists if and only if its manifest
+object does (objects at a part's keys without one are nobody's part), and a
+step exists only through its ``commit.json``, created with a conditional PUT
+(``If-None-Match: *``) so that exactly one of racing daemons creates it.
+Nothing relies on a listing showing a write sooner than S3 promises: a
+missing manifest or record reads as "not published".
+
+**Claims.** Writing at the final keys is safe only if two daemons never
+write the same part at once: a writer first creates the part's claim,
+``<part>/.claim`` (a conditional PUT naming the daemon and the writing), and
+keeps it while it writes (:class:`Claims`). A writer that finds another's
+claim gives up for now (EBUSY: the drain retries), unless the claim is
+abandoned: its daemon's own from before a restart, or another's left
+unchanged (not renewed) for ``claim_stale_s``. Where a published part is
+there already (a part replaced in place), the new files are uploaded to this
+daemon's temporaries (``.tmp/<owner>/<job>.<step>.<rank>.<id>/``) and copied
+into place at commit, so the old part stays whole until the writer's
+``replace`` policy lets it go. Every writer notes its claim in the
+temporaries first, so that :meth:`S3Tier.clean_temporaries` finds what a
+crash left at a part's keys (its uploads and objects, under its claim).
 
 **Deleting.** A part's manifest goes first (the part vanishes at once),
 then its files; a removal is recorded in the temporaries first, so that one
@@ -54,11 +67,13 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -66,7 +81,7 @@ import boto3.s3.transfer
 import xxhash
 
 from ckptstage.daemon.logs import fields
-from ckptstage.daemon.s3client import Connection, check, connect, errors, is_conflict
+from ckptstage.daemon.s3client import MAX_CONNECTIONS, Connection, check, connect, errors, is_conflict
 from ckptstage.daemon.s3io import MIN_PIECE_BYTES, ObjectReader, UploadSink, abort
 from ckptstage.daemon.tier import Manifest, PartWriter, QuarantinedCopy, Usage
 from ckptstage.protos import chunks, layout
@@ -76,13 +91,16 @@ log = logging.getLogger(__name__)
 PSEUDO_ROOT = Path("/s3:")  # locations on an object store: never a directory of this node
 PIECE_BYTES = 64 << 20       # a multipart upload's piece (S3 allows 5 MiB to 5 GiB)
 IN_FLIGHT = 4                # pieces of one object uploading at once
-THREADS = 16                 # uploads and ranged reads in flight, across the tier
+THREADS = 16                 # uploads (and, apart, ranged reads) in flight, across the tier
+MAX_THREADS = MAX_CONNECTIONS // 2  # both pools together hold at most the client's connections
 UNBOUNDED_BYTES = 1 << 60    # "total bytes" of a store with no limit of its own (1 EiB)
 USAGE_REFRESH_S = 300.0      # how often usage() lists the whole prefix again
 VERIFY_PIECE_BYTES = 64 << 20  # read at once (as several ranged GETs) by verify_part
 MAX_COPY_BYTES = 5 << 30     # the largest object one CopyObject copies; larger ones go piece by piece
 _MANY = 256                  # more chunk names than this: list the store instead of asking for each
-_WRITER_MARK = ".writer"     # in a staged part: who writes it (so a crashed writer's part is found)
+_WRITER_MARK = ".writer"     # .tmp/<owner>/<job>.<step>.<rank>.<id>/.writer: a writer's note (its part, its claim)
+CLAIM_FILE = ".claim"        # <part>/.claim: who writes the part's objects now (see Claims)
+CLAIM_STALE_S = 120.0        # another daemon's claim left unchanged this long is abandoned (renewed every 1/4)
 _REMOVING = "removing"       # .tmp/<owner>/removing/<id>.json: a removal under way (its prefix)
 _REPLACE_DIR = "replace"     # .tmp/<owner>/replace/<job>/step-N/: replacements being assembled
 
@@ -97,11 +115,13 @@ class S3Tier:
 
     ``owner`` names this daemon's temporaries (``.tmp/<owner>/``); a tier used
     only to index needs none. ``piece_bytes`` and ``in_flight`` shape uploads
-    (:class:`ckptstage.daemon.s3io.UploadSink`).
+    (:class:`ckptstage.daemon.s3io.UploadSink`); ``threads`` run them, and
+    the ranged reads (each kind its own pool); ``claim_stale_s`` is when
+    another daemon's claim counts as abandoned (:class:`Claims`).
     """
 
     def __init__(self, conn: Connection, owner: str = "", piece_bytes: int = PIECE_BYTES,
-                 in_flight: int = IN_FLIGHT, threads: int = THREADS) -> None:
+                 in_flight: int = IN_FLIGHT, threads: int = THREADS, claim_stale_s: float = CLAIM_STALE_S) -> None:
         if piece_bytes < MIN_PIECE_BYTES:
             raise ValueError(f"a multipart upload's pieces are at least {MIN_PIECE_BYTES} bytes, not {piece_bytes}")
         self.connection = conn
@@ -114,11 +134,16 @@ class S3Tier:
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._pools_lock = threading.Lock()
         self._usage: tuple[float, int] | None = None  # (when, bytes held)
+        self.claims = Claims(self, claim_stale_s)
 
     @classmethod
     def from_config(cls, config: Any, owner: str) -> S3Tier:
-        """The tier ``[shared] url`` names (``config``: a :class:`ckptstage.daemon.config.SharedConfig`)."""
-        return cls(connect(config), owner)
+        """The tier ``[shared] url`` names (``config``: a :class:`ckptstage.daemon.config.SharedConfig`):
+        pieces of ``multipart_bytes``, ``multipart_concurrency`` of them per file at once, and threads for
+        that many per part drained at once."""
+        threads = min(MAX_THREADS, max(THREADS, config.multipart_concurrency * config.max_concurrent))
+        return cls(connect(config), owner, piece_bytes=config.multipart_bytes,
+                   in_flight=config.multipart_concurrency, threads=threads)
 
     @property
     def root(self) -> Path:
@@ -184,9 +209,10 @@ class S3Tier:
         with errors("reading", self.connection, key):
             return bytes(self.connection.client.get_object(Bucket=self.connection.bucket, Key=key)["Body"].read())
 
-    def _put(self, key: str, data: bytes, if_absent: bool = False) -> str:
-        """Writes a small object whole; returns its ETag. ``if_absent``: FileExistsError when one is there."""
-        extra = {"IfNoneMatch": "*"} if if_absent else {}
+    def _put(self, key: str, data: bytes, if_absent: bool = False, if_match: str | None = None) -> str:
+        """Writes a small object whole; returns its ETag. ``if_absent``: FileExistsError when one is there;
+        ``if_match``: FileExistsError (or FileNotFoundError) unless the object there has that ETag."""
+        extra = {"IfNoneMatch": "*"} if if_absent else {"IfMatch": if_match} if if_match else {}
         for attempt in range(5):
             try:
                 with errors("writing", self.connection, key):
@@ -256,6 +282,11 @@ class S3Tier:
         keys = [o["Key"] for o in self._list(prefix) if "Key" in o]
         self._delete_many(keys)
         return len(keys)
+
+    def _part_objects(self, prefix: str) -> list[str]:
+        """The keys under a part's ``prefix``, but its claim (only its writer, or a clean-up of that
+        writer's, removes that)."""
+        return [o["Key"] for o in self._list(prefix) if "Key" in o and not o["Key"].endswith("/" + CLAIM_FILE)]
 
     # --- the index ---------------------------------------------------------------------
 
@@ -401,7 +432,7 @@ class S3Tier:
         if note is not None:
             self._put(note, json.dumps({"part": self._dir_key(part)}).encode())
         self._delete(self.key(part / layout.MANIFEST_FILE), etag)
-        self._remove_tree(self._dir_key(part))
+        self._delete_many(self._part_objects(self._dir_key(part)))
         if note is not None:
             self._delete(note)
 
@@ -556,24 +587,52 @@ class S3Tier:
         self.check()
 
     def clean_temporaries(self) -> int:
-        """Finishes removals cut short, aborts this daemon's multipart uploads and deletes its staged
-        objects; returns how many entries of ``.tmp/<owner>/`` that was."""
+        """Finishes removals cut short, cleans the parts this daemon's writers left half written under
+        their claims, aborts its multipart uploads and deletes its staged objects; returns how many
+        entries of ``.tmp/<owner>/`` that was."""
         tmp = self._dir_key(self._tmp())
         entries: set[str] = set()
         for obj in list(self._list(tmp + f"{_REMOVING}/")):
             self._finish_removal(obj["Key"])
             entries.add(_REMOVING)
-        conn = self.connection
-        with errors("listing the multipart uploads under", conn, tmp):
-            pages = list(conn.client.get_paginator("list_multipart_uploads").paginate(Bucket=conn.bucket,
-                                                                                       Prefix=tmp))
-        for upload in (u for page in pages for u in page.get("Uploads", [])):
-            abort(conn, upload["Key"], upload["UploadId"])
-            entries.add(upload["Key"][len(tmp):].split("/")[0])
+        for note in [o["Key"] for o in self._list(tmp) if o.get("Key", "").endswith("/" + _WRITER_MARK)]:
+            self._finish_writer(note)
+        for key in self._abort_uploads(tmp):
+            entries.add(key[len(tmp):].split("/")[0])
         keys = [o["Key"] for o in self._list(tmp) if "Key" in o]
         entries.update(k[len(tmp):].split("/")[0] for k in keys)
         self._delete_many(keys)
         return len(entries)
+
+    def _abort_uploads(self, prefix: str) -> list[str]:
+        """Aborts every multipart upload under ``prefix``; returns their keys."""
+        conn = self.connection
+        with errors("listing the multipart uploads under", conn, prefix):
+            uploads = [u for page in conn.client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=conn.bucket, Prefix=prefix) for u in page.get("Uploads", [])]
+        for upload in uploads:
+            abort(conn, upload["Key"], upload["UploadId"])
+        return [u["Key"] for u in uploads]
+
+    def _finish_writer(self, note: str) -> None:
+        """A writer of this daemon that a crash stopped: while the part's claim is still that writer's, its
+        uploads are aborted and its objects deleted (unless it published the part), then the claim goes."""
+        try:
+            info = json.loads(self._get(note))
+            part, writer = str(info["part"]), str(info["writer"])
+        except FileNotFoundError:
+            return
+        except (ValueError, KeyError, TypeError):
+            return  # not a note of this version: it claimed nothing
+        if not part.startswith(self._dir_key(self._root)):
+            return
+        claim = self.claims.recover(part, writer)
+        if claim is None:
+            return  # it never took the claim, or another writer broke it since: what is there is not ours
+        self._abort_uploads(part)
+        if self._head(part + layout.MANIFEST_FILE) is None:
+            self._delete_many(self._part_objects(part))
+        self.claims.release(claim)
 
     def _finish_removal(self, note: str) -> None:
         """A removal cut short: the part's remaining objects go, unless a part was published there since."""
@@ -582,19 +641,14 @@ class S3Tier:
         except (ValueError, KeyError, TypeError):
             prefix = ""  # not one of ours to finish
         if prefix and self._head(prefix + layout.MANIFEST_FILE) is None:
-            self._remove_tree(prefix)
+            self._delete_many(self._part_objects(prefix))
         self._delete(note)
 
     def discard_temporary(self, location: Path) -> bool:
         prefix = self._dir_key(location)
         if not prefix.startswith(self._dir_key(self._tmp())):
             raise OSError(errno.EXDEV, f"{location} is not among the temporaries of {self._owner} on {self.url}")
-        conn = self.connection
-        with errors("listing the multipart uploads under", conn, prefix):
-            uploads = [u for page in conn.client.get_paginator("list_multipart_uploads").paginate(
-                Bucket=conn.bucket, Prefix=prefix) for u in page.get("Uploads", [])]
-        for upload in uploads:
-            abort(conn, upload["Key"], upload["UploadId"])
+        uploads = self._abort_uploads(prefix)
         return self._remove_tree(prefix) > 0 or bool(uploads)
 
     def usage(self) -> Usage:
@@ -617,7 +671,7 @@ class S3Tier:
         if head is None:
             raise FileNotFoundError(errno.ENOENT, f"no part at {part}")
         source, dest = self._dir_key(part), self._dir_key(target)
-        for obj in list(self._list(source)):
+        for obj in [o for o in self._list(source) if not o.get("Key", "").endswith("/" + CLAIM_FILE)]:
             self._copy(obj["Key"], dest + obj["Key"][len(source):], int(obj.get("Size", 0)))
         self._remove_published(part, str(head["ETag"]))
         return target
@@ -695,7 +749,8 @@ class S3Tier:
             pass
         self._remove_step_objects(final)
         source, dest = self._dir_key(staged), self._dir_key(final)
-        objects = [o for o in self._list(source) if o.get("Key", "")[len(source):] != layout.COMMIT_FILE]
+        objects = [o for o in self._list(source) if o.get("Key", "")[len(source):] != layout.COMMIT_FILE
+                   and not o.get("Key", "").endswith("/" + CLAIM_FILE)]
         objects.sort(key=lambda o: o["Key"].endswith("/" + layout.MANIFEST_FILE))  # data first, manifests last
         for obj in objects:
             self._copy(obj["Key"], dest + obj["Key"][len(source):], int(obj.get("Size", 0)))
@@ -703,8 +758,8 @@ class S3Tier:
         self._remove_tree(source)
 
     def _remove_step_objects(self, step: Path) -> None:
-        """Every object of a step, each part's manifest before its files."""
-        keys = [o["Key"] for o in self._list(self._dir_key(step)) if "Key" in o]
+        """Every object of a step, each part's manifest before its files (claims stay: their writers')."""
+        keys = self._part_objects(self._dir_key(step))
         self._delete_many([k for k in keys if k.endswith("/" + layout.MANIFEST_FILE)])
         self._delete_many([k for k in keys if not k.endswith("/" + layout.MANIFEST_FILE)])
 
@@ -737,6 +792,205 @@ class S3Tier:
         return done
 
 
+@dataclass
+class Claim:
+    """A writer's hold on one part's keys: the object ``<part>/.claim``, as this daemon last wrote it."""
+
+    part: str    # the part's key prefix (ends with a slash)
+    writer: str  # which writing holds it (the writer's id)
+    etag: str    # of the claim object this daemon wrote last
+    lost: str = ""  # why it is not this writer's any more ("" while it is)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # a renewal or a release at a time
+
+    @property
+    def key(self) -> str:
+        return self.part + CLAIM_FILE
+
+
+class Claims:
+    """Which parts this daemon's writers hold, and the renewals that keep them theirs.
+
+    A claim is created only where none is (``If-None-Match: *``). Its holder
+    writes it again every ``stale_s / 4`` (``If-Match`` its last ETag: a claim
+    broken meanwhile is found lost instead of taken back), so a claim that
+    other daemons see unchanged for ``stale_s`` belongs to a daemon that died
+    or lost the store that long: they may break it (a delete ``If-Match`` the
+    ETag they watched) and take it. A claim of this daemon held by no writer
+    of this process was left by its life before a restart, and is taken at
+    once. A holder that finds its claim lost completes no upload and commits
+    nothing; what it wrote is the new holder's to replace.
+    """
+
+    def __init__(self, tier: S3Tier, stale_s: float) -> None:
+        if stale_s <= 0:
+            raise ValueError(f"a claim goes stale after a positive time, not {stale_s}")
+        self._tier = tier
+        self.stale_s = stale_s
+        self._lock = threading.Lock()
+        self._held: dict[str, Claim] = {}               # part prefix -> the claim a writer here holds
+        self._seen: dict[str, tuple[str, float]] = {}   # another's claim -> (its ETag, since when, monotonic)
+        self._keeper: threading.Thread | None = None
+
+    def _body(self, writer: str) -> bytes:
+        return json.dumps({"owner": self._tier.owner, "writer": writer, "pid": os.getpid(),
+                           "renewed": time.time()}).encode()
+
+    def take(self, part: str, writer: str) -> Claim:
+        """Claims the part whose keys start with ``part`` for ``writer``; OSError (EBUSY) naming the
+        holder when another writer holds it."""
+        tier = self._tier
+        key = part + CLAIM_FILE
+        broke = False
+        for _ in range(3):
+            try:
+                etag = tier._put(key, self._body(writer), if_absent=True)
+            except FileExistsError:
+                there = self._read(key)
+                if there is None:
+                    continue  # given back meanwhile
+                info, etag = there
+                if not self._abandoned(key, info, etag):
+                    raise OSError(errno.EBUSY, f"{tier.connection.where(part)} is being written by "
+                                               f"{info.get('owner', '?')} (writer {info.get('writer', '?')}); "
+                                               "trying again later") from None
+                log.warning("taking over the claim on %s of %s (writer %s), abandoned", tier.connection.where(part),
+                            info.get("owner", "?"), info.get("writer", "?"), extra=fields(tier="shared"))
+                _quietly(tier._delete, key, etag)
+                broke = True
+                continue
+            claim = Claim(part, writer, etag)
+            with self._lock:
+                self._held[part] = claim
+                self._seen.pop(key, None)
+                if self._keeper is None:
+                    self._keeper = threading.Thread(target=self._keep, name="s3-claims", daemon=True)
+                    self._keeper.start()
+            if broke:  # the uploads under the part are the abandoned writer's: ours to abort now
+                try:
+                    tier._abort_uploads(part)
+                except OSError:
+                    self.release(claim)
+                    raise
+            return claim
+        raise OSError(errno.EBUSY, f"{tier.connection.where(part)}: its claim keeps changing hands; trying again "
+                                   "later")
+
+    def _read(self, key: str) -> tuple[dict[str, Any], str] | None:
+        conn = self._tier.connection
+        try:
+            with errors("reading", conn, key):
+                got = conn.client.get_object(Bucket=conn.bucket, Key=key)
+                raw = got["Body"].read()
+        except FileNotFoundError:
+            return None
+        try:
+            info = json.loads(raw)
+        except ValueError:
+            info = {}
+        return (info if isinstance(info, dict) else {}), str(got["ETag"])
+
+    def _abandoned(self, key: str, info: dict[str, Any], etag: str) -> bool:
+        """Whether the claim ``info`` (ETag ``etag``) may be broken: see the class docstring."""
+        with self._lock:
+            if info.get("owner") == self._tier.owner:
+                held = self._held.get(key[:-len(CLAIM_FILE)])
+                return held is None or held.writer != info.get("writer")
+            now = time.monotonic()
+            seen = self._seen.get(key)
+            if seen is None or seen[0] != etag:
+                self._seen[key] = (etag, now)
+                return False
+            return now - seen[1] >= self.stale_s
+
+    def check(self, claim: Claim) -> None:
+        """Raises OSError when ``claim`` is no longer its writer's (as far as this daemon knows)."""
+        if claim.lost:
+            raise OSError(errno.EBUSY, f"{self._tier.connection.where(claim.part)}: this writer lost its claim "
+                                       f"({claim.lost})")
+
+    def verify(self, claim: Claim) -> None:
+        """:meth:`check`, asking the store: the claim object is still the one this daemon wrote last."""
+        with claim.lock:
+            head = self._tier._head(claim.key)
+            if head is None or head["ETag"] != claim.etag:
+                self._lose(claim, "its claim was broken by another writer" if head else "its claim is gone")
+        self.check(claim)
+
+    def _lose(self, claim: Claim, why: str) -> None:
+        claim.lost = why
+        with self._lock:
+            if self._held.get(claim.part) is claim:
+                del self._held[claim.part]
+
+    def renew(self, claim: Claim) -> None:
+        """Writes the claim again (only if it is still the one written last); a claim broken or gone is lost."""
+        with claim.lock:
+            if claim.lost:
+                return
+            try:
+                claim.etag = self._tier._put(claim.key, self._body(claim.writer), if_match=claim.etag)
+            except (FileExistsError, FileNotFoundError) as e:
+                self._lose(claim, f"it was broken by another writer or removed: {e}")
+            except OSError as e:  # the store does not answer: the uploads fail too; try again next round
+                log.warning("cannot renew the claim on %s: %s", self._tier.connection.where(claim.part), e,
+                            extra=fields(tier="shared", error=e))
+
+    def release(self, claim: Claim) -> bool:
+        """Gives the claim back (deletes it while it is still ours); False when that failed (the daemon's
+        next start cleans it through the writer's note)."""
+        with claim.lock:
+            lost, claim.lost = claim.lost, claim.lost or "given back"
+            with self._lock:
+                if self._held.get(claim.part) is claim:
+                    del self._held[claim.part]
+            if lost:
+                return True
+            try:
+                self._tier._delete(claim.key, claim.etag)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("cannot give back the claim on %s: %s", self._tier.connection.where(claim.part), e,
+                            extra=fields(tier="shared", error=e))
+                return False
+        return True
+
+    def recover(self, part: str, writer: str) -> Claim | None:
+        """The claim ``writer`` of this daemon left on ``part`` (a crash), renewed so that no other daemon
+        breaks it while it is cleaned; None when it is not that writer's (any more)."""
+        key = part + CLAIM_FILE
+        there = self._read(key)
+        if there is None or there[0].get("owner") != self._tier.owner or there[0].get("writer") != writer:
+            return None
+        with self._lock:
+            held = self._held.pop(part, None)
+        if held is not None:
+            held.lost = "cleaned as a crashed writer's"
+        claim = Claim(part, writer, there[1])
+        self.renew(claim)
+        return None if claim.lost else claim
+
+    def _keep(self) -> None:
+        """Renews every held claim each ``stale_s / 4``; ends when none is held."""
+        while True:
+            time.sleep(self.stale_s / 4)
+            with self._lock:
+                held = list(self._held.values())
+                if not held:
+                    self._keeper = None
+                    return
+            for claim in held:
+                self.renew(claim)
+
+
+def _quietly(call: Callable[..., Any], *args: Any) -> None:
+    """A clean-up step whose failure leaves only what the next start removes."""
+    try:
+        call(*args)
+    except OSError as e:
+        log.debug("clean-up step failed: %s", e)
+
+
 def _plain_name(name: str) -> str:
     if not name or "/" in name or name in (".", ".."):
         raise ValueError(f"{name!r} is not a plain object name")
@@ -744,73 +998,113 @@ def _plain_name(name: str) -> str:
 
 
 class S3PartWriter:
-    """One part being written: its files staged in the temporaries, published by :meth:`commit`."""
+    """One part being written under its claim: its files uploaded to the part's keys (or staged, where a
+    part is published there already), published by :meth:`commit`."""
 
     def __init__(self, tier: S3Tier, final: Path, staging: Path, replace: Callable[[Path], bool] | None) -> None:
         if not tier.owner:
             raise ValueError(f"{tier.url}: a tier opened without an owner only indexes; it writes no part")
         self._tier = tier
         self.final = final
-        self.staging = staging
+        self.staging = staging  # this writer's temporaries: its note, and the files of a part replaced
         self.replace = replace
         self.manifest_digest = ""  # xxh3-64 of the committed manifest.json
         self.ino = 0               # the committed part's version
         self._files: dict[str, UploadSink] = {}
-        self._marked = False
+        self._claim: Claim | None = None
+        self._staged = False  # a part was published at final when the claim was taken
         self._done = False
 
-    def create_file(self, name: str, size: int, direct_io: bool, reserve: bool = True) -> UploadSink:
-        """A new file of the part, uploaded to the temporaries as it is written (``direct_io`` and
-        ``reserve`` mean nothing to an object store)."""
+    def _hold(self) -> Claim:
+        """The part's claim, taken on the first call (after noting it in the temporaries, for a clean-up
+        after a crash); raises OSError when another writer holds it, or when this one lost it."""
         tier = self._tier
-        if not self._marked:  # names this writer in the temporaries before any upload, for a clean-up
-            tier._put(tier.key(self.staging / _WRITER_MARK), json.dumps(
-                {"owner": tier.owner, "final": tier.key(self.final), "started": time.time()}).encode())
-            self._marked = True
-        sink = UploadSink(tier.connection, tier.key(self.staging / _plain_name(name)), size, tier._piece_bytes,
-                          tier._pool("upload"), tier._in_flight)
+        if self._claim is None:
+            part = tier._dir_key(self.final)
+            writer = self.staging.name.rpartition(".")[2]
+            note = tier.key(self.staging / _WRITER_MARK)
+            tier._put(note, json.dumps({"owner": tier.owner, "writer": writer, "part": part,
+                                        "started": time.time()}).encode())
+            try:
+                self._claim = tier.claims.take(part, writer)
+            except OSError:
+                _quietly(tier._delete, note)
+                raise
+            # A published part stays whole until commit asks ``replace``: the new files are staged meanwhile.
+            self._staged = tier._head(tier.key(self.final / layout.MANIFEST_FILE)) is not None
+        tier.claims.check(self._claim)
+        return self._claim
+
+    def create_file(self, name: str, size: int, direct_io: bool, reserve: bool = True) -> UploadSink:
+        """A new file of the part, uploaded as it is written (``direct_io`` and ``reserve`` mean nothing
+        to an object store); it is completed only while this writer holds the claim."""
+        tier = self._tier
+        claim = self._hold()
+        where = (self.staging if self._staged else self.final) / _plain_name(name)
+        sink = UploadSink(tier.connection, tier.key(where), size, tier._piece_bytes, tier._pool("upload"),
+                          tier._in_flight, before_complete=lambda: tier.claims.check(claim))
         self._files[name] = sink
         return sink
 
     def commit(self, manifest: Manifest) -> Path:
-        """Copies the files to the part's keys, then writes the manifest: the part exists from then on.
+        """Writes the manifest, the part's last object: the part exists from then on.
 
-        A part already there is replaced only if ``replace`` allows it: its
-        manifest goes first, then its objects, so readers see the old part,
-        nothing, then the new one.
+        Objects at the part's keys that are not this writer's files (a crashed
+        writing's) go first. A part already there is replaced only if ``replace``
+        allows it: its manifest goes first, then its objects, then the staged
+        files are copied in, so readers see the old part, nothing, then the new one.
         """
         tier = self._tier
+        claim = self._hold()
         for sink in self._files.values():
             sink.sync()  # already done by the caller; a no-op then
-        head = tier._head(tier.key(self.final / layout.MANIFEST_FILE))
+        tier.claims.verify(claim)
+        manifest_key = tier.key(self.final / layout.MANIFEST_FILE)
+        head = tier._head(manifest_key)
+        if head is not None and not self._staged:
+            raise FileExistsError(errno.EEXIST, f"{self.final} was published meanwhile by a writer that did not "
+                                                "hold its claim")
         if head is not None and not (self.replace is not None and self.replace(self.final)):
             raise FileExistsError(errno.EEXIST, f"{self.final} is already committed")
         if head is not None:
             tier._remove_published(self.final, str(head["ETag"]))
-        else:  # objects of a publication a crash cut short, never visible: they must not join this part
-            final = tier._dir_key(self.final)
-            strays = [o["Key"] for o in tier._list(final) if o.get("Key", "")[len(final):] not in self._files]
-            tier._delete_many(strays)
-        for name, sink in self._files.items():
-            tier._copy(sink.key, tier.key(self.final / name), sink.size)
+        ours = set() if self._staged else {sink.key for sink in self._files.values()}
+        tier._delete_many([k for k in tier._part_objects(tier._dir_key(self.final)) if k not in ours])
+        if self._staged:
+            for name, sink in self._files.items():
+                tier._copy(sink.key, tier.key(self.final / name), sink.size)
         raw = layout.manifest_file_bytes(manifest)
-        etag = tier._put(tier.key(self.final / layout.MANIFEST_FILE), raw)  # last: publishes the part
+        etag = tier._put(manifest_key, raw, if_absent=True)  # last: publishes the part
         self.manifest_digest = layout.chunk_digest(raw)
         self.ino = version(etag)
         self._done = True
-        self._drop_staging()
+        self._finish()
         return self.final
 
     def abort(self) -> None:
-        """Drops what was written (a no-op once committed)."""
+        """Drops what was written (a no-op once committed): uploads aborted, objects at the part's keys
+        deleted while the claim is still this writer's and no part was published there."""
         if self._done:
             return
         self._done = True
+        tier = self._tier
         for sink in self._files.values():
             sink.close()
-        self._drop_staging()
+        claim = self._claim
+        if claim is not None and not claim.lost and not self._staged:
+            try:
+                if tier._head(tier.key(self.final / layout.MANIFEST_FILE)) is None:
+                    tier._delete_many(tier._part_objects(tier._dir_key(self.final)))
+            except OSError as e:  # the daemon's next start removes them (its note stays)
+                log.warning("cannot remove what was written at %s: %s", self.final, e, extra=fields(error=e))
+                return
+        self._finish()
 
-    def _drop_staging(self) -> None:
+    def _finish(self) -> None:
+        """Gives the claim back, then removes the temporaries, the note with them (kept where the claim
+        could not be given back: the next start finds it through the note)."""
+        if self._claim is not None and not self._tier.claims.release(self._claim):
+            return
         try:
             self._tier._remove_tree(self._tier._dir_key(self.staging))
         except OSError as e:  # the daemon's next start removes them

@@ -485,6 +485,8 @@ OUT_OF_BOUNDS: dict[str, tuple[object, object]] = {
     "shared.keep_every": (0, 1_000_000_001),
     "shared.max_bandwidth": (1048575, "1025GiB/s"),
     "shared.max_concurrent": (0, 65),
+    "shared.multipart_bytes": ((5 << 20) - 1, (5 << 30) + 1),
+    "shared.multipart_concurrency": (0, 65),
     "shared.retry_initial_s": (0.009, 3601),
     "shared.retry_max_s": (0.09, 86401),
     "persist.workers": (0, 65),

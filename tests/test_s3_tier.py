@@ -8,6 +8,7 @@ store that refuses us, the configuration, and a real daemon draining to it and r
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -119,9 +120,13 @@ def test_a_large_file_goes_up_in_pieces_written_out_of_order_and_a_flipped_byte_
         t.start()
     for t in threads:
         t.join()
-    assert _keys(tier, layout.TMP_DIR) != [] and list(tier.list_steps(JOB)) == []  # staged, not published
+    # Uploading straight to its key, under the part's claim, and not published.
+    part = f"{JOB}/step-000000000001/rank-00000/"
+    assert _uploads(tier) == [tier.key(writer.final / layout.DATA_FILE)] and list(tier.list_steps(JOB)) == []
+    assert _keys(tier, JOB) == [part + ".claim"]
     sink.sync()
     sink.close()
+    assert _keys(tier, JOB) == [part + ".claim", part + layout.DATA_FILE] and list(tier.list_steps(JOB)) == []
     where = writer.commit(_manifest(1, data))
     conn = tier.connection
     etag = conn.client.head_object(Bucket=conn.bucket, Key=tier.key(where / layout.DATA_FILE))["ETag"]
@@ -175,13 +180,92 @@ def test_a_writer_killed_mid_upload_leaves_nothing_visible_and_its_orphans_go_at
         proc.wait()
     assert len(_uploads(tier)) == 2  # ours (killed) and node-b's
     assert list(tier.list_steps(JOB)) == []  # nothing visible
+    ours, node_b = f"{JOB}/step-000000000009/rank-00000/", f"{JOB}/step-000000000009/rank-00001/"
+    assert _keys(tier, JOB) == [ours + ".claim", node_b + ".claim"]  # each writer's claim on its part
     restarted = S3Tier(tier.connection, OWNER)
     restarted.prepare()
-    assert restarted.clean_temporaries() == 1  # the killed writer's staging entry: its mark and its upload
-    assert [k.split("/")[2] for k in _uploads(tier)] == ["node-b"]  # only this owner's orphans are aborted
-    assert [k for k in _keys(tier, layout.TMP_DIR) if f"/{OWNER}/" in f"/{k}"] == []
+    assert restarted.clean_temporaries() == 1  # the killed writer's entry: its note, its claim, its upload
+    # Only this owner's orphans are aborted: node-b's upload and claim stay.
+    assert _uploads(tier) == [tier.key(tier.root / node_b / layout.DATA_FILE)]
+    assert [k for k in _keys(tier) if not k.startswith(f"{layout.TMP_DIR}/node-b/")] == [node_b + ".claim"]
     theirs.close()  # node-b aborts its own
     assert _uploads(tier) == []
+
+
+_CLAIM_HOLDER = textwrap.dedent("""
+    import sys, time
+    from ckptstage.daemon.s3client import Location, open_connection
+    from ckptstage.daemon.s3tier import S3Tier
+    from ckptstage.protos import layout
+    conn = open_connection(Location({bucket!r}, {prefix!r}), {endpoint!r}, {region!r},
+                           access_key_id={key!r}, secret_access_key={secret!r})
+    tier = S3Tier(conn, "node-a", piece_bytes=5 << 20, claim_stale_s={stale!r})
+    sink = tier.begin_part("s3job", 5, 0).create_file(layout.DATA_FILE, 10 << 20, direct_io=False)
+    sink.write(memoryview(bytes(5 << 20)), 0)  # one piece up, its claim renewed until killed
+    print("writing", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_two_daemons_never_write_one_part_at_once_and_an_abandoned_claim_is_taken_over(
+        s3_server: S3Server, tier: S3Tier) -> None:
+    stale = 1.0
+    script = _CLAIM_HOLDER.format(bucket=BUCKET, prefix=tier.key(tier.root), endpoint=s3_server.endpoint,
+                                  region=REGION, key=ACCESS_KEY, secret=SECRET_KEY, stale=stale)
+    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    other = S3Tier(tier.connection, "node-b", claim_stale_s=stale)
+    data = os.urandom(3000)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "writing"
+        began = time.monotonic()
+        while time.monotonic() - began < 2.5 * stale:  # renewed every stale/4: never abandoned while it lives
+            with pytest.raises(OSError, match="is being written by node-a") as busy:
+                other.begin_part(JOB, 5, 0).create_file(layout.DATA_FILE, len(data), direct_io=False)
+            assert busy.value.errno == errno.EBUSY
+            time.sleep(0.2)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert len(_uploads(tier)) == 1  # the killed holder's, at the part's key
+    deadline = time.monotonic() + 10 * stale
+    while True:  # as a drain retries: seen unchanged for claim_stale_s, the claim is abandoned
+        writer = other.begin_part(JOB, 5, 0)
+        try:
+            sink = writer.create_file(layout.DATA_FILE, len(data), direct_io=False)
+            break
+        except OSError as e:
+            assert e.errno == errno.EBUSY and time.monotonic() < deadline
+            time.sleep(0.2)
+    assert _uploads(tier) == []  # the abandoned writer's upload went with its claim
+    sink.write(memoryview(data), 0)
+    sink.sync()
+    where = writer.commit(_manifest(5, data))
+    with tier.open_file(where, layout.DATA_FILE) as f:
+        assert f.read(len(data) + 1) == data
+    assert _keys(tier, JOB) == [f"{JOB}/step-000000000005/rank-00000/{n}" for n in (layout.DATA_FILE,
+                                                                                    layout.MANIFEST_FILE)]
+
+
+def test_a_writer_whose_claim_was_broken_completes_nothing_and_leaves_the_new_holders_objects(
+        tier: S3Tier) -> None:
+    mine = S3Tier(tier.connection, OWNER, claim_stale_s=0.4)  # renewed every 0.1 s
+    writer = mine.begin_part(JOB, 6, 0)
+    sink = writer.create_file(layout.DATA_FILE, 3000, direct_io=False)
+    sink.write(memoryview(b"a" * 3000), 0)
+    # Another daemon found the claim abandoned (this one was cut off the store) and took the part.
+    conn = tier.connection
+    part = writer.final
+    conn.client.put_object(Bucket=conn.bucket, Key=tier.key(part / ".claim"), Body=b'{"owner": "node-b"}')
+    conn.client.put_object(Bucket=conn.bucket, Key=tier.key(part / layout.DATA_FILE), Body=b"theirs")
+    time.sleep(0.3)  # a renewal finds the claim changed
+    with pytest.raises(OSError, match="lost its claim"):
+        sink.sync()
+    with pytest.raises(OSError, match="lost its claim"):
+        writer.commit(_manifest(6, b"a" * 3000))
+    writer.abort()
+    assert object_bytes(tier, part / layout.DATA_FILE) == b"theirs"
+    assert object_bytes(tier, part / ".claim") == b'{"owner": "node-b"}'
+    assert list(tier.list_steps(JOB)) == [] and _keys(tier, layout.TMP_DIR) == []
 
 
 def test_a_removal_cut_short_is_finished_at_the_next_start(tier: S3Tier) -> None:
