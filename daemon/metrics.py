@@ -1,10 +1,10 @@
 """Prometheus metrics. The daemon owns its registry; state gauges are computed at scrape time.
 
 docs/OPERATIONS.md lists every metric with its labels and meaning, and the
-alerts built on them. Per-job series carry the job in the label ``ckpt_job``,
-not ``job``: Prometheus sets ``job`` on every series to the scrape job's name,
-and a ``job`` exported here would be renamed ``exported_job`` (or, with
-``honor_labels``, would overwrite the scrape job's name).
+alerts built on them. Per-job series carry the training job in the label
+``job``. Prometheus keeps ``job`` for the scrape job's name, so with the
+default ``honor_labels: false`` it stores the label exported here as
+``exported_job``; the alerts and the dashboard select ``exported_job``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 150, 300, 900)
 # of thousands of finished jobs does not put thousands of series into every scrape.
 MAX_JOB_SERIES = 64
 OTHER_JOB = "_other"
-JOB_LABEL = "ckpt_job"
+JOB_LABEL = "job"
 FAILING_DRAIN_STATES = frozenset({"retrying", "failed"})
 
 
@@ -233,7 +233,7 @@ def select_jobs(summaries: Sequence[JobSummary], cap: int = MAX_JOB_SERIES) -> t
 
 
 def job_families(summaries: Sequence[JobSummary], cap: int = MAX_JOB_SERIES) -> list[Metric]:
-    """The per-job metric families, labelled ``ckpt_job`` (see the module docstring)."""
+    """The per-job metric families, labelled ``job`` (see the module docstring)."""
     rows, folded = select_jobs(summaries, cap)
     jl = [JOB_LABEL]
 
@@ -247,7 +247,7 @@ def job_families(summaries: Sequence[JobSummary], cap: int = MAX_JOB_SERIES) -> 
                                  f'are summed into {JOB_LABEL}="{OTHER_JOB}".', value=folded)
     ckpts = family("ckptstage_job_checkpoints", "Complete steps of the job on any tier of this node.")
     latest = family("ckptstage_job_latest_step", "The job's newest complete step.")
-    commit = family("ckptstage_job_last_commit_timestamp_seconds",
+    commit = family("ckptstage_last_commit_timestamp_seconds",
                     "Unix time of the job's newest complete step on the tier.", [JOB_LABEL, "tier"])
     nbytes = family("ckptstage_job_bytes", "Bytes the job holds on the tier.", [JOB_LABEL, "tier"])
     sessions = family("ckptstage_job_sessions", "Open client sessions of the job on this node (its trainers).")

@@ -42,6 +42,22 @@ EXTERNAL_METRICS = {"up"}
 TARGET_LABELS = {"job", "instance"}
 
 
+def stored_label(exposed: str) -> str:
+    """A label of ckptstaged's exposition as Prometheus stores it, so as PromQL selects it.
+
+    Prometheus' rule (scrape config honor_labels: false, the default): a scraped
+    label named like a target label keeps its value under ``exported_<name>``,
+    and the target's value stays in ``<name>``. So the training job, ``job`` in
+    the exposition, is ``exported_job`` in the alerts and the dashboard.
+    """
+    return f"exported_{exposed}" if exposed in TARGET_LABELS else exposed
+
+
+def stored_labels(exposed: set[str]) -> set[str]:
+    """The labels PromQL may use on a series scraped with these: its own (renamed) and the target's."""
+    return {stored_label(label) for label in exposed} | TARGET_LABELS
+
+
 # --- PromQL: the metric names and labels an expression uses -----------------------------------------
 
 PROMQL_KEYWORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right", "bool",
@@ -65,7 +81,7 @@ class PromQLRefs:
     def __init__(self, expr: str) -> None:
         for var, value in _GRAFANA_VARS.items():
             expr = expr.replace(var, value)
-        expr = re.sub(r"\$\{?\w+\}?", "x", expr)  # $instance, ${ckpt_job}: inside label values only
+        expr = re.sub(r"\$\{?\w+\}?", "x", expr)  # $instance, ${job}: inside label values only
         self.matchers: dict[str, set[str]] = {}  # metric -> labels in its {...} matchers
         self.grouping: set[str] = set()
         text = _STRING.sub('""', expr)
@@ -163,18 +179,19 @@ def test_build_info_carries_the_installed_version() -> None:
     assert metric(generate_latest(m.registry).decode(), "ckptstage_build_info", version=installed) == 1
 
 
-def test_collector_exports_each_job_summary_under_ckpt_job() -> None:
+def test_collector_exports_each_job_summary_under_the_label_job() -> None:
     jobs = [summary("llama-7b", commit=1_700_000_100.5, sessions=4, state="retrying", local=1 << 30,
                     failures=3, error_time=1_700_000_200.0, queued=(2, 5 << 20)),
             summary("bert", commit=1_700_000_000.0)]
     text = exposition(jobs)
     assert metric(text, "ckptstage_jobs") == 2
     assert metric(text, "ckptstage_jobs_folded") == 0
-    j = {JOB_LABEL: "llama-7b"}
+    assert JOB_LABEL == "job"
+    j = {"job": "llama-7b"}
     assert metric(text, "ckptstage_job_checkpoints", **j) == 3
     assert metric(text, "ckptstage_job_latest_step", **j) == 30
-    assert metric(text, "ckptstage_job_last_commit_timestamp_seconds", tier="local", **j) == 1_700_000_100.5
-    assert metric(text, "ckptstage_job_last_commit_timestamp_seconds", tier="shared", **j) == 1_700_000_095.5
+    assert metric(text, "ckptstage_last_commit_timestamp_seconds", tier="local", **j) == 1_700_000_100.5
+    assert metric(text, "ckptstage_last_commit_timestamp_seconds", tier="shared", **j) == 1_700_000_095.5
     assert metric(text, "ckptstage_job_bytes", tier="local", **j) == 1 << 30
     assert metric(text, "ckptstage_job_bytes", tier="shared", **j) == 2 << 30
     assert metric(text, "ckptstage_job_sessions", **j) == 4
@@ -183,12 +200,27 @@ def test_collector_exports_each_job_summary_under_ckpt_job() -> None:
     assert metric(text, "ckptstage_job_drain_last_error_timestamp_seconds", **j) == 1_700_000_200.0
     assert metric(text, "ckptstage_job_drain_queue_parts", **j) == 2
     assert metric(text, "ckptstage_job_drain_queue_bytes", **j) == 5 << 20
-    b = {JOB_LABEL: "bert"}
+    b = {"job": "bert"}
     assert metric(text, "ckptstage_job_drain_failing", **b) == 0
     assert metric(text, "ckptstage_job_sessions", **b) == 0
     # No drain error: no timestamp series (a 0 would read as "failed in 1970" in time() - x).
-    assert not re.search(r'ckptstage_job_drain_last_error_timestamp_seconds\{ckpt_job="bert"', text)
-    assert 'job="' not in text.replace('ckpt_job="', "")  # never Prometheus' own target label
+    assert not re.search(r'ckptstage_job_drain_last_error_timestamp_seconds\{job="bert"', text)
+    # `job` is the training job on every per-job series, and only there; no other label names a job (no
+    # series carries both the training job and something meant as a scrape job).
+    per_job = {"ckptstage_job_checkpoints", "ckptstage_job_latest_step", "ckptstage_last_commit_timestamp_seconds",
+               "ckptstage_job_bytes", "ckptstage_job_sessions", "ckptstage_job_drain_failing",
+               "ckptstage_job_drain_consecutive_failures", "ckptstage_job_drain_last_error_timestamp_seconds",
+               "ckptstage_job_drain_queue_parts", "ckptstage_job_drain_queue_bytes"}
+    seen = set()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            assert not {k for k in sample.labels if "job" in k} - {"job"}, sample
+            if family.name in per_job:
+                seen.add(family.name)
+                assert sample.labels["job"] in {"llama-7b", "bert"}, sample
+            else:
+                assert "job" not in sample.labels, sample
+    assert seen == per_job
 
 
 @pytest.mark.parametrize("state, failing", [("idle", 0), ("draining", 0), ("disabled", 0), ("retrying", 1),
@@ -202,7 +234,7 @@ def test_a_job_without_commits_has_no_commit_timestamp_nor_latest_step() -> None
     fresh = JobSummary("new-run", 0, None, {}, {}, 1, DrainHealth("idle", 0, 0))
     text = exposition([fresh])
     assert metric(text, "ckptstage_job_sessions", **{JOB_LABEL: "new-run"}) == 1
-    assert "ckptstage_job_last_commit_timestamp_seconds{" not in text
+    assert "ckptstage_last_commit_timestamp_seconds{" not in text
     assert "ckptstage_job_latest_step{" not in text
 
 
@@ -228,7 +260,7 @@ def test_job_series_are_capped_active_and_newest_first_the_rest_folded() -> None
     assert metric(text, "ckptstage_job_checkpoints", **other) == 3 * len(folded)
     assert metric(text, "ckptstage_job_bytes", tier="local", **other) == 100 * len(folded)
     newest_folded = now - (MAX_JOB_SERIES - 2)
-    assert metric(text, "ckptstage_job_last_commit_timestamp_seconds", tier="local", **other) == newest_folded
+    assert metric(text, "ckptstage_last_commit_timestamp_seconds", tier="local", **other) == newest_folded
     assert metric(text, "ckptstage_job_drain_failing", **other) == 0
     # The bytes summed over the exported series are every job's bytes: nothing is lost by folding.
     total = sum(s.value for f in text_string_to_metric_families(text) if f.name == "ckptstage_job_bytes"
@@ -278,7 +310,7 @@ def test_real_daemon_exports_build_info_and_its_jobs(live: dict[str, Any]) -> No
     assert metric(text, "ckptstage_job_drain_failing", **j) == 0
     assert metric(text, "ckptstage_job_drain_queue_bytes", **j) == 0
     for tier in ("local", "shared"):
-        t = metric(text, "ckptstage_job_last_commit_timestamp_seconds", tier=tier, **j)
+        t = metric(text, "ckptstage_last_commit_timestamp_seconds", tier=tier, **j)
         assert live["t0"] - 1 <= t <= live["t1"] + 1, (tier, t)
         assert metric(text, "ckptstage_job_bytes", tier=tier, **j) > 0
     # keep_last = 1 locally: the local tier holds one step, the shared tier two.
@@ -369,10 +401,16 @@ def check_refs(where: str, expr: str, names: dict[str, set[str]]) -> PromQLRefs:
     for name in refs.metrics:
         assert name in names or name in EXTERNAL_METRICS, f"{where}: {name} is not in the daemon's scrape"
     for name, labels in refs.matchers.items():
-        known = names.get(name, set()) | TARGET_LABELS
+        known = stored_labels(names.get(name, set()))
         assert labels <= known, f"{where}: {name} has no label {sorted(labels - known)}"
-    known = set().union(*(names.get(n, set()) for n in refs.metrics)) | TARGET_LABELS
+        # On a series that exposes `job` itself, `job` in PromQL is the scrape job's: never what is meant.
+        shadowed = labels & names.get(name, set()) & TARGET_LABELS
+        assert not shadowed, f"{where}: {name} matches the target's {sorted(shadowed)}, not exported_*"
+    exposed = set().union(*(names.get(n, set()) for n in refs.metrics))
+    known = stored_labels(exposed)
     assert refs.grouping <= known, f"{where}: no metric of {expr!r} has label(s) {sorted(refs.grouping - known)}"
+    shadowed = refs.grouping & exposed & TARGET_LABELS
+    assert not shadowed, f"{where}: {expr!r} groups by the target's {sorted(shadowed)}, not exported_*"
     return refs
 
 
@@ -380,7 +418,8 @@ def test_every_name_and_label_the_alerts_use_is_in_a_real_scrape(live: dict[str,
     names = scraped_names(live["text"])
     for rule in alert_rules():
         refs = check_refs(rule["alert"], rule["expr"], names)
-        known = set().union(*(names.get(n, set()) for n in refs.metrics)) | TARGET_LABELS
+        exposed = set().union(*(names.get(n, set()) for n in refs.metrics))
+        known = stored_labels(exposed) - (exposed & TARGET_LABELS)  # $labels.job would name the scrape job
         for text in rule["annotations"].values():
             used = set(re.findall(r"\$labels\.(\w+)", text))
             assert used <= known, f"{rule['alert']}: annotations use label(s) {sorted(used - known)}"
@@ -399,7 +438,7 @@ def test_dashboard_is_a_grafana_model_with_a_datasource_variable_and_no_overlapp
     assert dash["uid"] and dash["title"] and isinstance(dash["schemaVersion"], int)
     variables = {v["name"]: v for v in dash["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    assert {"instance", "ckpt_job"} <= set(variables)
+    assert {"instance", "job"} <= set(variables)
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
     cells: dict[tuple[int, int], str] = {}
@@ -441,8 +480,13 @@ def test_promtool_accepts_the_rules() -> None:
     assert f"SUCCESS: {len(alert_rules())} rules found" in out.stdout
 
 
-def series(name: str, values: str, **labels: str) -> dict[str, str]:
-    labels = {"job": "ckptstaged", "instance": "node-1", **labels}
+TARGET = {"job": "ckptstaged", "instance": "node-1"}  # the scrape target's labels in the cases below
+
+
+def series(name: str, values: str, **exposed: str) -> dict[str, str]:
+    """An input series as Prometheus stores one scraped with the labels ``exposed``: renamed by
+    stored_label (the training job's `job` becomes `exported_job`), plus the target's labels."""
+    labels = {**{stored_label(k): v for k, v in exposed.items()}, **TARGET}
     return {"series": name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}",
             "values": values}
 
@@ -451,8 +495,7 @@ def fires(alert: str, at: str, *labelsets: dict[str, str]) -> dict[str, Any]:
     """An expectation: at ``at``, ``alert`` fires exactly for these label sets (target labels added)."""
     severity = next(r["labels"]["severity"] for r in alert_rules() if r["alert"] == alert)
     return {"eval_time": at, "alertname": alert,
-            "exp_alerts": [{"exp_labels": {"job": "ckptstaged", "instance": "node-1", "severity": severity, **ls}}
-                           for ls in labelsets]}
+            "exp_alerts": [{"exp_labels": {**TARGET, "severity": severity, **ls}} for ls in labelsets]}
 
 
 # Minutes are the unit of the input series below (interval 1m); time() starts at 0.
@@ -461,24 +504,24 @@ PROMTOOL_CASES: list[dict[str, Any]] = [
      "input_series": [
          # "running" has a trainer connected and committed last at t=0; "finished" too, but nobody is
          # connected any more; "fresh" commits every minute.
-         series("ckptstage_job_last_commit_timestamp_seconds", "0x130", ckpt_job="running", tier="local"),
-         series("ckptstage_job_sessions", "1x130", ckpt_job="running"),
-         series("ckptstage_job_last_commit_timestamp_seconds", "0x130", ckpt_job="finished", tier="local"),
-         series("ckptstage_job_sessions", "0x130", ckpt_job="finished"),
-         series("ckptstage_job_last_commit_timestamp_seconds", "0+60x130", ckpt_job="fresh", tier="memory"),
-         series("ckptstage_job_sessions", "8x130", ckpt_job="fresh")],
+         series("ckptstage_last_commit_timestamp_seconds", "0x130", job="running", tier="local"),
+         series("ckptstage_job_sessions", "1x130", job="running"),
+         series("ckptstage_last_commit_timestamp_seconds", "0x130", job="finished", tier="local"),
+         series("ckptstage_job_sessions", "0x130", job="finished"),
+         series("ckptstage_last_commit_timestamp_seconds", "0+60x130", job="fresh", tier="memory"),
+         series("ckptstage_job_sessions", "8x130", job="fresh")],
      "alert_rule_test": [
          fires("CkptstageNoRecentCommit", "65m"),  # an hour old, but not yet for 10 minutes
-         fires("CkptstageNoRecentCommit", "75m", {"ckpt_job": "running"}),
-         fires("CkptstageNoRecentCommit", "120m", {"ckpt_job": "running"})]},
+         fires("CkptstageNoRecentCommit", "75m", {"exported_job": "running"}),
+         fires("CkptstageNoRecentCommit", "120m", {"exported_job": "running"})]},
     {"interval": "1m",
      "input_series": [
-         series("ckptstage_job_drain_failing", "0x10 1x20 0x10", ckpt_job="a"),
-         series("ckptstage_job_drain_failing", "0x40", ckpt_job="b"),
+         series("ckptstage_job_drain_failing", "0x10 1x20 0x10", job="a"),
+         series("ckptstage_job_drain_failing", "0x40", job="b"),
          series("ckptstage_drain_lag_seconds", "0+120x40")],  # grows 2 min per minute: 1800 s at 15m
      "alert_rule_test": [
          fires("CkptstageDrainFailing", "15m"),
-         fires("CkptstageDrainFailing", "25m", {"ckpt_job": "a"}),
+         fires("CkptstageDrainFailing", "25m", {"exported_job": "a"}),
          fires("CkptstageDrainFailing", "40m"),  # drains succeed again
          fires("CkptstageDrainLagHigh", "25m"),
          fires("CkptstageDrainLagHigh", "35m", {})]},
