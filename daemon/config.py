@@ -30,9 +30,10 @@ from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
+from ckptstage.daemon.retention import KeepBest  # the one keep_best rule; re-exported for the config's users
 from ckptstage.protos.paths import default_data_dir, default_socket_path  # noqa: F401 - re-exported
 
 # Linux's sockaddr_un.sun_path holds 108 bytes including the terminating NUL;
@@ -266,15 +267,6 @@ def _parse_listen(value: Any, key: str) -> str | None:
     except ValueError as e:
         raise ConfigError(key, str(e)) from None
     return value
-
-
-@dataclass(frozen=True)
-class KeepBest:
-    """Keep the ``n`` checkpoints with the best value of ``metric`` (lowest if ``mode`` is "min")."""
-
-    metric: str
-    mode: Literal["min", "max"]
-    n: int = 1
 
 
 def _parse_keep_best(value: Any, key: str) -> KeepBest:

@@ -234,18 +234,14 @@ class Janitor:
     def _job_shared_rules(self, job: JobRetention) -> list[retention.SharedRules]:
         """The job's own shared rules, kept in addition to the operator's (see :class:`JobRetention`)."""
         cap = self.config.retention.max_job_keep_last
-        best = (retention.KeepBest(job.keep_best_metric, job.keep_best_mode,  # type: ignore[arg-type]
-                                   min(job.keep_best_n or 1, cap)) if job.keep_best_metric else None)
         rules = retention.SharedRules(keep_last=min(job.shared_keep_last, cap) or None,
-                                      keep_every=job.shared_keep_every or None, keep_best=best)
+                                      keep_every=job.shared_keep_every or None, keep_best=job.keep_best(cap))
         # A rule set with no rules would keep everything: only pass one that has some.
         return [rules] if rules != retention.SharedRules() else []
 
     def _shared_rules(self) -> retention.SharedRules:
         c = self.config.shared
-        best = (retention.KeepBest(c.keep_best.metric, c.keep_best.mode, c.keep_best.n)
-                if c.keep_best is not None else None)
-        return retention.SharedRules(keep_last=c.keep_last, keep_every=c.keep_every, keep_best=best)
+        return retention.SharedRules(keep_last=c.keep_last, keep_every=c.keep_every, keep_best=c.keep_best)
 
     def _free_bytes(self, tier: TierName) -> int | None:
         try:

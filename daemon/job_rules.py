@@ -12,6 +12,7 @@ from typing import Any
 from ckptstage.daemon import fsutil
 from ckptstage.daemon.errors import InvalidRequest
 from ckptstage.daemon.logs import fields
+from ckptstage.daemon.retention import KeepBest
 from ckptstage.daemon.tier import Tier
 from ckptstage.daemon.tiers import as_tier
 
@@ -72,12 +73,19 @@ class JobRetention:
                 raise InvalidRequest(f"retention override {key} must be an integer >= 0, got {value!r}")
             values[key] = value
         rules = cls(**values)
-        if rules.keep_best_metric and rules.keep_best_mode not in ("min", "max"):
-            raise InvalidRequest(f"retention override keep_best_mode must be 'min' or 'max' with "
-                                 f"keep_best_metric, got {rules.keep_best_mode!r}")
         if not rules.keep_best_metric and (rules.keep_best_mode or rules.keep_best_n):
             raise InvalidRequest("retention overrides keep_best_mode / keep_best_n need keep_best_metric")
+        try:
+            rules.keep_best(cap=max(rules.keep_best_n, 1))
+        except ValueError as e:  # the rule's own check, e.g. a mode that is not "min" or "max"
+            raise InvalidRequest(f"retention override {e} (keep_best_mode, with keep_best_metric)") from None
         return rules
+
+    def keep_best(self, cap: int) -> KeepBest | None:
+        """The job's own keep_best rule with ``n`` (default 1) capped at ``cap``; None without a metric."""
+        if not self.keep_best_metric:
+            return None
+        return KeepBest(self.keep_best_metric, self.keep_best_mode, min(self.keep_best_n or 1, cap))  # type: ignore[arg-type]
 
     @property
     def empty(self) -> bool:

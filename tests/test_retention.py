@@ -582,3 +582,18 @@ def test_random_extra_rule_sets_only_keep_more(seed: int) -> None:
     assert set(plan.delete) <= set(plan_shared(records, rules).delete)
     for one in (rules, *extra):
         assert set(plan.delete) <= set(plan_shared(records, one).delete)
+
+
+def test_a_jobs_keep_best_override_is_the_operators_rule_with_its_n_capped() -> None:
+    from ckptstage.daemon.errors import InvalidRequest
+    from ckptstage.daemon.job_rules import JobRetention
+
+    wide = JobRetention.parse({"keep_best_metric": "loss", "keep_best_mode": "max", "keep_best_n": 50})
+    assert wide.keep_best(cap=8) == KeepBest("loss", "max", 8)
+    assert JobRetention.parse({"keep_best_metric": "loss", "keep_best_mode": "min"}).keep_best(cap=8) == \
+        KeepBest("loss", "min", 1)
+    assert JobRetention().keep_best(cap=8) is None
+    with pytest.raises(InvalidRequest, match="'min' or 'max'.*keep_best_mode"):
+        JobRetention.parse({"keep_best_metric": "loss", "keep_best_mode": "lowest"})
+    with pytest.raises(InvalidRequest, match="need keep_best_metric"):
+        JobRetention.parse({"keep_best_n": 2})
