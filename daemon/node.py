@@ -138,10 +138,9 @@ class Node:
         self._settled_cond = threading.Condition(self._saves_lock)
         self._stopping = threading.Event()
         self._shared_wake = threading.Event()  # job rules changed: publish them now
-        disk_tiers = {name: tier for name, tier in self.tiers.items() if name in (TierName.LOCAL, TierName.SHARED)}
-        self.tier_probes = {name: TierProbe(name.value, tier) for name, tier in disk_tiers.items()}
+        self.tier_probes = {name: TierProbe(name.value, tier) for name, tier in self.tiers.items()}
         grace = config.persist.chunk_grace_s
-        self.chunk_stores = {name: ChunkStore(tier, self.owner, grace) for name, tier in disk_tiers.items()}
+        self.chunk_stores = {name: ChunkStore(tier, self.owner, grace) for name, tier in self.tiers.items()}
         # What the persister and the drainer report (see _subscribe): their events, handled in order.
         self.events = Bus()
         self.persister = Persister(config.persist.workers, self.events, config.persist.nice)
@@ -150,17 +149,17 @@ class Node:
         self.shared_sync: SharedSync | None = None
         if shared is not None:
             self.drainer = Drainer(config.shared, self.catalog, self.metrics, self.commits, self.events,
-                                   chunk_stores=self.chunk_stores, nice=config.persist.nice, tiers=disk_tiers)
+                                   chunk_stores=self.chunk_stores, nice=config.persist.nice, tiers=self.tiers)
             self.shared_sync = SharedSync(self.catalog, shared,
                                           watched=lambda: {s.info.job for s in self.sessions.all()})
-        self.quarantine = Quarantine(self.catalog, self.metrics, tiers=disk_tiers)
+        self.quarantine = Quarantine(self.catalog, self.metrics, tiers=self.tiers)
         self.incomplete = IncompleteSteps(self.catalog, config.retention.incomplete_after_s,
                                           busy=lambda job, step: any(s.spec.job == job and s.spec.step == step
                                                                      for s in self._live_saves()), clock=clock)
         self.janitor = Janitor(config, self.catalog, self.metrics, self.drainer, self.job_rules,
-                               self._in_flight, self.chunk_stores, tiers=disk_tiers)
+                               self._in_flight, self.chunk_stores, tiers=self.tiers)
         self._pins_lock = threading.Lock()  # a pin's check and change, one caller at a time
-        self._status = StatusReader(disk_tiers, self.catalog, self.sessions, self.budget, self.memory, self.drainer,
+        self._status = StatusReader(self.tiers, self.catalog, self.sessions, self.budget, self.memory, self.drainer,
                                     self.tier_probes, self.job_summaries, self.started)
         self._subscribe()
         self.metrics.add_state(self._probe())
