@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import boto3
 import botocore.config
 import botocore.exceptions
+import botocore.session
 
 from ckptstage.daemon.logs import fields
 
@@ -46,7 +47,8 @@ BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 # Connections per client: every upload piece and ranged read in flight holds one.
 MAX_CONNECTIONS = 64
 # Attempts of one request (the SDK's "standard" mode: exponential backoff with jitter on 5xx, throttling
-# and connection errors); the drainer retries a whole part on top of that.
+# and connection errors), unless the operator set the SDK's own max_attempts (AWS_MAX_ATTEMPTS, or
+# max_attempts in the profile of ~/.aws/config); the drainer retries a whole part on top of that.
 REQUEST_ATTEMPTS = 5
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 60.0
@@ -132,9 +134,11 @@ def open_connection(location: Location, endpoint: str | None = None, region: str
             logging.getLogger(sdk).setLevel(logging.WARNING)
     keys = {"aws_access_key_id": access_key_id, "aws_secret_access_key": secret_access_key} \
         if access_key_id is not None else {}
-    session = boto3.session.Session(profile_name=profile, region_name=region, **keys)
+    core = botocore.session.Session(profile=profile)
+    session = boto3.session.Session(botocore_session=core, region_name=region, **keys)
+    attempts = core.get_config_variable("max_attempts") or REQUEST_ATTEMPTS
     client = session.client("s3", endpoint_url=endpoint, config=botocore.config.Config(
-        retries={"mode": "standard", "max_attempts": REQUEST_ATTEMPTS},
+        retries={"mode": "standard", "total_max_attempts": int(attempts)},
         max_pool_connections=MAX_CONNECTIONS,
         connect_timeout=CONNECT_TIMEOUT_S,
         read_timeout=READ_TIMEOUT_S,

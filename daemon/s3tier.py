@@ -829,6 +829,7 @@ class Claims:
         self._lock = threading.Lock()
         self._held: dict[str, Claim] = {}               # part prefix -> the claim a writer here holds
         self._seen: dict[str, tuple[str, float]] = {}   # another's claim -> (its ETag, since when, monotonic)
+        self._left: dict[str, str] = {}                  # part prefix -> temporaries of a writer that dropped it
         self._keeper: threading.Thread | None = None
 
     def _body(self, writer: str) -> bytes:
@@ -871,6 +872,10 @@ class Claims:
                 except OSError:
                     self.release(claim)
                     raise
+                with self._lock:
+                    left = self._left.pop(part, None)
+                if left is not None:
+                    _quietly(tier._remove_tree, left)
             return claim
         raise OSError(errno.EBUSY, f"{tier.connection.where(part)}: its claim keeps changing hands; trying again "
                                    "later")
@@ -921,6 +926,14 @@ class Claims:
         with self._lock:
             if self._held.get(claim.part) is claim:
                 del self._held[claim.part]
+
+    def drop(self, claim: Claim, why: str, temporaries: str) -> None:
+        """Stops holding ``claim`` without giving it back: the object stays, abandoned (see the class), with
+        its writer's ``temporaries`` (a key prefix): the next writer of this daemon to take it removes them."""
+        with claim.lock:
+            self._lose(claim, claim.lost or why)
+            with self._lock:
+                self._left[claim.part] = temporaries
 
     def renew(self, claim: Claim) -> None:
         """Writes the claim again (only if it is still the one written last); a claim broken or gone is lost."""
@@ -1088,16 +1101,20 @@ class S3PartWriter:
             return
         self._done = True
         tier = self._tier
-        for sink in self._files.values():
-            sink.close()
         claim = self._claim
-        if claim is not None and not claim.lost and not self._staged:
-            try:
+        try:
+            for sink in self._files.values():
+                sink.close()
+            if claim is not None and not claim.lost and not self._staged:
                 if tier._head(tier.key(self.final / layout.MANIFEST_FILE)) is None:
                     tier._delete_many(tier._part_objects(tier._dir_key(self.final)))
-            except OSError as e:  # the daemon's next start removes them (its note stays)
-                log.warning("cannot remove what was written at %s: %s", self.final, e, extra=fields(error=e))
-                return
+        except OSError as e:
+            # The store fails: the claim and the note stay, and whoever writes the part next (this daemon
+            # at once, another once the claim is stale) or this daemon's next start cleans up.
+            log.warning("cannot remove what was written at %s: %s", self.final, e, extra=fields(error=e))
+            if claim is not None:
+                tier.claims.drop(claim, f"left behind: {e}", tier._dir_key(self.staging))
+            return
         self._finish()
 
     def _finish(self) -> None:

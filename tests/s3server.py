@@ -70,6 +70,9 @@ class S3Server:
     procs: list[subprocess.Popen[bytes]]
     start_s: float = 0.0
     sockets: list[Path] = field(default_factory=list)
+    weed: str = ""
+    commands: dict[str, list[str]] = field(default_factory=dict)  # master, volume, filer: their arguments
+    master_port: int = 0
 
     def client(self, secret_key: str = SECRET_KEY) -> Any:
         """A boto3 S3 client with the test identity (or a wrong ``secret_key``)."""
@@ -92,15 +95,27 @@ class S3Server:
             out += [f"{log.name}: {line}" for line in lines]
         return "\n".join(out)
 
-    def stop(self) -> None:
-        """Stops it at once (its data is thrown away; a graceful stop takes 10 s) and removes the sockets
-        it leaves in /tmp whatever $TMPDIR says."""
+    def kill(self) -> None:
+        """SIGKILLs every process at once, as a crash of the server's machine would (the data stays)."""
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        self.procs = []
+
+    def stop(self) -> None:
+        """Stops it at once (its data is thrown away; a graceful stop takes 10 s) and removes the sockets
+        it leaves in /tmp whatever $TMPDIR says."""
+        self.kill()
         for sock in self.sockets:
             sock.unlink(missing_ok=True)
+
+    def restart(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Kills it and starts it again on the same directory and ports; returns once it serves."""
+        self.kill()
+        began = time.monotonic()
+        _run(self, began + timeout_s)
+        self.start_s = time.monotonic() - began
 
 
 def start(directory: Path, timeout_s: float = START_TIMEOUT_S) -> S3Server:
@@ -110,7 +125,9 @@ def start(directory: Path, timeout_s: float = START_TIMEOUT_S) -> S3Server:
     server's first heartbeat races the master's election and, losing, waits
     5 s to try again (one start in five here; a filer started early does the
     same): so the master comes first, and the volume server and the filer with
-    the S3 gateway once it leads.
+    the S3 gateway once it leads. The master is alone (``-peers=none``): it
+    leads at once, also when restarted on its old state (a Raft election there
+    takes 12 s).
     """
     weed = weed_binary()
     if weed is None:
@@ -125,7 +142,7 @@ def start(directory: Path, timeout_s: float = START_TIMEOUT_S) -> S3Server:
     loopback = ["-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
     commands = {
         "master": ["master", f"-mdir={directory / 'master'}", f"-port={master}", f"-port.grpc={master + 10000}",
-                   "-volumeSizeLimitMB=1024", "-raftBootstrap", *loopback],
+                   "-volumeSizeLimitMB=1024", "-peers=none", *loopback],
         "volume": ["volume", f"-dir={directory / 'volume'}", f"-mserver=127.0.0.1:{master}", f"-port={volume}",
                    f"-port.grpc={volume + 10000}", "-preStopSeconds=0", *loopback],
         "filer": ["filer", f"-defaultStoreDir={directory / 'filer'}", f"-master=127.0.0.1:{master}",
@@ -136,24 +153,30 @@ def start(directory: Path, timeout_s: float = START_TIMEOUT_S) -> S3Server:
     server = S3Server(f"http://127.0.0.1:{s3}", directory, [],
                       sockets=[Path(f"/tmp/seaweedfs-{what}.sock") for what in (
                           f"master-grpc-{master + 10000}", f"volume-grpc-{volume + 10000}", f"filer-{filer}",
-                          f"filer-grpc-{filer + 10000}", f"s3-{s3}", f"s3-grpc-{s3 + 10000}")])
+                          f"filer-grpc-{filer + 10000}", f"s3-{s3}", f"s3-grpc-{s3 + 10000}")],
+                      weed=weed, commands=commands, master_port=master)
     began = time.monotonic()
-    deadline = began + timeout_s
-    try:
-        server.procs.append(_launch(weed, commands["master"], directory, "master"))
-        _wait_leader(server, master, deadline)
-        server.procs += [_launch(weed, commands[name], directory, name) for name in ("volume", "filer")]
-        _wait_serving(server, deadline)
-    except BaseException:
-        server.stop()
-        raise
+    _run(server, began + timeout_s)
     server.start_s = time.monotonic() - began
     return server
 
 
+def _run(server: S3Server, deadline: float) -> None:
+    """Launches the master, then the volume server and the filer once it leads; waits until S3 serves."""
+    try:
+        server.procs.append(_launch(server.weed, server.commands["master"], server.directory, "master"))
+        _wait_leader(server, server.master_port, deadline)
+        server.procs += [_launch(server.weed, server.commands[name], server.directory, name)
+                         for name in ("volume", "filer")]
+        _wait_serving(server, deadline)
+    except BaseException:
+        server.stop()
+        raise
+
+
 def _launch(weed: str, args: list[str], directory: Path, name: str) -> subprocess.Popen[bytes]:
     # Its Unix sockets go to $TMPDIR (most of them: stop() removes those it puts in /tmp all the same).
-    with open(directory / f"{name}.log", "wb") as out:
+    with open(directory / f"{name}.log", "ab") as out:
         return subprocess.Popen([weed, *args], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env={**os.environ, "TMPDIR": str(directory / "tmp")})
 

@@ -1,0 +1,416 @@
+"""A real daemon whose shared tier is an object store that fails: throttled, erring, slow, cut off, killed.
+
+The store is a real SeaweedFS (one per module: a test here kills and restarts it). Faults are injected by
+:class:`FaultProxy`, a small HTTP proxy on loopback in front of it (a seam of our own: the daemon is given
+the proxy's address as its endpoint), which answers chosen requests itself with 503 SlowDown or 500,
+delays responses, or drops connections, and forwards everything else byte for byte (headers as the client
+signed them, bodies with their framing).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+
+pytest.importorskip("boto3", reason="the s3 extra (boto3) is not installed")
+torch = pytest.importorskip("torch")
+
+from ckptstage.client import Client  # noqa: E402
+from ckptstage.client.rpc import Connection  # noqa: E402
+from ckptstage.daemon.launcher import DaemonProcess  # noqa: E402
+from ckptstage.protos import layout  # noqa: E402
+from ckptstage.protos.v1 import ckptstage_pb2 as pb  # noqa: E402
+from conftest import DEFAULTS  # noqa: E402
+from s3server import BUCKET, S3Server, open_tier, start  # noqa: E402
+from support import free_port, metric, scrape, wait_until  # noqa: E402
+
+MiB = 1 << 20
+WRITES = r"^(PUT|POST) "  # uploads, pieces, completions, manifests, claims, records
+
+
+# --- the proxy --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Fault:
+    """What the proxy does to requests whose ``"METHOD target"`` matches ``match``: answer ``status`` with
+    ``code`` itself, or drop the connection (``status`` 0), after ``delay_s``; ``times`` requests (None: all)."""
+
+    match: str
+    status: int = 0
+    code: str = ""
+    delay_s: float = 0.0
+    times: int | None = None
+    hits: int = 0
+
+
+class FaultProxy:
+    """An HTTP/1.1 proxy on a free loopback port (:attr:`endpoint`) in front of ``upstream``."""
+
+    def __init__(self, upstream: str) -> None:
+        url = urlparse(upstream)
+        self._upstream = (url.hostname or "127.0.0.1", url.port or 80)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._faults: list[Fault] = []
+        self._lock = threading.Lock()
+        self.seen: list[str] = []  # "METHOD target -> what happened", in order
+        self._open: set[socket.socket] = set()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def fail(self, status: int, code: str, match: str = ".", times: int | None = None) -> Fault:
+        return self._add(Fault(match, status, code, times=times))
+
+    def delay(self, seconds: float, match: str = ".", times: int | None = None) -> Fault:
+        return self._add(Fault(match, delay_s=seconds, times=times))
+
+    def drop(self, match: str = ".", times: int | None = None) -> Fault:
+        return self._add(Fault(match, status=-1, times=times))
+
+    def heal(self) -> None:
+        with self._lock:
+            self._faults.clear()
+
+    def close(self) -> None:
+        self._listener.close()
+        with self._lock:
+            for conn in self._open:
+                conn.close()
+
+    def _add(self, fault: Fault) -> Fault:
+        with self._lock:
+            self._faults.append(fault)
+        return fault
+
+    def _take(self, request: str) -> Fault | None:
+        with self._lock:
+            for fault in self._faults:
+                if re.search(fault.match, request) and (fault.times is None or fault.hits < fault.times):
+                    fault.hits += 1
+                    return fault
+        return None
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                self._open.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        up: socket.socket | None = None
+        try:
+            client = conn.makefile("rb")
+            while True:
+                head = _read_head(client)
+                if head is None:
+                    return
+                line, headers = head
+                method, target = line.split(" ")[:2]
+                request = f"{method} {target}"
+                fault = self._take(request)
+                expect = headers.get("expect", "").lower() == "100-continue"
+                if fault is not None and fault.delay_s:
+                    time.sleep(fault.delay_s)
+                if fault is not None and fault.status:
+                    self.seen.append(f"{request} -> {'dropped' if fault.status < 0 else fault.status}")
+                    if not expect:
+                        _read_body(client, headers)
+                    if fault.status > 0:
+                        conn.sendall(_error(fault.status, fault.code, method))
+                    return  # closes the connection (a body not read must not be taken for a request)
+                if expect:
+                    conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+                body = _read_body(client, headers)
+                if up is None:
+                    up = socket.create_connection(self._upstream)
+                    upstream = up.makefile("rb")
+                kept = [h for h in _raw_lines(line, headers) if not h.lower().startswith(b"expect:")]
+                up.sendall(b"\r\n".join(kept) + b"\r\n\r\n" + body)
+                status, close = _relay_response(upstream, conn, method)
+                self.seen.append(f"{request} -> {status}")
+                if close:
+                    return
+        except OSError:
+            return
+        finally:
+            with self._lock:
+                self._open.discard(conn)
+            conn.close()
+            if up is not None:
+                up.close()
+
+
+def _read_head(f: Any) -> tuple[str, dict[str, str]] | None:
+    """A request or status line and its headers (names lower-cased, kept in order); None at the end."""
+    line = f.readline()
+    if not line:
+        return None
+    headers: dict[str, str] = {}
+    while True:
+        h = f.readline()
+        if h in (b"\r\n", b"\n", b""):
+            break
+        name, _, value = h.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    headers["\0order"] = "\n".join(headers)  # the header names as sent, for _raw_lines
+    return line.decode("latin-1").rstrip("\r\n"), headers
+
+
+def _raw_lines(line: str, headers: dict[str, str]) -> list[bytes]:
+    # Names are forwarded lower-cased: HTTP header names are case-insensitive, and so is SigV4's canonical form.
+    return [line.encode("latin-1")] + [f"{n}: {headers[n]}".encode("latin-1")
+                                       for n in headers["\0order"].split("\n") if n != "\0order"]
+
+
+def _read_body(f: Any, headers: dict[str, str]) -> bytes:
+    """The message body as sent: Content-Length bytes, or the chunks with their framing."""
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        out = bytearray()
+        while True:
+            size_line = f.readline()
+            out += size_line
+            size = int(size_line.split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                while True:  # trailers, up to the blank line
+                    t = f.readline()
+                    out += t
+                    if t in (b"\r\n", b"\n", b""):
+                        return bytes(out)
+            out += f.read(size + 2)
+    return f.read(int(headers.get("content-length", "0") or 0))
+
+
+def _relay_response(upstream: Any, conn: socket.socket, method: str) -> tuple[int, bool]:
+    """Copies one response from upstream to the client; returns its status and whether to close."""
+    head = _read_head(upstream)
+    if head is None:
+        raise OSError("the upstream closed the connection")
+    line, headers = head
+    status = int(line.split(" ")[1])
+    conn.sendall(b"\r\n".join(_raw_lines(line, headers)) + b"\r\n\r\n")
+    close = headers.get("connection", "").lower() == "close"
+    if method == "HEAD" or status in (204, 304) or status < 200:
+        return status, close
+    if "chunked" in headers.get("transfer-encoding", "").lower() or "content-length" in headers:
+        conn.sendall(_read_body(upstream, headers))
+        return status, close
+    while data := upstream.read(1 << 20):  # to the end of the connection
+        conn.sendall(data)
+    return status, True
+
+
+def _error(status: int, code: str, method: str) -> bytes:
+    body = b"" if method == "HEAD" else (
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>injected by the test '
+        f"proxy</Message><RequestId>fault</RequestId></Error>").encode()
+    reason = {500: "Internal Server Error", 503: "Slow Down"}.get(status, "Error")
+    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n\r\n").encode() + body
+
+
+# --- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """This module's own SeaweedFS (a test kills and restarts it)."""
+    try:
+        s = start(tmp_path_factory.mktemp("seaweedfs-faults"))
+    except (OSError, RuntimeError) as e:
+        pytest.skip(f"no S3 server for the tests: {e}")
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture
+def proxy(server: S3Server) -> Iterator[FaultProxy]:
+    p = FaultProxy(server.endpoint)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def _daemon(server: S3Server, root: Path, prefix: str, endpoint: str | None = None, bucket: str = BUCKET,
+            secret: str | None = None, **settings: Any) -> DaemonProcess:
+    """A daemon whose shared tier is ``s3://bucket/prefix`` at ``endpoint`` (the server's by default), its
+    credentials from the environment, two attempts per request (AWS_MAX_ATTEMPTS), metrics served."""
+    env = {**server.env(), "AWS_MAX_ATTEMPTS": "2"}
+    if secret is not None:
+        env["AWS_SECRET_ACCESS_KEY"] = secret
+    d = DaemonProcess(root, {"shared.dir": "", "shared.url": f"s3://{bucket}/{prefix}",
+                             "shared.endpoint": endpoint or server.endpoint, "shared.multipart_bytes": "5MiB",
+                             "metrics.listen": f"127.0.0.1:{free_port()}", **settings},
+                      defaults=DEFAULTS, env=env, log_level="DEBUG")
+    return d.start()
+
+
+def _shared(d: DaemonProcess) -> pb.TierStatus:
+    """The shared tier's line of the daemon's Status."""
+    with Connection(d.socket) as conn:
+        return next(t for t in conn.status().tiers if t.tier == pb.SHARED)
+
+
+def _port(d: DaemonProcess) -> int:
+    assert d.metrics_url is not None
+    return int(urlparse(d.metrics_url).port or 0)
+
+
+def _state(n: int, seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.rand(n, generator=g), "seed": seed}
+
+
+def _assert_whole_on_the_store(server: S3Server, prefix: str, job: str, steps: list[int]) -> None:
+    """Every listed step of ``job`` is committed and verifies; no claim, note or upload is left behind."""
+    tier = open_tier(server, "reader", prefix=prefix)
+    listed = [s for s in tier.list_steps(job)]
+    assert [s.step for s in listed if s.record_ino] == steps
+    for s in listed:
+        for p in s.parts:
+            tier.verify_part(p.path)
+    conn = tier.connection
+    keys = [o["Key"] for page in conn.client.get_paginator("list_objects_v2").paginate(
+        Bucket=conn.bucket, Prefix=prefix + "/") for o in page.get("Contents", [])]
+    assert [k for k in keys if k.endswith("/.claim") or "/.tmp/" in k] == []
+    assert conn.client.list_multipart_uploads(Bucket=conn.bucket, Prefix=prefix + "/").get("Uploads", []) == []
+
+
+# --- tests ---------------------------------------------------------------------------------------
+
+
+def test_a_throttling_store_degrades_the_tier_and_the_drain_backs_off_then_catches_up(
+        server: S3Server, proxy: FaultProxy, tmp_path: Path) -> None:
+    d = _daemon(server, tmp_path / "n", "throttled", endpoint=proxy.endpoint)
+    try:
+        with Client("thr", socket=d.socket) as client:
+            client.save(1, _state(1000, 1)).wait("shared", timeout=30)
+            assert _shared(d).state == "ok"
+            proxy.fail(503, "SlowDown", match=WRITES)
+            began = time.monotonic()
+            h2 = client.save(2, _state(1000, 2))
+            h2.wait("local", timeout=10)  # local saves go on
+            tier = wait_until(lambda: (t := _shared(d)).state == "degraded" and t, 30, "the shared tier degraded")
+            assert "SlowDown" in tier.last_error and BUCKET in tier.last_error and proxy.endpoint in tier.last_error
+            text = scrape(_port(d))
+            assert metric(text, "ckptstage_job_drain_failing", job="thr") == 1
+            assert metric(text, "ckptstage_drain_retries_total") >= 1
+            h3 = client.save(3, _state(1000, 3))
+            h3.wait("local", timeout=10)
+            assert time.monotonic() - began < 20
+            proxy.heal()
+            proxy.fail(500, "InternalError", match=WRITES)  # now erring instead
+            wait_until(lambda: "InternalError" in _shared(d).last_error, 30, "the 500s named in Status")
+            with pytest.raises(TimeoutError):
+                h2.wait("shared", timeout=0.5)  # nothing reaches the store meanwhile
+            proxy.heal()
+            h2.wait("shared", timeout=30)  # caught up
+            h3.wait("shared", timeout=30)
+            assert (_shared(d).state, _shared(d).last_error) == ("ok", "")
+            assert metric(scrape(_port(d)), "ckptstage_job_drain_failing", job="thr") == 0
+    finally:
+        d.stop()
+    # The drain backed off: each retry waited longer, up to retry_max_s (1 s in the tests).
+    delays = [float(x) for x in re.findall(r"retrying in ([0-9.]+)s", (tmp_path / "n" / "daemon.log").read_text())]
+    assert len(delays) >= 3 and delays[:3] == sorted(delays[:3]) and delays[0] < delays[2] and max(delays) <= 1.0
+    assert any(s.endswith("-> 503") for s in proxy.seen) and any(s.endswith("-> 500") for s in proxy.seen)
+    _assert_whole_on_the_store(server, "throttled", "thr", [1, 2, 3])
+
+
+def test_a_slow_store_slows_only_the_drain_and_dropped_connections_are_retried(
+        server: S3Server, proxy: FaultProxy, tmp_path: Path) -> None:
+    d = _daemon(server, tmp_path / "n", "slow", endpoint=proxy.endpoint)
+    try:
+        with Client("slow", socket=d.socket) as client:
+            client.save(1, _state(1000, 1)).wait("shared", timeout=30)
+            proxy.delay(0.4)  # every request answered 0.4 s late
+            began = time.monotonic()
+            h2 = client.save(2, _state(1000, 2))
+            h2.wait("local", timeout=10)
+            local_s = time.monotonic() - began
+            h2.wait("shared", timeout=60)
+            shared_s = time.monotonic() - began
+            assert local_s < 2.0 < shared_s  # a drain is a dozen requests, each 0.4 s late; local is not
+            proxy.heal()
+            # Connections cut in the middle of a 12 MiB file's pieces: the SDK's retries carry it through.
+            dropped = proxy.drop(match=r"^PUT .*partNumber=", times=2)
+            state = _state(3 * MiB, 3)
+            client.save(3, state).wait("shared", timeout=60)
+            assert dropped.hits == 2 and sum(s.endswith("-> dropped") for s in proxy.seen) == 2
+            assert _shared(d).state == "ok"
+    finally:
+        d.stop()
+    _assert_whole_on_the_store(server, "slow", "slow", [1, 2, 3])
+    reader = open_tier(server, "reader", prefix="slow")
+    part = reader.part_location("slow", 3, 0)
+    manifest = reader.read_manifest(part)[0]
+    assert layout.manifest_files(manifest)[layout.DATA_FILE].size > 12 * MiB  # three pieces and more
+
+
+def test_the_store_killed_mid_upload_and_restarted_the_drain_resumes_and_nothing_torn_is_visible(
+        server: S3Server, tmp_path: Path) -> None:
+    d = _daemon(server, tmp_path / "n", "killed", **{"shared.max_bandwidth": "8MiB/s"})
+    reader = open_tier(server, "reader", prefix="killed")
+    conn = reader.connection
+    try:
+        with Client("killed", socket=d.socket) as client:
+            client.save(1, _state(1000, 1)).wait("shared", timeout=30)
+            handle = client.save(2, _state(6 * MiB, 2))  # 24 MiB: five pieces, three seconds at the cap
+            handle.wait("local", timeout=30)
+            wait_until(lambda: conn.client.list_multipart_uploads(Bucket=conn.bucket, Prefix="killed/")
+                       .get("Uploads"), 20, "a multipart upload under way", poll=0.05)
+            server.kill()
+            time.sleep(1.5)  # the drain fails meanwhile (and retries)
+            server.restart()
+            # While it resumes, a step is listed only committed whole.
+            deadline = time.monotonic() + 60
+            while True:
+                steps = [s for s in reader.list_steps("killed") if s.record_ino]
+                for s in steps:
+                    for p in s.parts:
+                        reader.verify_part(p.path)
+                if [s.step for s in steps] == [1, 2] or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            handle.wait("shared", timeout=5)
+            assert _shared(d).state == "ok"
+    finally:
+        d.stop()
+    log = (tmp_path / "n" / "daemon.log").read_text()
+    assert "drain of killed step 2 rank 0 failed" in log  # it was cut off, then resumed
+    _assert_whole_on_the_store(server, "killed", "killed", [1, 2])
+
+
+def test_refused_credentials_or_a_missing_bucket_at_start_leave_the_local_tier_working_and_say_why(
+        server: S3Server, tmp_path: Path) -> None:
+    missing = _daemon(server, tmp_path / "m", "p", bucket="no-such-bucket")
+    refused = _daemon(server, tmp_path / "r", "p", secret="not-the-secret")
+    try:
+        for d, words in ((missing, "the bucket 'no-such-bucket' does not exist"),
+                         (refused, f"access to the bucket '{BUCKET}' at {server.endpoint} refused")):
+            with Client("startup", socket=d.socket) as client:
+                client.save(1, _state(1000, 1)).wait("local", timeout=30)
+                assert [i.step for i in client.list()] == [1]
+            tier = wait_until(lambda d=d: (t := _shared(d)).last_error and t, 30, "the shared tier's error")
+            assert tier.state in ("degraded", "unreachable")
+            assert words in tier.last_error and server.endpoint in tier.last_error
+            assert words in (d.root / "daemon.log").read_text()
+        assert "not-the-secret" not in (refused.root / "daemon.log").read_text()
+    finally:
+        missing.stop()
+        refused.stop()
