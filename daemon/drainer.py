@@ -39,6 +39,7 @@ instead of a tier that answers ``statvfs`` and looks fine.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import threading
@@ -564,11 +565,15 @@ class Drainer:
                 # Other nodes' ranks of this step, and the step's commit record once all are there.
                 self._commits.seal_shared(part.job, part.step)
             except OSError as e:
-                # The parts are there and the record is not (a full or failing tier): drain the part again,
-                # with the tier's backoff. Its copy is reused, and the record written once it fits.
-                self._retry(key, part, OSError(e.errno, f"cannot seal {part.job} step {part.step} on the "
-                                                        f"shared tier: {e.strerror}"))
-                return
+                if not self._removed_on_shared(part, e):
+                    # The parts are there and the record is not (a full or failing tier): drain the part
+                    # again, with the tier's backoff. Its copy is reused, and the record written once it fits.
+                    self._retry(key, part, OSError(e.errno, f"cannot seal {part.job} step {part.step} on "
+                                                            f"the shared tier: {e.strerror}"))
+                    return
+                log.info("%s step %d rank %d reached the shared tier, whose retention removed the step "
+                         "before its record was written: drained", part.job, part.step, part.rank,
+                         extra=fields(job=part.job, step=part.step, rank=part.rank, tier=TierName.SHARED))
             except layout.ManifestError as e:
                 log.warning("cannot re-read %s step %d on the shared tier: %s", part.job, part.step, e,
                             extra=fields(job=part.job, step=part.step, tier=TierName.SHARED, error=e))
@@ -605,6 +610,13 @@ class Drainer:
                 with self._cond:
                     self._settling -= 1
                     self._cond.notify_all()
+
+    def _removed_on_shared(self, part: Part, error: OSError) -> bool:
+        """Whether sealing failed because the part just published is gone from the shared tier again:
+        an older step that the tier's retention deleted as superseded there (or a user deleted) before
+        its record was written. Drained, then: copying it again would only have it deleted again."""
+        return (error.errno == errno.ENOENT
+                and TierName.SHARED not in self.catalog.parts_of(part.job, part.step, part.rank))
 
     def _next(self) -> Key | None:
         """Blocks until a part may be copied (queued, not being copied, backoff over); claims it."""
