@@ -48,9 +48,3 @@ def as_tier(where: Tier | Path, owner: str = "") -> Tier:
     """``where`` as a tier: a path is the file-system tier at that directory (what callers written before
     :class:`Tier` existed pass). ``owner`` names this daemon's temporaries there; indexing needs none."""
     return FsTier(where, owner) if isinstance(where, Path) else where
-
-
-def holding(part: Path) -> Tier:
-    """The file-system tier a published part lies in (``<tier>/<job>/step-N/rank-R``), for callers that
-    were given a part but not its tier."""
-    return FsTier(part.parents[2])
