@@ -161,3 +161,20 @@ def refuse_o_direct(monkeypatch: Any) -> None:
 
     monkeypatch.setattr(restore.os, "open", no_direct)
 
+
+class RecordingTier:
+    """A tier that is not the one it wraps (no isinstance of a concrete tier class passes): delegates to
+    ``inner`` and records which operations were asked of it, to show a consumer uses only the interface."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._inner, name)
+        if callable(value):
+            def call(*args: Any, **kwargs: Any) -> Any:
+                self.calls.append(name)
+                return value(*args, **kwargs)
+            return call
+        return value

@@ -27,6 +27,7 @@ from ckptstage.daemon.tier import Tier, TierName
 from ckptstage.daemon.tiers import as_tier
 from ckptstage.protos import chunks, layout
 from s3server import object_bytes, open_tier, s3_server  # noqa: F401 - s3_server: the fixture
+from support import RecordingTier
 
 JOB = "tierjob"
 OWNER = "node-a"
@@ -350,28 +351,11 @@ def test_the_file_system_tier_never_removes_a_temporary_through_a_link(tmp_path:
         FsTier(tmp_path / "tier").begin_part(JOB, 1, 0)  # an indexing-only tier writes no temporaries
 
 
-class _Recording:
-    """A tier that is not an FsTier: delegates to one, and records which operations were asked of it."""
-
-    def __init__(self, inner: FsTier) -> None:
-        self._inner = inner
-        self.calls: list[str] = []
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._inner, name)
-        if callable(value):
-            def call(*args: Any, **kwargs: Any) -> Any:
-                self.calls.append(name)
-                return value(*args, **kwargs)
-            return call
-        return value
-
-
 def test_the_catalogue_and_commits_use_whatever_tier_they_are_given(tmp_path: Path) -> None:
     """The seam a new kind of tier plugs into: the index and the commit records go through the interface."""
     fs = FsTier(tmp_path / "local", OWNER)
     _publish(fs, 11)
-    tier = _Recording(fs)
+    tier = RecordingTier(fs)
     catalog = Catalog(tmp_path / "state" / "pins.json")
     assert catalog.load_tier(TierName.LOCAL, tier) == 1
     assert {"list_jobs", "list_steps", "read_manifest"} <= set(tier.calls)

@@ -21,6 +21,7 @@ from ckptstage.daemon.commits import Commits, complete_attempt
 from ckptstage.daemon.fstier import FsTier
 from ckptstage.daemon.tier import Tier
 from ckptstage.protos import layout
+from support import RecordingTier
 
 JOB = "swapjob"
 OWNER = "node-a"
@@ -134,23 +135,6 @@ def test_recovery_rolls_a_sealed_replacement_forward_only_where_no_step_is_in_pl
         assert fs.list_staged(JOB, 4) == []
 
 
-class _Recording:
-    """A tier that is not an FsTier: delegates to one, and records which operations were asked of it."""
-
-    def __init__(self, inner: FsTier) -> None:
-        self._inner = inner
-        self.calls: list[str] = []
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._inner, name)
-        if callable(value):
-            def call(*args: Any, **kwargs: Any) -> Any:
-                self.calls.append(name)
-                return value(*args, **kwargs)
-            return call
-        return value
-
-
 def test_the_swapper_replaces_a_step_through_the_interface_and_the_catalogue_follows(tmp_path: Path) -> None:
     fs = FsTier(tmp_path / "local", OWNER)
     for r in (0, 1):
@@ -161,7 +145,7 @@ def test_the_swapper_replaces_a_step_through_the_interface_and_the_catalogue_fol
     assert commits.seal_local(JOB, 6) is not None
     for r in (0, 1):
         _publish(fs, 6, r, b"new" * 100, attempt="run-2", staged=True)
-    tier = _Recording(fs)
+    tier = RecordingTier(fs)
     staged = overwrite.staged_parts(tier, TierName.LOCAL, JOB, 6)  # type: ignore[arg-type]
     found = complete_attempt(staged)
     assert found is not None and found[0] == "run-2"
