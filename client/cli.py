@@ -37,6 +37,7 @@ from google.protobuf.message import Message
 
 from ckptstage.client import errors
 from ckptstage.client.progress import MODES, Progress
+from ckptstage.client.progress import size_text as _size  # one byte formatter for tables and progress
 from ckptstage.client.rpc import Connection, resolve_socket
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
@@ -50,15 +51,6 @@ POLL_S = 0.5
 
 
 # --- formatting -------------------------------------------------------------------------
-
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
-
 
 def _when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"

@@ -20,15 +20,18 @@ MODES: tuple[str, ...] = ("auto", "bar", "lines", "none")
 LINE_INTERVAL_S = 2.0
 
 
-def _count(n: int, unit: str) -> str:
-    if unit != "B":
-        return f"{n} {unit}(s)"
+def size_text(n: int) -> str:
+    """A byte count for people: ``512 B``, ``1.5 GiB``."""
     value = float(n)
     for name in ("B", "KiB", "MiB", "GiB", "TiB"):
         if value < 1024 or name == "TiB":
             return f"{value:.0f} {name}" if name == "B" else f"{value:.1f} {name}"
         value /= 1024
     return f"{n} B"
+
+
+def _count(n: int, unit: str) -> str:
+    return size_text(n) if unit == "B" else f"{n} {unit}(s)"
 
 
 class Progress:

@@ -178,3 +178,19 @@ class RecordingTier:
                 return value(*args, **kwargs)
             return call
         return value
+
+
+def begin_raw_save(conn: Any, job: str, step: int) -> tuple[str, str]:
+    """A save begun over the wire and never finished (16 bytes of one tensor): it stays in flight until
+    it is aborted or its session closes. Returns (session id, save id)."""
+    from ckptstage.protos import layout
+
+    sid = conn.call("OpenSession", pb.OpenSessionRequest(job=job, rank=0, world_size=1)).session_id
+    conn.call("EnsureArena", pb.EnsureArenaRequest(session_id=sid, want_bytes=1 << 20))
+    manifest = layout.encode_manifest({
+        "format": layout.FORMAT, "job": job, "step": step, "rank": 0, "world_size": 1, "data_start": 64,
+        "tensors": [{"name": "t", "dtype": "uint8", "shape": [16], "offset": 64, "nbytes": 16}],
+        "tree": {"d": [[{"s": "t"}, {"T": 0}]]}})
+    save = conn.call("BeginSave", pb.BeginSaveRequest(session_id=sid, step=step, manifest_json=manifest,
+                                                      data_bytes=80))
+    return str(sid), str(save.save_id)

@@ -29,7 +29,7 @@ from conftest import DaemonProc
 from google.protobuf.descriptor import FieldDescriptor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import wait_until
+from support import begin_raw_save, wait_until
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Checkpointer"]
 METHODS = [m.name for m in SERVICE.methods]
@@ -69,15 +69,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
 def open_known(d: DaemonProc, step: int) -> None:
     """A live session with an arena and a save in flight, for the strategies to aim at."""
     with d.connection() as conn:
-        sid = conn.call("OpenSession", pb.OpenSessionRequest(job=JOB, rank=0, world_size=1)).session_id
-        conn.call("EnsureArena", pb.EnsureArenaRequest(session_id=sid, want_bytes=1 << 20))
-        manifest = layout.encode_manifest({
-            "format": layout.FORMAT, "job": JOB, "step": step, "rank": 0, "world_size": 1, "data_start": 64,
-            "tensors": [{"name": "t", "dtype": "uint8", "shape": [16], "offset": 64, "nbytes": 16}],
-            "tree": {"d": [[{"s": "t"}, {"T": 0}]]}})
-        save = conn.call("BeginSave", pb.BeginSaveRequest(session_id=sid, step=step, manifest_json=manifest,
-                                                          data_bytes=80))
-    Known.session_ids, Known.save_ids = [sid], [save.save_id]
+        sid, save_id = begin_raw_save(conn, JOB, step)
+    Known.session_ids, Known.save_ids = [sid], [save_id]
 
 
 _INT_BOUNDS = {FieldDescriptor.TYPE_UINT32: 2**32 - 1, FieldDescriptor.TYPE_UINT64: 2**64 - 1,

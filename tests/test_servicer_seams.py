@@ -16,8 +16,8 @@ from ckptstage.client import errors
 from ckptstage.client.rpc import Connection
 from ckptstage.daemon import servicer
 from ckptstage.daemon.node import Node
-from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
+from support import begin_raw_save
 
 JOB = "seamjob"
 
@@ -45,14 +45,7 @@ def test_attach_to_a_session_that_is_gone_is_session_lost_not_a_missing_checkpoi
 
 def begin_unfinished_save(conn: Connection, step: int) -> str:
     """A save begun and never finished: it stays in flight until it is aborted."""
-    sid = conn.call("OpenSession", pb.OpenSessionRequest(job=JOB, rank=0, world_size=1)).session_id
-    conn.call("EnsureArena", pb.EnsureArenaRequest(session_id=sid, want_bytes=1 << 20))
-    manifest = layout.encode_manifest({
-        "format": layout.FORMAT, "job": JOB, "step": step, "rank": 0, "world_size": 1, "data_start": 64,
-        "tensors": [{"name": "t", "dtype": "uint8", "shape": [16], "offset": 64, "nbytes": 16}],
-        "tree": {"d": [[{"s": "t"}, {"T": 0}]]}})
-    return str(conn.call("BeginSave", pb.BeginSaveRequest(session_id=sid, step=step, manifest_json=manifest,
-                                                         data_bytes=80)).save_id)
+    return begin_raw_save(conn, JOB, step)[1]
 
 
 def test_wait_save_returns_as_soon_as_the_save_fails(daemon: Any) -> None:
