@@ -44,8 +44,11 @@ crash left at a part's keys (its uploads and objects, under its claim).
 
 **Deleting.** A part's manifest goes first (the part vanishes at once),
 then its files; a removal is recorded in the temporaries first, so that one
-cut short is finished when the daemon starts (:meth:`S3Tier.clean_temporaries`,
-which also aborts this daemon's multipart uploads left by a crash).
+cut short (a crash, or the store failing half way) is finished when the
+step's record is removed (:meth:`S3Tier.remove_commit_record`: a record goes
+after every object of its parts) or when the daemon starts
+(:meth:`S3Tier.clean_temporaries`, which also aborts this daemon's multipart
+uploads left by a crash).
 
 **Versions** are the ETag of the manifest (or record) object, as an integer:
 an object written again with other bytes has another one. Written again with
@@ -444,10 +447,15 @@ class S3Tier:
         return True
 
     def remove_commit_record(self, step: Path) -> None:
+        """Deletes the record; the removals of the step's parts that this daemon left cut short (the store
+        failed half way) are finished first: a record goes after its parts, every object of them."""
         key = self.key(step / layout.COMMIT_FILE)
         head = self._head(key)
         if head is None:
             raise FileNotFoundError(errno.ENOENT, f"no commit record in {step}")
+        if self._owner:
+            for obj in list(self._list(self._dir_key(self._tmp()) + f"{_REMOVING}/")):
+                self._finish_removal(obj["Key"], under=self._dir_key(step))
         self._delete(key, str(head["ETag"]))
 
     def read_job_json(self, job: str, name: str, default: Any) -> Any:
@@ -634,12 +642,17 @@ class S3Tier:
             self._delete_many(self._part_objects(part))
         self.claims.release(claim)
 
-    def _finish_removal(self, note: str) -> None:
-        """A removal cut short: the part's remaining objects go, unless a part was published there since."""
+    def _finish_removal(self, note: str, under: str = "") -> None:
+        """A removal cut short (of a part under ``under``, if given): the part's remaining objects go,
+        unless a part was published there since."""
         try:
             prefix = str(json.loads(self._get(note))["part"])
+        except FileNotFoundError:
+            return  # finished meanwhile
         except (ValueError, KeyError, TypeError):
             prefix = ""  # not one of ours to finish
+        if not prefix.startswith(under):
+            return
         if prefix and self._head(prefix + layout.MANIFEST_FILE) is None:
             self._delete_many(self._part_objects(prefix))
         self._delete(note)
@@ -1120,10 +1133,14 @@ class S3PartWriter:
     def _finish(self) -> None:
         """Gives the claim back, then removes the temporaries, the note with them (kept where the claim
         could not be given back: the next start finds it through the note)."""
-        if self._claim is not None and not self._tier.claims.release(self._claim):
+        tier = self._tier
+        if self._claim is not None and not tier.claims.release(self._claim):
             return
         try:
-            self._tier._remove_tree(self._tier._dir_key(self.staging))
+            if self._staged:
+                tier._remove_tree(tier._dir_key(self.staging))
+            else:  # the note is all there is (a chunk batch staged here removes its own)
+                tier._delete(tier.key(self.staging / _WRITER_MARK))
         except OSError as e:  # the daemon's next start removes them
             log.warning("cannot remove the temporaries %s: %s", self.staging, e, extra=fields(error=e))
 
