@@ -98,7 +98,8 @@ def bench(args: argparse.Namespace, work: Path, droot: Path, out: Any) -> dict[s
                 "shared.region": s3.REGION, "shared.multipart_bytes": piece,
                 "shared.multipart_concurrency": args.multipart_concurrency,
                 "arena.max_bytes": max(2 * nbytes, 256 * h.MiB) // h.MiB * h.MiB}
-    daemon = h.Daemon(droot / "d", work / "local", None, metrics=True, **settings)
+    daemon = h.Daemon(droot / "d", work / "local", None, metrics=True, **settings,
+                      **{"shared.keep_last": 1, "local.keep_last": 1})  # the store keeps one state
     daemon.env.update(server.env())  # credentials the standard way: the environment
     runs: dict[str, list[float]] = {}
     loads: list[tuple[float, float, float]] = []
@@ -128,6 +129,7 @@ def bench(args: argparse.Namespace, work: Path, droot: Path, out: Any) -> dict[s
                     h.settle(args.settle)
                     runs.setdefault(name, []).append(run())
                 h.drop_page_cache(work / "local")
+                server.vacuum()  # the peers' objects are deleted: give their room back before the next round
                 loads.append(h.load())
                 out(f"  round {r + 1}/{args.rounds}: drain {runs['drain.client'][-1]:.2f} s (daemon "
                     f"{runs['drain.daemon'][-1]:.2f} s), upload_file {runs['upload_file'][-1]:.2f} s, tuned "
