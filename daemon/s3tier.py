@@ -1177,7 +1177,10 @@ class S3ChunkBatch:
         for _ in tier._pool("upload").map(move, written.items()):
             pass
         self._published = True
-        tier._remove_tree(tier._dir_key(self._staging))
+        try:
+            tier._remove_tree(tier._dir_key(self._staging))
+        except OSError as e:  # published all the same; the daemon's next start removes them
+            log.warning("cannot remove the temporaries %s: %s", self._staging, e, extra=fields(error=e))
 
     def discard(self) -> None:
         if not self._published:

@@ -334,7 +334,8 @@ def test_a_throttling_store_degrades_the_tier_and_the_drain_backs_off_then_catch
 
 def test_a_slow_store_slows_only_the_drain_and_dropped_connections_are_retried(
         server: S3Server, proxy: FaultProxy, tmp_path: Path) -> None:
-    d = _daemon(server, tmp_path / "n", "slow", endpoint=proxy.endpoint)
+    # Whole parts, whatever the suite's default: their data files go up as multipart uploads.
+    d = _daemon(server, tmp_path / "n", "slow", endpoint=proxy.endpoint, **{"persist.incremental": False})
     try:
         with Client("slow", socket=d.socket) as client:
             client.save(1, _state(1000, 1)).wait("shared", timeout=30)
@@ -364,7 +365,7 @@ def test_a_slow_store_slows_only_the_drain_and_dropped_connections_are_retried(
 
 def test_the_store_killed_mid_upload_and_restarted_the_drain_resumes_and_nothing_torn_is_visible(
         server: S3Server, tmp_path: Path) -> None:
-    d = _daemon(server, tmp_path / "n", "killed", **{"shared.max_bandwidth": "8MiB/s"})
+    d = _daemon(server, tmp_path / "n", "killed", **{"shared.max_bandwidth": "8MiB/s", "persist.incremental": False})
     reader = open_tier(server, "reader", prefix="killed")
     conn = reader.connection
     try:
