@@ -93,7 +93,7 @@ log = logging.getLogger(__name__)
 
 PSEUDO_ROOT = Path("/s3:")  # locations on an object store: never a directory of this node
 PIECE_BYTES = 64 << 20       # a multipart upload's piece (S3 allows 5 MiB to 5 GiB)
-IN_FLIGHT = 4                # pieces of one object uploading at once
+IN_FLIGHT = 8                # pieces of one object uploading at once ([shared] multipart_concurrency)
 THREADS = 16                 # uploads (and, apart, ranged reads) in flight, across the tier
 MAX_THREADS = MAX_CONNECTIONS // 2  # both pools together hold at most the client's connections
 UNBOUNDED_BYTES = 1 << 60    # "total bytes" of a store with no limit of its own (1 EiB)
