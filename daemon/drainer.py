@@ -604,7 +604,11 @@ class Drainer:
                  extra=_fields(part, duration_s=elapsed))
         try:
             for shared in drained:
-                self._events.publish(Drained(shared))
+                try:
+                    self._events.publish(Drained(shared))
+                except Exception as e:  # e.g. retention after it: the drain itself succeeded, no retry
+                    log.exception("after draining %s step %d rank %d: %s", shared.job, shared.step, shared.rank,
+                                  e, extra=_fields(shared, error=e))
         finally:
             if drained:
                 with self._cond:

@@ -658,11 +658,20 @@ class Node:
         """The persister committed a save: index it, queue it for draining, settle it, apply retention."""
         try:
             self._book_commit(save)
+        except Exception as e:
+            # Logged here: the persister's pool would keep the exception in a future no one reads.
+            log.exception("cannot book the commit of %s step %d rank %d: %s", save.spec.job, save.spec.step,
+                          save.spec.rank, e, extra=fields(job=save.spec.job, step=save.spec.step,
+                                                          rank=save.spec.rank, tier=TierName.LOCAL, error=e))
+            if self._unsettled(save) and save.error is None:  # not indexed, not queued: it must not look done
+                save.error = f"step {save.spec.step} was written but could not be indexed: {e}"
         finally:
-            with self._saves_lock:
-                unsettled = save.id in self._saves
-            if unsettled:  # the commit path broke before it settled the save: its waiters must still wake
+            if self._unsettled(save):  # the commit path broke before it settled the save: its waiters must wake
                 self._settle(save)
+
+    def _unsettled(self, save: Save) -> bool:
+        with self._saves_lock:
+            return save.id in self._saves
 
     def _book_commit(self, save: Save) -> None:
         if save.memory_only:

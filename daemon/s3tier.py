@@ -55,9 +55,11 @@ an object written again with other bytes has another one. Written again with
 the same bytes it keeps it, and then nothing a reader indexed differs.
 
 **Room.** An object store has no free space to speak of: :meth:`S3Tier.usage`
-gives :data:`UNBOUNDED_BYTES` as the total, and the total less what the tier
-holds under its prefix as free (so ``total - free`` is what it holds, as
-with ``statvfs``); it lists the prefix at most every :data:`USAGE_REFRESH_S`.
+gives :data:`UNBOUNDED_BYTES` as both the total and the free room, after one
+request that shows the store answers. What the tier holds is the catalogue's
+count (``ckptstage_tier_used_bytes``); listing the prefix to count it again
+would take longer than the tier probe allows on a large bucket, and the probe
+would report a healthy store as hung.
 
 **Replacing a step** (a save with ``overwrite``): the replacement is staged
 in the temporaries and swapped in as described above :meth:`S3Tier.swap_in`;
@@ -97,7 +99,6 @@ IN_FLIGHT = 8                # pieces of one object uploading at once ([shared] 
 THREADS = 16                 # uploads (and, apart, ranged reads) in flight, across the tier
 MAX_THREADS = MAX_CONNECTIONS // 2  # both pools together hold at most the client's connections
 UNBOUNDED_BYTES = 1 << 60    # "total bytes" of a store with no limit of its own (1 EiB)
-USAGE_REFRESH_S = 300.0      # how often usage() lists the whole prefix again
 VERIFY_PIECE_BYTES = 64 << 20  # read at once (as several ranged GETs) by verify_part
 MAX_COPY_BYTES = 5 << 30     # the largest object one CopyObject copies; larger ones go piece by piece
 _MANY = 256                  # more chunk names than this: list the store instead of asking for each
@@ -136,7 +137,6 @@ class S3Tier:
         self._threads = threads
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._pools_lock = threading.Lock()
-        self._usage: tuple[float, int] | None = None  # (when, bytes held)
         self.claims = Claims(self, claim_stale_s)
 
     @classmethod
@@ -665,16 +665,10 @@ class S3Tier:
         return self._remove_tree(prefix) > 0 or bool(uploads)
 
     def usage(self) -> Usage:
-        """No free space to speak of (see the module docstring); raises OSError when the store does not
-        answer. Lists the prefix at most every :data:`USAGE_REFRESH_S`, else asks for one key."""
-        now = time.monotonic()
-        if self._usage is None or now - self._usage[0] >= USAGE_REFRESH_S:
-            held = sum(int(o.get("Size", 0)) for o in self._list(self._dir_key(self._root)))
-            self._usage = (now, held)
-        else:
-            self._any(self._dir_key(self._root))  # still answering?
-        held = min(self._usage[1], UNBOUNDED_BYTES - 1)
-        return Usage(free_bytes=UNBOUNDED_BYTES - held, total_bytes=UNBOUNDED_BYTES)
+        """No free space to speak of (see the module docstring): one request, so that the tier probe
+        learns whether the store answers; raises OSError when it does not."""
+        self._any(self._dir_key(self._root))
+        return Usage(free_bytes=UNBOUNDED_BYTES, total_bytes=UNBOUNDED_BYTES)
 
     def quarantine_part(self, part: Path) -> Path:
         """Copies the part's objects beside it as ``.corrupt-rank-R-<random>/``, then removes the part."""
