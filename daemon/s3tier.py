@@ -379,11 +379,9 @@ class S3Tier:
         manifest = self.read_manifest(part)[0]
         piece = memoryview(bytearray(VERIFY_PIECE_BYTES))
         for name, entry in layout.manifest_files(manifest).items():
-            block = memoryview(bytearray(entry.chunk_bytes))
-            fill = index = 0
-            where = part / name
+            verifier = layout.BlockVerifier(entry, part / name)
             for ext in chunks.extents(part, manifest, name):
-                where = ext.path
+                verifier.path = ext.path  # a bad block is named by the object its last bytes came from
                 try:
                     reader = ObjectReader(self.connection, self.key(ext.path), self._pool("read"))
                 except FileNotFoundError as e:
@@ -402,21 +400,9 @@ class S3Tier:
                         raise layout.ManifestError(f"{ext.path}: unreadable: {e}") from e
                     if not n:
                         raise layout.ChecksumMismatch(ext.path, "shorter than the manifest says")
+                    verifier.feed(piece[:n])
                     left -= n
-                    pos = 0
-                    while pos < n:
-                        take = min(len(block) - fill, n - pos)
-                        block[fill:fill + take] = piece[pos:pos + take]
-                        fill, pos = fill + take, pos + take
-                        if fill == len(block):
-                            layout.verify_block(block, entry, index, where)
-                            fill, index = 0, index + 1
-            if fill or index == 0:
-                layout.verify_block(block[:fill], entry, index, where)
-                index += 1
-            if index != len(entry.digests):
-                raise layout.ChecksumMismatch(part / name, f"{index} blocks read, the manifest lists "
-                                                           f"{len(entry.digests)}")
+            chunks.check_block_count(part / name, entry, verifier)
 
     def readable_path(self, part: Path) -> Path | None:
         return None  # objects are not files: the daemon fetches the part to the local tier for readers

@@ -209,13 +209,10 @@ def verify_part(part: Path, manifest: dict[str, Any] | None = None) -> None:
     """
     manifest = manifest if manifest is not None else layout.read_manifest(part)
     for name, entry in layout.manifest_files(manifest).items():
-        block = entry.chunk_bytes
-        buf = bytearray(block)
-        view = memoryview(buf)
-        fill = index = 0
-        where = part / name
+        view = memoryview(bytearray(entry.chunk_bytes))
+        verifier = layout.BlockVerifier(entry, part / name)
         for ext in extents(part, manifest, name):
-            where = ext.path
+            verifier.path = ext.path  # a bad block is named by the file its last bytes came from
             try:
                 f = open(ext.path, "rb", buffering=0)  # noqa: SIM115 - closed below, on every path
             except OSError as e:
@@ -227,15 +224,18 @@ def verify_part(part: Path, manifest: dict[str, Any] | None = None) -> None:
                 f.seek(ext.lo - ext.base)
                 left = ext.hi - ext.lo
                 while left:
-                    n = f.readinto(view[fill:fill + min(block - fill, left)])
+                    n = f.readinto(view[:min(len(view), left)])
                     if not n:
                         raise layout.ChecksumMismatch(ext.path, "shorter than the manifest says")
-                    fill, left = fill + n, left - n
-                    if fill == block:
-                        layout.verify_block(view, entry, index, where)
-                        fill, index = 0, index + 1
-        if fill or index == 0:
-            layout.verify_block(view[:fill], entry, index, where)
-            index += 1
-        if index != len(entry.digests):
-            raise layout.ChecksumMismatch(part / name, f"{index} blocks read, the manifest lists {len(entry.digests)}")
+                    verifier.feed(view[:n])
+                    left -= n
+        check_block_count(part / name, entry, verifier)
+
+
+def check_block_count(path: Path, entry: layout.FileEntry, verifier: layout.BlockVerifier) -> None:
+    """The end of a file that ``verifier`` was fed whole: every byte came, and the manifest lists one
+    digest per block (its last, possibly empty, one checked here)."""
+    verifier.finish(entry.size)
+    blocks = layout.chunk_count(entry.size, entry.chunk_bytes)
+    if blocks != len(entry.digests):
+        raise layout.ChecksumMismatch(path, f"{blocks} blocks read, the manifest lists {len(entry.digests)}")
