@@ -235,18 +235,24 @@ def _wait_serving(server: S3Server, deadline: float) -> None:
     raise RuntimeError(f"weed did not serve S3 within the time allowed (last error: {last}):\n{server.log_tail()}")
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    """One SeaweedFS for the session, bucket :data:`BUCKET` created; the tests skip where it cannot start."""
+def serving(tmp: Path) -> Iterator[S3Server]:
+    """A fixture's body: a SeaweedFS on ``tmp`` while the fixture lasts, bucket :data:`BUCKET` created;
+    the tests skip where it cannot start."""
     pytest.importorskip("boto3", reason="the s3 extra (boto3) is not installed")
     try:
-        server = start(tmp_path_factory.mktemp("seaweedfs"))
+        server = start(tmp)
     except (OSError, RuntimeError) as e:
         pytest.skip(f"no S3 server for the tests: {e}")
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """One SeaweedFS for the session."""
+    yield from serving(tmp_path_factory.mktemp("seaweedfs"))
 
 
 def open_tier(server: S3Server, owner: str, prefix: str | None = None) -> Any:

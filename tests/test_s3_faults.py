@@ -30,7 +30,7 @@ from ckptstage.daemon.launcher import DaemonProcess  # noqa: E402
 from ckptstage.protos import layout  # noqa: E402
 from ckptstage.protos.v1 import ckptstage_pb2 as pb  # noqa: E402
 from conftest import DEFAULTS  # noqa: E402
-from s3server import BUCKET, S3Server, open_tier, start  # noqa: E402
+from s3server import BUCKET, S3Server, open_tier, serving  # noqa: E402
 from support import free_port, metric, scrape, wait_until  # noqa: E402
 
 MiB = 1 << 20
@@ -227,14 +227,7 @@ def _error(status: int, code: str, method: str) -> bytes:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     """This module's own SeaweedFS (a test kills and restarts it)."""
-    try:
-        s = start(tmp_path_factory.mktemp("seaweedfs-faults"))
-    except (OSError, RuntimeError) as e:
-        pytest.skip(f"no S3 server for the tests: {e}")
-    try:
-        yield s
-    finally:
-        s.stop()
+    yield from serving(tmp_path_factory.mktemp("seaweedfs-faults"))
 
 
 @pytest.fixture
