@@ -38,7 +38,7 @@ from google.protobuf.message import Message
 from ckptstage.client import errors
 from ckptstage.client.progress import MODES, Progress
 from ckptstage.client.progress import size_text as _size  # one byte formatter for tables and progress
-from ckptstage.client.rpc import Connection, resolve_socket
+from ckptstage.client.rpc import FETCH_TIMEOUT_S, Connection, resolve_socket
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
 EXIT_OK = 0
@@ -146,7 +146,8 @@ def _tier_line(t: pb.TierStatus) -> str:
     name = _tier(t.tier)
     if not t.enabled:
         return f"{name}: disabled"
-    line = (f"{name}: {t.dir} — {t.checkpoints} part(s), {_size(t.used_bytes)} used, {_size(t.free_bytes)} free")
+    room = "no size limit" if t.unbounded else f"{_size(t.free_bytes)} free"
+    line = f"{name}: {t.dir} — {t.checkpoints} part(s), {_size(t.used_bytes)} used, {room}"
     state = t.state or ("ok" if t.reachable else "unreachable")
     if state != "ok":
         line += f" ({state.upper()})"
@@ -379,7 +380,7 @@ def cmd_prefetch(conn: Connection, args: argparse.Namespace) -> int:
     target = _prefetch_target(conn, args.job, args.step)
     req = pb.PrefetchRequest(job=args.job, step=args.step or 0, latest=args.step is None)
     if target is None:  # the daemon says what is missing
-        resp = conn.call("Prefetch", req, timeout=3600)
+        resp = conn.call("Prefetch", req, timeout=FETCH_TIMEOUT_S)
     else:
         resp = _prefetch_with_progress(conn, args, req, target)
     _emit(args, resp, lambda: f"{args.job} step {resp.step}: {resp.parts} part(s) copied to the local tier",
@@ -399,7 +400,7 @@ def _prefetch_with_progress(conn: Connection, args: argparse.Namespace, req: pb.
 
     with Progress(f"prefetch {args.job} step {target.step}", "part", mode=args.progress) as progress:
         progress.update(0, total, _size(target.bytes))
-        call = conn.start("Prefetch", req, timeout=3600)
+        call = conn.start("Prefetch", req, timeout=FETCH_TIMEOUT_S)
         while not call.wait(POLL_S):
             progress.update(min(total, landed()), total, _size(target.bytes))
         resp = call()

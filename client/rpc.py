@@ -18,6 +18,8 @@ log = logging.getLogger(__name__)
 
 # Unary calls that should answer at once; blocking calls pass their own timeout.
 DEFAULT_TIMEOUT_S = 30.0
+# Copying a step's parts onto the local tier (Prefetch): bound by the shared tier's bandwidth, so minutes.
+FETCH_TIMEOUT_S = 3600.0
 # Reconnecting to a restarted daemon: gRPC backs off up to 120 s between attempts by default, so a
 # client that lived through a long outage could not reach the daemon for seconds after it was back.
 # On a Unix socket an attempt costs microseconds: retry every 100-250 ms. gRPC reads

@@ -8,14 +8,20 @@ over them whose verification failures are reported to the daemon.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ckptstage.client import reshard
-from ckptstage.client.rpc import Connection
+from ckptstage.client.progress import size_text
+from ckptstage.client.rpc import FETCH_TIMEOUT_S, Connection
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
+log = logging.getLogger(__name__)
+
+# A fetched part can go again before the reader opens it (retention on a full disk): ask this many times.
+_FETCH_ROUNDS = 3
 
 @dataclass(frozen=True)
 class LocatedStep:
@@ -38,9 +44,22 @@ def locate(conn: Connection, job: str, step: int | None, rank: int = 0, all_rank
            memory: bool = False) -> LocatedStep:
     """Where the parts of ``step`` (the newest complete one when None) lie: every rank's, or only
     ``rank``'s (a whole-part load need not hear of a thousand others); raises CheckpointNotFound.
-    ``memory``: also where the memory tier keeps them (:attr:`LocatedStep.memory`)."""
-    resp = conn.call("Locate", pb.LocateRequest(job=job, rank=rank, latest=step is None, step=step or 0,
-                                                all_ranks=all_ranks, memory=memory))
+    ``memory``: also where the memory tier keeps them (:attr:`LocatedStep.memory`).
+
+    Parts whose only copies are where a reader cannot open them (an object store) are fetched onto
+    the node's local tier first, verified, by the daemon (``Prefetch`` of just those ranks)."""
+    request = pb.LocateRequest(job=job, rank=rank, latest=step is None, step=step or 0, all_ranks=all_ranks,
+                               memory=memory)
+    resp = conn.call("Locate", request)
+    for _ in range(_FETCH_ROUNDS):
+        if not resp.fetch_ranks:
+            break
+        log.info("fetching %d part(s) of %s step %d (%s) from the shared tier onto the local tier",
+                 len(resp.fetch_ranks), job, resp.step, size_text(resp.fetch_bytes))
+        conn.call("Prefetch", pb.PrefetchRequest(job=job, step=resp.step, ranks=resp.fetch_ranks),
+                  timeout=FETCH_TIMEOUT_S)
+        request.latest, request.step = False, resp.step  # the step whose parts were fetched
+        resp = conn.call("Locate", request)
     by_rank = {p.rank: p.locations for p in resp.parts}
     if not all_ranks and resp.locations:
         by_rank[rank] = resp.locations

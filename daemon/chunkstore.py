@@ -128,7 +128,6 @@ class ChunkStore:
     def __init__(self, where: Tier | Path, owner: str, grace_s: float) -> None:
         """``where`` is the tier's storage (a path: the file-system tier there)."""
         self.tier = as_tier(where, owner)
-        self.tier_dir = self.tier.root
         self.owner = owner
         self.grace_s = grace_s
         self._lock = threading.Lock()
@@ -218,8 +217,8 @@ class ChunkStore:
             except FileNotFoundError:
                 pass  # another node's sweep finished it
         if removed or restored:
-            log.info("swept the chunks of %s on %s: %d removed (%d bytes), %d put back", job, self.tier.root,
-                     removed, freed, restored, extra=fields(job=job, bytes=freed, path=self.tier.root))
+            log.info("swept the chunks of %s on %s: %d removed (%d bytes), %d put back", job, self.tier.location,
+                     removed, freed, restored, extra=fields(job=job, bytes=freed, path=self.tier.location))
         return Swept(removed, freed, restored)
 
 

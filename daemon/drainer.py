@@ -54,7 +54,7 @@ from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.chunkstore import ChunkStore
 from ckptstage.daemon.commits import Commits
 from ckptstage.daemon.config import SharedConfig
-from ckptstage.daemon.errors import SaveFailed
+from ckptstage.daemon.errors import SaveFailed, ShuttingDown
 from ckptstage.daemon.events import Bus
 from ckptstage.daemon.jobs import DrainHealth, TierHealth
 from ckptstage.daemon.logs import fields
@@ -175,7 +175,7 @@ class Drainer:
         self._chunk_stores = chunk_stores or {}  # where incremental parts' chunks land, per destination tier
         self._nice = nice  # added to the drain threads' niceness ([persist] nice)
         self.config = config
-        self.shared_dir = self.shared.root  # what the log names
+        self.shared_location = self.shared.location  # what the log names
         self.catalog = catalog
         self.metrics = metrics
         self.reachable: bool | None = None
@@ -241,8 +241,8 @@ class Drainer:
                 except OSError as e:
                     self.reachable = False
                     failed = True
-                    self._set_tier_error(f"cannot re-read {job} on the shared tier {self.shared_dir}: {e}")
-                    log.warning("cannot re-read %s on the shared tier %s: %s", job, self.shared_dir, e,
+                    self._set_tier_error(f"cannot re-read {job} on the shared tier {self.shared_location}: {e}")
+                    log.warning("cannot re-read %s on the shared tier %s: %s", job, self.shared_location, e,
                                 extra=fields(job=job, tier=TierName.SHARED, error=e))
                     continue
                 if added or dropped:
@@ -266,14 +266,14 @@ class Drainer:
             n = self.catalog.load_tier(TierName.SHARED, self.shared)
         except OSError as e:
             self.reachable = False
-            self._set_tier_error(f"cannot index the shared tier {self.shared_dir}: {e}")
-            log.error("shared tier %s unreachable: %s (draining will retry)", self.shared_dir, e,
+            self._set_tier_error(f"cannot index the shared tier {self.shared_location}: {e}")
+            log.error("shared tier %s unreachable: %s (draining will retry)", self.shared_location, e,
                       extra=fields(tier=TierName.SHARED, error=e))
             return False
         self._shared_indexed = True
         self.reachable = True
         self._set_tier_error(None)
-        log.info("shared tier %s: %d committed parts, %d temporaries removed", self.shared_dir, n, removed,
+        log.info("shared tier %s: %d committed parts, %d temporaries removed", self.shared_location, n, removed,
                  extra=fields(tier=TierName.SHARED, parts=n, temporaries_removed=removed))
         return True
 
@@ -475,7 +475,10 @@ class Drainer:
         The local copy counts as drained: it came from the shared tier.
         Raises :class:`CorruptSource` if the shared copy fails its checksums.
         """
-        local = self._copy(part, TierName.LOCAL, rate_limited=False)
+        try:
+            local = self._copy(part, TierName.LOCAL, rate_limited=False)
+        except _Stopping:
+            raise ShuttingDown() from None
         self.catalog.mark_drained(part.job, part.step, part.rank, local.digest)
         return local
 
@@ -483,7 +486,7 @@ class Drainer:
         try:
             self.recover()
         except Exception:  # noqa: BLE001 - logged; the timer's refresh cannot index, so say it loudly
-            log.exception("indexing the shared tier %s failed; draining is stopped", self.shared_dir,
+            log.exception("indexing the shared tier %s failed; draining is stopped", self.shared_location,
                           extra=fields(tier=TierName.SHARED))
 
     def _work(self) -> None:
@@ -599,7 +602,7 @@ class Drainer:
                 self._settling += 1
             self._cond.notify_all()
         log.info("drained %s step %d rank %d to %s (%d bytes, %.2fs)%s", part.job, part.step, part.rank,
-                 self.shared_dir, part.nbytes, elapsed,
+                 self.shared_location, part.nbytes, elapsed,
                  "" if published else "; it replaces the step there once every rank's part has arrived",
                  extra=_fields(part, duration_s=elapsed))
         try:
@@ -731,7 +734,7 @@ class Drainer:
         final = final or dest.part_location(part.job, part.step, part.rank)
         committed = _record_on(dest, final.parent)
         if committed is not None and committed.attempt != attempt:
-            raise Conflict(f"{part.job} step {part.step} is committed on {dest.root} by attempt "
+            raise Conflict(f"{part.job} step {part.step} is committed on {dest.location} by attempt "
                            f"{committed.attempt!r}; this part of attempt {attempt!r} is a straggler and is not "
                            "copied")
         if dest.has_part(final) and not _replaceable(dest, final, manifest):
@@ -763,7 +766,7 @@ class Drainer:
                 leased.append(set(gone))
                 self._copy_chunks(part, store, tier, set(gone), rate_limited)
             else:
-                raise OSError(f"chunks of {published} keep vanishing from {dest.root}: is another daemon sweeping "
+                raise OSError(f"chunks of {published} keep vanishing from {dest.location}: is another daemon sweeping "
                               "with a shorter [persist] chunk_grace_s?")
             return Part(part.job, part.step, part.rank, part.world_size, tier, published, part.nbytes, part.created,
                         part.metrics, attempt, writer.manifest_digest, writer.ino)

@@ -52,6 +52,10 @@ class FsTier:
         return self._root
 
     @property
+    def location(self) -> str:
+        return str(self._root)
+
+    @property
     def owner(self) -> str:
         return self._owner
 

@@ -245,9 +245,10 @@ class Janitor:
 
     def _free_bytes(self, tier: TierName) -> int | None:
         try:
-            return self.tiers[tier].usage().free_bytes
+            usage = self.tiers[tier].usage()
         except OSError:
             return None
+        return None if usage.unbounded else usage.free_bytes
 
     def _remove_stragglers(self, job: str, tier: TierName) -> int:
         """Removes what no reader will ever use on ``tier``: parts of a complete step that its commit

@@ -160,6 +160,6 @@ class JobRules:
             try:
                 rules = JobRetention.parse(self._shared.read_job_json(job, JOB_RULES_FILE, {}))
             except (OSError, ValueError, AttributeError) as e:
-                log.warning("ignoring %s: %s", self._shared.root / job / JOB_RULES_FILE, e,
+                log.warning("ignoring %s/%s/%s: %s", self._shared.location, job, JOB_RULES_FILE, e,
                             extra=fields(job=job, tier="shared", error=e))
         return rules or JobRetention()

@@ -62,6 +62,8 @@ class Located:
     commit: str                  # the fingerprint of the commit the answer comes from
     locations: list[Location]    # the asked rank's copies, best first
     parts: dict[int, list[Location]] = field(default_factory=dict)  # with all_ranks: every rank's
+    # The asked parts that no reader can open where they are (only an object store holds them): rank -> bytes.
+    fetch: dict[int, int] = field(default_factory=dict)
 
 
 def entry(ckpt: Checkpoint, drain_state: str, ranks_memory: list[int]) -> CheckpointEntry:
@@ -95,14 +97,14 @@ def locations(parts: Sequence[Part], in_memory: bool, tiers: Mapping[TierName, T
 def located(ckpt: Checkpoint, rank: int, all_ranks: bool, in_memory: Callable[[int], bool],
             tiers: Mapping[TierName, Tier]) -> Located:
     """Where the committed step's parts are; ``in_memory(rank)``: whether the memory tier serves that rank's;
-    ``tiers``: the storage of each disk tier, which says where its parts are read."""
-    def where(r: int) -> list[Location]:
-        return locations(ckpt.committed(r), in_memory(r), tiers)
-
+    ``tiers``: the storage of each disk tier, which says where its parts are read. A part committed only
+    where no reader can open it is named in :attr:`Located.fetch`."""
+    asked = range(ckpt.world_size) if all_ranks else [rank]
+    found = {r: locations(ckpt.committed(r), in_memory(r), tiers) for r in asked}
+    fetch = {r: ckpt.committed(r)[0].nbytes for r in asked if not found[r] and ckpt.committed(r)}
     record = ckpt.record
-    every = {r: where(r) for r in range(ckpt.world_size)} if all_ranks else {}
-    return Located(ckpt.step, ckpt.world_size, ckpt.attempt, record.fingerprint() if record else "", where(rank),
-                   every)
+    return Located(ckpt.step, ckpt.world_size, ckpt.attempt, record.fingerprint() if record else "",
+                   found.get(rank, []), found if all_ranks else {}, fetch)
 
 
 def memory_located(kept: MemoryStep, rank: int, all_ranks: bool) -> Located:

@@ -20,6 +20,7 @@ from ckptstage.daemon.config import Config, ConfigError, format_size, load_confi
 from ckptstage.daemon.handoff import HandoffServer
 from ckptstage.daemon.node import STATE_DIR, VERSION, Node
 from ckptstage.daemon.notify import Notifier
+from ckptstage.daemon.tier import TierName
 from ckptstage.daemon.server import RpcServer
 from ckptstage.protos.handoff import socket_path as handoff_socket
 
@@ -51,6 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--socket", help="Unix socket to serve on")
     p.add_argument("--local-dir", help="local tier directory (node SSD)")
     p.add_argument("--shared-dir", help="shared tier directory (parallel file system)")
+    p.add_argument("--shared-url", help="shared tier on an S3-compatible object store: s3://bucket/prefix")
     p.add_argument("--metrics-listen", help="HOST:PORT for Prometheus /metrics")
     p.add_argument("--log-level", default=os.environ.get("CKPTSTAGE_LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default: $CKPTSTAGE_LOG_LEVEL, else INFO)")
@@ -69,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
     flags = {"socket": args.socket, "local.dir": args.local_dir, "shared.dir": args.shared_dir,
-             "metrics.listen": args.metrics_listen}
+             "shared.url": args.shared_url, "metrics.listen": args.metrics_listen}
     return {k: v for k, v in flags.items() if v is not None}
 
 
@@ -113,8 +115,9 @@ class Daemon:
             self.rpc.start()
         except RuntimeError as e:  # grpc: "Failed to bind to address ..."
             raise StartupError("socket", self.config.socket, f"cannot listen on it: {e}") from e
+        shared = self.node.tiers.get(TierName.SHARED)
         log.info("ckptstaged %s serving on %s (local %s, shared %s, arena budget %d bytes)", VERSION,
-                 self.config.socket, self.config.local.dir, self.config.shared.dir or "disabled",
+                 self.config.socket, self.config.local.dir, shared.location if shared is not None else "disabled",
                  self.config.arena.max_bytes)
         if self.notifier.heartbeat_s is not None:
             self.rpc.start_heartbeat(self.notifier.heartbeat_s, self.notifier.heartbeat)

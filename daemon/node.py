@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +27,8 @@ from ckptstage.daemon import overwrite as overwrite_mod
 from ckptstage.daemon.commits import Commits, complete_attempt
 from ckptstage.daemon.config import Config
 from ckptstage.daemon import drainer as drainer_mod
-from ckptstage.daemon.drainer import CorruptSource, Drainer
+from ckptstage.daemon.drainer import Drainer
+from ckptstage.daemon.fetcher import Fetcher
 from ckptstage.daemon.errors import (
     AlreadyExists,
     CheckpointNotFound,
@@ -152,6 +153,12 @@ class Node:
                                    chunk_stores=self.chunk_stores, nice=config.persist.nice, tiers=self.tiers)
             self.shared_sync = SharedSync(self.catalog, shared,
                                           watched=lambda: {s.info.job for s in self.sessions.all()})
+        self.fetcher: Fetcher | None = None
+        if self.drainer is not None:
+            drainer = self.drainer
+            self.fetcher = Fetcher(lambda part: self.catalog.add(drainer.fetch(part)),
+                                   lambda part, detail: self.report_corrupt(part.job, part.step, part.rank, part.tier,
+                                                                            detail))
         self.quarantine = Quarantine(self.catalog, self.metrics, tiers=self.tiers)
         self.incomplete = IncompleteSteps(self.catalog, config.retention.incomplete_after_s,
                                           busy=lambda job, step: any(s.spec.job == job and s.spec.step == step
@@ -231,7 +238,9 @@ class Node:
                 self.persister.fail(save, "daemon shutdown timed out before the save committed")
         self.persister.shutdown(wait=True)
         if self.drainer is not None:
-            self.drainer.stop(max(0.0, deadline - time.monotonic()))
+            self.drainer.stop(max(0.0, deadline - time.monotonic()))  # copies under way stop: fetches too
+        if self.fetcher is not None:
+            self.fetcher.close()
         if self.shared_sync is not None:
             self.shared_sync.stop()
         for probe in self.tier_probes.values():
@@ -581,31 +590,31 @@ class Node:
         self.memory.drop_job(job, step)
         return self.janitor.delete_step(job, step)
 
-    def prefetch(self, job: str, step: int | None) -> tuple[int, int]:
-        """Copies a checkpoint's shared-only parts back onto the local tier; returns (step, parts copied).
+    def prefetch(self, job: str, step: int | None, ranks: Sequence[int] = ()) -> tuple[int, int]:
+        """Copies a checkpoint's shared-only parts (``ranks``' only, when given) onto the local tier; returns
+        (step, parts copied). See :mod:`ckptstage.daemon.fetcher`.
 
         The copies are verified against the shared manifests as they are
         read; a shared copy that fails is reported corrupt and the prefetch
         fails. Local retention still applies to what was fetched: prefetch
         the newest checkpoint (the one a restart reads), or pin an older one.
         """
-        if self.drainer is None:
+        if self.fetcher is None:
             raise InvalidRequest("this daemon has no shared tier to prefetch from")
-        ckpt, _ = self.locate(job, step, 0)
-        copied = 0
-        for rank in range(ckpt.world_size):
-            tiers = {p.tier: p for p in ckpt.committed(rank)}
-            if TierName.LOCAL not in tiers and TierName.SHARED in tiers:
-                shared = tiers[TierName.SHARED]
-                try:
-                    self.catalog.add(self.drainer.fetch(shared))
-                except CorruptSource as e:
-                    self.report_corrupt(job, ckpt.step, rank, TierName.SHARED, str(e))
-                    raise SaveFailed(f"cannot prefetch {job} step {ckpt.step} rank {rank}: {e}") from e
-                copied += 1
-        self.commits.seal_local(job, ckpt.step)  # every part is here now: the step exists locally too
-        log.info("prefetched %s step %d: %d parts copied to the local tier", job, ckpt.step, copied,
-                 extra=fields(job=job, step=ckpt.step, tier=TierName.LOCAL, parts=copied))
+        ckpt, _ = self.locate(job, step, 0, all_ranks=True)
+        for rank in ranks:
+            if not 0 <= rank < ckpt.world_size:
+                raise InvalidRequest(f"rank {rank} is not a rank of {job} step {ckpt.step} "
+                                     f"(world size {ckpt.world_size})")
+        wanted = sorted(set(ranks)) if ranks else range(ckpt.world_size)
+        todo = [copies[TierName.SHARED] for rank in wanted
+                for copies in [{p.tier: p for p in ckpt.committed(rank)}]
+                if TierName.LOCAL not in copies and TierName.SHARED in copies]
+        copied = self.fetcher.fetch(todo) if todo else 0
+        self.commits.seal_local(job, ckpt.step)  # when every part is here now, the step exists locally too
+        if todo:
+            log.info("prefetched %s step %d: %d parts copied to the local tier", job, ckpt.step, copied,
+                     extra=fields(job=job, step=ckpt.step, tier=TierName.LOCAL, parts=copied))
         return ckpt.step, copied
 
     # --- retention and drain -----------------------------------------------------------

@@ -55,8 +55,8 @@ an object written again with other bytes has another one. Written again with
 the same bytes it keeps it, and then nothing a reader indexed differs.
 
 **Room.** An object store has no free space to speak of: :meth:`S3Tier.usage`
-gives :data:`UNBOUNDED_BYTES` as both the total and the free room, after one
-request that shows the store answers. What the tier holds is the catalogue's
+says it is unbounded (no total, no free room), after one request that shows
+the store answers. What the tier holds is the catalogue's
 count (``ckptstage_tier_used_bytes``); listing the prefix to count it again
 would take longer than the tier probe allows on a large bucket, and the probe
 would report a healthy store as hung.
@@ -98,7 +98,6 @@ PIECE_BYTES = 64 << 20       # a multipart upload's piece (S3 allows 5 MiB to 5 
 IN_FLIGHT = 8                # pieces of one object uploading at once ([shared] multipart_concurrency)
 THREADS = 16                 # uploads (and, apart, ranged reads) in flight, across the tier
 MAX_THREADS = MAX_CONNECTIONS // 2  # both pools together hold at most the client's connections
-UNBOUNDED_BYTES = 1 << 60    # "total bytes" of a store with no limit of its own (1 EiB)
 VERIFY_PIECE_BYTES = 64 << 20  # read at once (as several ranged GETs) by verify_part
 MAX_COPY_BYTES = 5 << 30     # the largest object one CopyObject copies; larger ones go piece by piece
 _MANY = 256                  # more chunk names than this: list the store instead of asking for each
@@ -159,6 +158,10 @@ class S3Tier:
     @property
     def url(self) -> str:
         return self.connection.location.url
+
+    @property
+    def location(self) -> str:
+        return self.url
 
     def __repr__(self) -> str:
         return f"S3Tier({self.url!r} at {self.connection.endpoint})"
@@ -654,7 +657,7 @@ class S3Tier:
         """No free space to speak of (see the module docstring): one request, so that the tier probe
         learns whether the store answers; raises OSError when it does not."""
         self._any(self._dir_key(self._root))
-        return Usage(free_bytes=UNBOUNDED_BYTES, total_bytes=UNBOUNDED_BYTES)
+        return Usage(free_bytes=0, total_bytes=0, unbounded=True)
 
     def quarantine_part(self, part: Path) -> Path:
         """Copies the part's objects beside it as ``.corrupt-rank-R-<random>/``, then removes the part."""

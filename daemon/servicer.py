@@ -304,7 +304,8 @@ class Servicer(pb_grpc.CheckpointerServicer):
 
     @_mapped
     async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext) -> pb.PrefetchResponse:
-        step, parts = await self._wait(self.node.prefetch, request.job, None if request.latest else request.step)
+        step, parts = await self._wait(self.node.prefetch, request.job, None if request.latest else request.step,
+                                       list(request.ranks))
         return pb.PrefetchResponse(step=step, parts=parts)
 
     @_mapped
@@ -342,13 +343,14 @@ def _located(found: Located, handoff: str) -> pb.LocateResponse:
 
     return pb.LocateResponse(step=found.step, world_size=found.world_size, locations=where(found.locations),
                              attempt=found.attempt, commit=found.commit,
-                             parts=[pb.RankParts(rank=r, locations=where(locs)) for r, locs in found.parts.items()])
+                             parts=[pb.RankParts(rank=r, locations=where(locs)) for r, locs in found.parts.items()],
+                             fetch_ranks=sorted(found.fetch), fetch_bytes=sum(found.fetch.values()))
 
 
 def _tier_status(t: TierReport) -> pb.TierStatus:
     return pb.TierStatus(tier=_TIER_PB[t.tier], dir=t.dir, enabled=t.enabled, reachable=t.reachable,
                          used_bytes=t.used_bytes, free_bytes=t.free_bytes, checkpoints=t.parts, state=t.state,
-                         last_error=t.last_error, last_error_time=t.last_error_time)
+                         last_error=t.last_error, last_error_time=t.last_error_time, unbounded=t.unbounded)
 
 
 def _job_status(j: JobSummary) -> pb.JobStatus:

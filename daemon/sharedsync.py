@@ -120,7 +120,7 @@ class SharedSync:
                                 and t <= sync.started]:
                         del self._synced[old]
         except OSError as e:
-            log.warning("cannot re-read %s on the shared tier %s: %s", job, self.shared.root, e,
+            log.warning("cannot re-read %s on the shared tier %s: %s", job, self.shared.location, e,
                         extra=fields(job=job, step=step, tier=TierName.SHARED, error=e))
         except Exception:  # noqa: BLE001 - a re-read must always settle, or its key would stay "running"
             log.exception("re-reading %s on the shared tier failed", job, extra=fields(job=job, tier=TierName.SHARED))

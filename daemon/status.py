@@ -42,6 +42,7 @@ class TierReport:
     state: str
     last_error: str = ""    # while degraded: the newest failure
     last_error_time: float = 0.0
+    unbounded: bool = False  # the storage sets no limit (an object store): free_bytes is 0 and means nothing
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class StatusReader:
         reading = probe.reading() if probe is not None else None
         health = self._drainer.tier_health() if tier == TierName.SHARED and self._drainer else None
         state, error, when = tier_state(storage is not None, reading.reachable if reading else None, health)
-        return TierReport(tier, str(storage.root) if storage is not None else "", storage is not None,
+        return TierReport(tier, storage.location if storage is not None else "", storage is not None,
                           bool(reading and reading.reachable),
                           sum(p.nbytes for p in parts), (reading.free_bytes or 0) if reading else 0, len(parts),
-                          state, error, when)
+                          state, error, when, bool(reading and reading.unbounded))

@@ -55,10 +55,15 @@ class TierName(str, Enum):
 
 @dataclass(frozen=True)
 class Usage:
-    """Room on a tier's storage, in bytes (what an unprivileged writer may still use)."""
+    """Room on a tier's storage, in bytes (what an unprivileged writer may still use).
+
+    ``unbounded``: the storage sets no limit of its own (an object store); the two
+    counts are then 0 and mean nothing, and nothing is reported or alerted on them.
+    """
 
     free_bytes: int
     total_bytes: int
+    unbounded: bool = False
 
 
 @dataclass(frozen=True)
@@ -325,7 +330,11 @@ class Tier(PartIndex, PartStorage, ChunkStorage, Housekeeping, Replacing, Protoc
 
     @property
     def root(self) -> Path:
-        """Where the tier is: a directory, or an object store's bucket and prefix; what logs name."""
+        """Where the tier is, as the interface's locations: a directory, or an object store's pseudo-path."""
+
+    @property
+    def location(self) -> str:
+        """Where the tier is, for people (logs, status, the CLI): a directory, or ``s3://bucket/prefix``."""
 
     @property
     def owner(self) -> str: ...

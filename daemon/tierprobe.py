@@ -23,9 +23,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Reading:
-    free_bytes: int | None  # None until a probe has succeeded
+    free_bytes: int | None  # None until a probe has succeeded, and on storage with no limit
     reachable: bool | None  # None before the first probe came back
-    total_bytes: int | None = None  # the size of the tier's storage; None until a probe has succeeded
+    total_bytes: int | None = None  # the size of the tier's storage; None as free_bytes is
+    unbounded: bool = False  # the storage sets no limit (an object store): no free or total bytes
 
 
 class TierProbe:
@@ -36,7 +37,6 @@ class TierProbe:
         """``tier`` is the tier's storage; the measurement is its :meth:`Tier.usage`."""
         self.name = name
         self.tier = tier
-        self.path = self.tier.root
         self._interval = interval_s
         self._hung_after = hung_after_s
         self._clock = clock
@@ -56,9 +56,10 @@ class TierProbe:
     def reading(self) -> Reading:
         with self._lock:
             hung = self._since is not None and self._clock() - self._since > self._hung_after
-            usage = self._usage
-            return Reading(usage.free_bytes if usage else None, False if hung else self._ok,
-                           usage.total_bytes if usage else None)
+            usage, reachable = self._usage, False if hung else self._ok
+        if usage is None or usage.unbounded:
+            return Reading(None, reachable, None, usage is not None)
+        return Reading(usage.free_bytes, reachable, usage.total_bytes)
 
     def probe(self) -> None:
         """One measurement, on the calling thread (the probe thread, or a test)."""
@@ -70,7 +71,7 @@ class TierProbe:
             with self._lock:
                 was, self._ok, self._since = self._ok, False, None
             if was is not False:
-                log.warning("%s tier %s cannot be probed: %s", self.name, self.path, e,
+                log.warning("%s tier %s cannot be probed: %s", self.name, self.tier.location, e,
                             extra=fields(tier=self.name, error=e))
             return
         with self._lock:

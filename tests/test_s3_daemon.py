@@ -26,6 +26,7 @@ from ckptstage.protos.v1 import ckptstage_pb2 as pb  # noqa: E402
 from conftest import DEFAULTS  # noqa: E402
 from s3server import BUCKET, S3Server, open_tier, s3_server  # noqa: E402
 from support import free_port, metric, scrape, wait_until  # noqa: E402
+from test_cli import ckptstage  # noqa: E402
 from test_s3_faults import WRITES, FaultProxy  # noqa: E402
 
 _ = s3_server  # the session's server, a fixture
@@ -177,3 +178,31 @@ def test_two_nodes_share_one_prefix_one_drains_the_other_restores_and_both_apply
                                 (tmp_path / node / "daemon.log").read_text()) for node in ("a", "b")}
     assert deleted == {"a": [], "b": ["1", "2"]}
     assert [k for k in _keys(s3_server, "by-two") if "/.tmp/" in f"/{k}" or k.endswith(".claim")] == []
+
+
+def test_status_names_the_store_by_its_url_and_reports_no_free_space_figure(s3_server: S3Server,
+                                                                           tmp_path: Path) -> None:
+    """An object store has no free space to run out of: status says so, and no free/size series exists for it
+    (a 0 there would fire the free-space alert); the tier's place is its URL, in status and in the start log."""
+    d = _daemon(s3_server, tmp_path / "n", "shown")
+    url = f"s3://{BUCKET}/shown"
+    try:
+        with Client("shown", socket=d.socket) as client:
+            client.save(1, _state(1)).wait("shared", timeout=30)
+        with Connection(d.socket) as conn:
+            wait_until(lambda: [t for t in conn.status().tiers if t.tier == pb.SHARED][0].reachable, 20,
+                       "the store probed")
+            [shared] = [t for t in conn.status().tiers if t.tier == pb.SHARED]
+            [local] = [t for t in conn.status().tiers if t.tier == pb.LOCAL]
+        assert (shared.dir, shared.unbounded, shared.free_bytes, shared.state) == (url, True, 0, "ok")
+        assert shared.checkpoints == 1 and shared.used_bytes > 0
+        assert not local.unbounded and local.free_bytes > 0
+        text = ckptstage("status", socket=d.socket).stdout
+        assert re.search(rf"shared: {re.escape(url)} — 1 part\(s\), .* used, no size limit", text), text
+        scraped = scrape(_port(d))
+        assert 'ckptstage_tier_free_bytes{tier="local"}' in scraped
+        assert 'tier="shared"' not in "".join(line for line in scraped.splitlines()
+                                             if line.startswith(("ckptstage_tier_free_bytes", "ckptstage_tier_size")))
+    finally:
+        d.stop()
+    assert f"shared {url}, arena budget" in (tmp_path / "n" / "daemon.log").read_text()

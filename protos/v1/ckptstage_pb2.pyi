@@ -323,20 +323,24 @@ class PartLocation(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., dir: _Optional[str] = ...) -> None: ...
 
 class LocateResponse(_message.Message):
-    __slots__ = ("step", "world_size", "locations", "attempt", "parts", "commit")
+    __slots__ = ("step", "world_size", "locations", "attempt", "parts", "commit", "fetch_ranks", "fetch_bytes")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    FETCH_RANKS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
     step: int
     world_size: int
     locations: _containers.RepeatedCompositeFieldContainer[PartLocation]
     attempt: str
     parts: _containers.RepeatedCompositeFieldContainer[RankParts]
     commit: str
-    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[PartLocation, _Mapping]]] = ..., attempt: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[RankParts, _Mapping]]] = ..., commit: _Optional[str] = ...) -> None: ...
+    fetch_ranks: _containers.RepeatedScalarFieldContainer[int]
+    fetch_bytes: int
+    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[PartLocation, _Mapping]]] = ..., attempt: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[RankParts, _Mapping]]] = ..., commit: _Optional[str] = ..., fetch_ranks: _Optional[_Iterable[int]] = ..., fetch_bytes: _Optional[int] = ...) -> None: ...
 
 class WaitStepRequest(_message.Message):
     __slots__ = ("job", "step", "tier", "timeout_s")
@@ -455,14 +459,16 @@ class GcResponse(_message.Message):
     def __init__(self, deleted: _Optional[_Iterable[_Union[GcAction, _Mapping]]] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("job", "step", "latest")
+    __slots__ = ("job", "step", "latest", "ranks")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     latest: bool
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ...) -> None: ...
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefetchResponse(_message.Message):
     __slots__ = ("step", "parts")
@@ -477,7 +483,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStatus(_message.Message):
-    __slots__ = ("tier", "dir", "enabled", "reachable", "used_bytes", "free_bytes", "checkpoints", "state", "last_error", "last_error_time")
+    __slots__ = ("tier", "dir", "enabled", "reachable", "used_bytes", "free_bytes", "checkpoints", "state", "last_error", "last_error_time", "unbounded")
     TIER_FIELD_NUMBER: _ClassVar[int]
     DIR_FIELD_NUMBER: _ClassVar[int]
     ENABLED_FIELD_NUMBER: _ClassVar[int]
@@ -488,6 +494,7 @@ class TierStatus(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_TIME_FIELD_NUMBER: _ClassVar[int]
+    UNBOUNDED_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     dir: str
     enabled: bool
@@ -498,7 +505,8 @@ class TierStatus(_message.Message):
     state: str
     last_error: str
     last_error_time: float
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., dir: _Optional[str] = ..., enabled: _Optional[bool] = ..., reachable: _Optional[bool] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., checkpoints: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., last_error_time: _Optional[float] = ...) -> None: ...
+    unbounded: bool
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., dir: _Optional[str] = ..., enabled: _Optional[bool] = ..., reachable: _Optional[bool] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., checkpoints: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., last_error_time: _Optional[float] = ..., unbounded: _Optional[bool] = ...) -> None: ...
 
 class SessionStatus(_message.Message):
     __slots__ = ("session_id", "job", "rank", "pid", "arena_bytes", "saves_in_flight")

@@ -1,0 +1,211 @@
+"""Restoring from an object-store shared tier on a node that never saw the job (a real SeaweedFS, real daemons).
+
+Node A trains and drains to ``s3://bucket/prefix``; node B, with a local tier of its own and the same prefix,
+restores with a plain ``load()``: no prefetch first. An object cannot be opened as a file, so B's daemon fetches
+what the reader asks for onto B's local tier, verified, and the reader reads it there:
+
+- only the parts asked for (rank 0's load fetches rank 0's part), each once however many readers ask at once;
+- a step whose every part came is a local step (committed there: a later read needs nothing from the store);
+- a flipped byte on the store fails the load naming the part, and nothing of it lands on B's local tier;
+- incremental parts (content-addressed chunks) are fetched chunk by chunk the same way.
+
+The two daemons and the proxy in front of B's store are shared by the module; each test has a job of its own.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("boto3", reason="the s3 extra (boto3) is not installed")
+torch = pytest.importorskip("torch")
+
+from ckptstage.client import Client, errors  # noqa: E402
+from ckptstage.client.rpc import Connection  # noqa: E402
+from ckptstage.daemon.launcher import DaemonProcess  # noqa: E402
+from ckptstage.protos import layout  # noqa: E402
+from ckptstage.protos.v1 import ckptstage_pb2 as pb  # noqa: E402
+from conftest import DEFAULTS  # noqa: E402
+from s3server import BUCKET, S3Server, open_tier, s3_server  # noqa: E402
+from support import wait_until  # noqa: E402
+from test_s3_faults import FaultProxy  # noqa: E402
+
+_ = s3_server  # the session's server, a fixture
+PREFIX = "restore"
+
+
+class Nodes:
+    def __init__(self, server: S3Server, root: Path) -> None:
+        self.server = server
+        self.proxy = FaultProxy(server.endpoint)  # B's way to the store: what B asks of it is seen
+        self.a = self._daemon(root / "a", server.endpoint)
+        self.b = self._daemon(root / "b", self.proxy.endpoint)
+
+    def _daemon(self, root: Path, endpoint: str) -> DaemonProcess:
+        env = {**self.server.env(), "AWS_MAX_ATTEMPTS": "2"}
+        return DaemonProcess(root, {"shared.dir": "", "shared.url": f"s3://{BUCKET}/{PREFIX}",
+                                    "shared.endpoint": endpoint, "persist.incremental": False},
+                             defaults=DEFAULTS, env=env, log_level="DEBUG").start()
+
+    def close(self) -> None:
+        self.a.stop()
+        self.b.stop()
+        self.proxy.close()
+
+
+@pytest.fixture(scope="module")
+def nodes(s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
+    n = Nodes(s3_server, tmp_path_factory.mktemp("s3-restore"))
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+def _state(rank: int, step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {"w": torch.rand(3000, generator=g), "b": torch.rand(17, generator=g), "rank": rank, "step": step}
+
+
+def _train(socket: Path, job: str, world_size: int, steps: tuple[int, ...], **client: Any) -> None:
+    """Every rank's part of every step, committed on the object store (one process plays every rank)."""
+    clients = [Client(job, socket=socket, rank=r, world_size=world_size, **client) for r in range(world_size)]
+    try:
+        for step in steps:
+            handles = [c.save(step, _state(c.rank, step)) for c in clients]
+            for h in handles:
+                h.wait("shared", timeout=60)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def _entry(socket: Path, job: str, step: int) -> pb.CheckpointInfo:
+    with Connection(socket) as conn:
+        [info] = [c for c in conn.call("ListCheckpoints", pb.ListRequest(job=job)).checkpoints if c.step == step]
+    return info
+
+
+def _data_gets(proxy: FaultProxy, job: str, rank: int) -> int:
+    """GETs B made of rank ``rank``'s data object of ``job`` (ranged ones included)."""
+    key = re.escape(f"/{BUCKET}/{PREFIX}/{job}/") + r"step-\d+/" + re.escape(f"rank-{rank:05d}/{layout.DATA_FILE}")
+    return sum(1 for s in list(proxy.seen) if re.match(rf"GET {key}(\?| )", s))
+
+
+def _equal(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    return (torch.equal(got["w"], want["w"]) and torch.equal(got["b"], want["b"])
+            and (got["rank"], got["step"]) == (want["rank"], want["step"]))
+
+
+def test_a_node_that_never_saw_the_job_loads_from_the_store_fetching_only_the_parts_it_reads(nodes: Nodes) -> None:
+    _train(nodes.a.socket, "fresh", 2, (1, 2))
+    reader0 = Client("fresh", socket=nodes.b.socket, rank=0, world_size=2)
+    reader1 = Client("fresh", socket=nodes.b.socket, rank=1, world_size=2)
+    try:
+        wait_until(lambda: [i.step for i in reader0.list()] == [1, 2], 20, "B listing the store")
+        assert _entry(nodes.b.socket, "fresh", 2).ranks_local == []
+
+        assert _equal(reader0.load(), _state(0, 2))  # no prefetch: the load fetches what it reads
+        entry = _entry(nodes.b.socket, "fresh", 2)
+        assert list(entry.ranks_local) == [0] and not entry.committed_local  # rank 1's part stayed on the store
+        assert _data_gets(nodes.proxy, "fresh", 1) == 0
+
+        assert _equal(reader1.load(), _state(1, 2))
+        entry = _entry(nodes.b.socket, "fresh", 2)
+        assert list(entry.ranks_local) == [0, 1] and entry.committed_local  # whole here now: a local step
+        part = nodes.b.local / "fresh" / layout.step_dirname(2) / layout.rank_dirname(0)
+        assert (part / layout.MANIFEST_FILE).is_file()
+
+        # Read again: from the local copy, nothing more asked of the store.
+        before = _data_gets(nodes.proxy, "fresh", 0)
+        assert _equal(reader0.load(), _state(0, 2))
+        assert _data_gets(nodes.proxy, "fresh", 0) == before == 1
+
+        # An older step, asked for by number, comes the same way.
+        assert _equal(reader1.load(step=1), _state(1, 1))
+        assert list(_entry(nodes.b.socket, "fresh", 1).ranks_local) == [1]
+    finally:
+        reader0.close()
+        reader1.close()
+
+
+def test_many_readers_of_every_part_at_once_fetch_each_part_once(nodes: Nodes) -> None:
+    _train(nodes.a.socket, "crowd", 3, (5,))
+    readers = [Client("crowd", socket=nodes.b.socket, rank=r, world_size=3) for r in range(3)]
+    try:
+        wait_until(lambda: [i.step for i in readers[0].list()] == [5], 20, "B listing the store")
+        barrier = threading.Barrier(len(readers) * 2)
+        seen: list[Any] = []
+
+        def read(client: Client) -> None:
+            barrier.wait()
+            try:
+                with client.open_step() as opened:  # every rank's part, as the DCP reader and consolidation do
+                    seen.append(sorted(opened.located.parts))
+            except Exception as e:  # noqa: BLE001 - reported below
+                seen.append(e)
+
+        threads = [threading.Thread(target=read, args=(c,)) for c in readers for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert seen == [[0, 1, 2]] * 6
+        assert [_data_gets(nodes.proxy, "crowd", r) for r in range(3)] == [1, 1, 1]
+        assert _entry(nodes.b.socket, "crowd", 5).committed_local
+    finally:
+        for c in readers:
+            c.close()
+
+
+def test_a_flipped_byte_on_the_store_fails_the_load_naming_the_part_and_lands_nothing(
+        nodes: Nodes, s3_server: S3Server) -> None:
+    _train(nodes.a.socket, "rot", 1, (3,))
+    tier = open_tier(s3_server, "vandal", prefix=PREFIX)
+    key = f"{PREFIX}/rot/{layout.step_dirname(3)}/{layout.rank_dirname(0)}/{layout.DATA_FILE}"
+    conn = tier.connection
+    data = bytearray(conn.client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0x01
+    conn.client.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+
+    with Client("rot", socket=nodes.b.socket) as reader:
+        wait_until(lambda: [i.step for i in reader.list()] == [3], 20, "B listing the store")
+        with pytest.raises(errors.CkptStageError, match=r"rot step 3 rank 0.*(checksum|digest|xxh3)") as caught:
+            reader.load()
+        assert "data.safetensors" in str(caught.value)
+    assert not (nodes.b.local / "rot").exists() or not any((nodes.b.local / "rot").rglob(layout.MANIFEST_FILE))
+    assert _entry(nodes.b.socket, "rot", 3).ranks_local == []
+
+
+def test_prefetch_of_ranks_outside_the_step_is_refused_naming_the_rank(nodes: Nodes) -> None:
+    _train(nodes.a.socket, "few", 2, (1,))
+    with Connection(nodes.b.socket) as conn:
+        wait_until(lambda: conn.call("ListCheckpoints", pb.ListRequest(job="few")).checkpoints, 20, "B listing")
+        with pytest.raises(errors.InvalidRequest, match=r"rank 7 is not a rank of few step 1 \(world size 2\)"):
+            conn.call("Prefetch", pb.PrefetchRequest(job="few", step=1, ranks=[7]))
+        got = conn.call("Prefetch", pb.PrefetchRequest(job="few", step=1, ranks=[1]), timeout=60)
+        assert (got.step, got.parts) == (1, 1)
+    assert list(_entry(nodes.b.socket, "few", 1).ranks_local) == [1]
+
+
+def test_incremental_parts_are_restored_chunk_by_chunk(s3_server: S3Server, tmp_path: Path) -> None:
+    env = {**s3_server.env(), "AWS_MAX_ATTEMPTS": "2"}
+    settings = {"shared.dir": "", "shared.url": f"s3://{BUCKET}/{PREFIX}-inc", "shared.endpoint": s3_server.endpoint,
+                "persist.incremental": True}
+    a = DaemonProcess(tmp_path / "a", settings, defaults=DEFAULTS, env=env).start()
+    b = DaemonProcess(tmp_path / "b", settings, defaults=DEFAULTS, env=env).start()
+    try:
+        _train(a.socket, "inc", 1, (1, 2))
+        with Client("inc", socket=b.socket) as reader:
+            wait_until(lambda: [i.step for i in reader.list()] == [1, 2], 20, "B listing the store")
+            assert _equal(reader.load(), _state(0, 2))
+            assert _equal(reader.load(step=1), _state(0, 1))
+        assert any((b.local / "inc").rglob("chunks/*/*"))
+    finally:
+        a.stop()
+        b.stop()
