@@ -23,6 +23,7 @@ from types import TracebackType
 from typing import Any
 
 from ckptstage.daemon.s3client import Connection, errors
+from ckptstage.daemon.s3objects import abort
 
 # S3's limits on a multipart upload: every part but the last at least 5 MiB, at most 10,000 parts.
 MIN_PIECE_BYTES = 5 << 20
@@ -175,15 +176,6 @@ class UploadSink:
             f.exception()  # wait: an abort while a piece is still going up may leave that piece behind
         if not self._done and self._upload_id is not None:
             abort(self._conn, self.key, self._upload_id)
-
-
-def abort(conn: Connection, key: str, upload_id: str) -> None:
-    """Aborts a multipart upload (its pieces are deleted); one already gone is no error."""
-    try:
-        with errors("aborting the upload of", conn, key):
-            conn.client.abort_multipart_upload(Bucket=conn.bucket, Key=key, UploadId=upload_id)
-    except FileNotFoundError:
-        pass
 
 
 class ObjectReader:
