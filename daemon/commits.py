@@ -67,14 +67,13 @@ def complete_attempt(parts: list[Part]) -> tuple[str, int, dict[int, Part]] | No
 class Commits:
     """Writes commit records, and judges whether a (job, step, rank) may be saved again."""
 
-    def __init__(self, catalog: Catalog, local: Tier, shared: Tier | None, owner: str,
+    def __init__(self, catalog: Catalog, local: Tier, shared: Tier | None,
                  clock: Callable[[], float] = time.time) -> None:
         """``local`` and ``shared`` are the tiers' storage (no shared tier: None)."""
         self.catalog = catalog
         self.tiers = {TierName.LOCAL: local}
         if shared is not None:
             self.tiers[TierName.SHARED] = shared
-        self.owner = owner
         self.clock = clock
         self._swapper = Swapper(catalog, self.tiers)
         # Notified whenever a commit record is indexed here: what wait_step sleeps on.

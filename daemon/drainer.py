@@ -44,7 +44,7 @@ import logging
 import mmap
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -349,21 +349,30 @@ class Drainer:
                 del self._health[part.job]  # what kept failing is gone: nothing of the job waits for the tier
             return True
 
-    def health(self, job: str) -> DrainHealth:
-        """How ``job``'s drains are going (see :class:`ckptstage.daemon.jobs.DrainHealth`)."""
+    def health_of(self, names: Iterable[str]) -> dict[str, DrainHealth]:
+        """How the drains of each job in ``names`` are going (see :class:`ckptstage.daemon.jobs.DrainHealth`):
+        under one hold of the lock and one pass over the queue, since ``ckptstage jobs``, ``Status`` and
+        each metrics scrape ask for every job at once."""
         with self._cond:
-            queued = self._queued(job)
-            failures = self._health.get(job) or _Failures()
-            if failures.gave_up:
-                state = jobs.FAILED
-            elif failures.count and queued:
-                state = jobs.RETRYING
-            elif queued or any(k[0] == job for k in self._staged):
-                state = jobs.DRAINING
-            else:
-                state = jobs.IDLE
-            return DrainHealth(state, len(queued), sum(p.nbytes for p in queued), failures.error, failures.when,
-                               failures.count)
+            queued: dict[str, list[Part]] = {}
+            for (job, _, _), part in self._parts.items():
+                queued.setdefault(job, []).append(part)
+            staged = {k[0] for k in self._staged}
+            out = {}
+            for job in names:
+                waiting = queued.get(job, [])
+                failures = self._health.get(job) or _Failures()
+                if failures.gave_up:
+                    state = jobs.FAILED
+                elif failures.count and waiting:
+                    state = jobs.RETRYING
+                elif waiting or job in staged:
+                    state = jobs.DRAINING
+                else:
+                    state = jobs.IDLE
+                out[job] = DrainHealth(state, len(waiting), sum(p.nbytes for p in waiting), failures.error,
+                                       failures.when, failures.count)
+            return out
 
     def tier_health(self) -> TierHealth:
         """Degraded while a job's drains fail (since its last success) or the tier cannot be indexed."""

@@ -145,7 +145,7 @@ class Node:
         # What the persister and the drainer report (see _subscribe): their events, handled in order.
         self.events = Bus()
         self.persister = Persister(config.persist.workers, self.events, config.persist.nice)
-        self.commits = Commits(self.catalog, local, shared, self.owner, clock)
+        self.commits = Commits(self.catalog, local, shared, clock)
         self.drainer: Drainer | None = None
         self.shared_sync: SharedSync | None = None
         if shared is not None:
@@ -556,13 +556,12 @@ class Node:
         """Every job this node knows of (catalogued, with a session, or kept in memory), sorted by name."""
         sessions = [s.info.job for s in self.sessions.all() if not s.closed.is_set()]
         memory = self.memory.copies()
-        names = set(self.catalog.jobs()) | set(sessions) | {c.resident.job for c in memory}
+        names = sorted(set(self.catalog.jobs()) | set(sessions) | {c.resident.job for c in memory})
+        health = self.drainer.health_of(names) if self.drainer is not None else {}
         return [jobs_mod.summarize(job, self.catalog.checkpoints(job), [c for c in memory if c.resident.job == job],
-                                   self.memory.memory_steps(job), sessions.count(job), self.drain_health(job))
-                for job in sorted(names)]
-
-    def drain_health(self, job: str) -> jobs_mod.DrainHealth:
-        return self.drainer.health(job) if self.drainer is not None else jobs_mod.NO_DRAIN
+                                   self.memory.memory_steps(job), sessions.count(job),
+                                   health.get(job, jobs_mod.NO_DRAIN))
+                for job in names]
 
     def delete_step(self, job: str, step: int, settle_wait_s: float = 30.0) -> Deleted:
         """Deletes a step from the local tier and the shared tier; refuses a pinned one.

@@ -25,12 +25,11 @@ from ckptstage.daemon.catalog import Catalog, Part
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.tier import Tier, TierName
-from ckptstage.protos import chunks, layout
+from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
 
 CORRUPT_PREFIX = layout.CORRUPT_PREFIX
-CORRUPT_CHUNKS_DIR = chunks.CORRUPT_DIR  # in a job's chunk store: chunks that failed verification
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ def test_sync_job_sees_other_nodes_parts_appear_and_vanish(tmp_path: Path) -> No
     # Both ranks are indexed, but a step exists only once its commit record is there.
     assert ckpt is not None and ckpt.ranks_on(TierName.SHARED) == [0, 1] and not ckpt.complete
     assert cat.get("j", 2) is None
-    Commits(cat, FsTier(tmp_path / "local", "test-node"), FsTier(shared, "test-node"), "test-node").seal_shared("j", 1)
+    Commits(cat, FsTier(tmp_path / "local", "test-node"), FsTier(shared, "test-node")).seal_shared("j", 1)
     ckpt = cat.get("j", 1)
     assert ckpt is not None and ckpt.complete_on(TierName.SHARED)
     assert layout.read_commit_record(shared / "j" / layout.step_dirname(1)) == ckpt.records[TierName.SHARED]

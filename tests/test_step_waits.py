@@ -65,7 +65,7 @@ class _Waiter(threading.Thread):
 def _setup(tmp_path: Path) -> tuple[FsTier, Catalog, Commits]:
     tier = FsTier(tmp_path / "local", OWNER)
     catalog = Catalog(tmp_path / "state" / "pins.json")
-    return tier, catalog, Commits(catalog, tier, None, OWNER)
+    return tier, catalog, Commits(catalog, tier, None)
 
 
 def test_a_local_commit_wakes_a_local_step_wait_at_once_and_nothing_polls(tmp_path: Path) -> None:

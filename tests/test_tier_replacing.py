@@ -141,7 +141,7 @@ def test_the_swapper_replaces_a_step_through_the_interface_and_the_catalogue_fol
         _publish(fs, 6, r, b"old" * 100)
     catalog = Catalog(tmp_path / "state" / "pins.json")
     catalog.load_tier(TierName.LOCAL, fs)
-    commits = Commits(catalog, fs, None, OWNER)
+    commits = Commits(catalog, fs, None)
     assert commits.seal_local(JOB, 6) is not None
     for r in (0, 1):
         _publish(fs, 6, r, b"new" * 100, attempt="run-2", staged=True)
