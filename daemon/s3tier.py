@@ -16,7 +16,8 @@ pseudo-path: :data:`PSEUDO_ROOT` / bucket / prefix / the key below the prefix
 on one: nothing exists under ``/s3:``, and the tier's operations are the only
 way to its objects. Clients cannot open objects as files either:
 :meth:`S3Tier.readable_path` is None, and a restore goes through the daemon,
-which fetches the part to the local tier first.
+which fetches the part to the local tier first. People are shown URLs
+(:attr:`S3Tier.location`, :meth:`S3Tier.url_of`), never pseudo-paths.
 
 **Publishing** is the part writer's (:mod:`ckptstage.daemon.s3writer`): a
 part's objects go to their keys under the part's claim
@@ -39,11 +40,11 @@ notes).
 an object written again with other bytes has another one. Written again with
 the same bytes it keeps it, and then nothing a reader indexed differs.
 
-**Room.** An object store has no free space to speak of: :meth:`S3Tier.usage`
-gives :data:`UNBOUNDED_BYTES` as both the total and the free room, after one
-request that shows the store answers. What the tier holds is the catalogue's
-count (``ckptstage_tier_used_bytes``); listing the prefix to count it again
-would take longer than the tier probe allows on a large bucket, and the probe
+**Room.** An object store sets no limit of its own: :meth:`S3Tier.usage`
+says so (``unbounded``, both counts 0), after one request that shows the
+store answers. What the tier holds is the catalogue's count
+(``ckptstage_tier_used_bytes``); listing the prefix to count it again would
+take longer than the tier probe allows on a large bucket, and the probe
 would report a healthy store as hung.
 
 **Replacing a step** (a save with ``overwrite``): the replacement is staged
@@ -84,7 +85,6 @@ PIECE_BYTES = 64 << 20       # a multipart upload's piece (S3 allows 5 MiB to 5 
 IN_FLIGHT = 8                # pieces of one object uploading at once ([shared] multipart_concurrency)
 THREADS = 16                 # uploads (and, apart, ranged reads) in flight, across the tier
 MAX_THREADS = MAX_CONNECTIONS // 2  # both pools together hold at most the client's connections
-UNBOUNDED_BYTES = 1 << 60    # "total bytes" of a store with no limit of its own (1 EiB)
 VERIFY_PIECE_BYTES = 64 << 20  # read at once (as several ranged GETs) by verify_part
 _MANY = 256                  # more chunk names than this: list the store instead of asking for each
 _REMOVING = "removing"       # .tmp/<owner>/removing/<id>.json: a removal under way (its prefix)
@@ -162,6 +162,10 @@ class S3Tier:
             raise OSError(errno.EXDEV, f"{location} is not a location of the tier {self.url}") from None
         text = "" if str(rel) == "." else rel.as_posix()
         return f"{self._prefix}/{text}".strip("/") if self._prefix else text
+
+    def url_of(self, location: Path | PurePosixPath) -> str:
+        """How messages name a location of this tier: ``s3://bucket/key``."""
+        return f"s3://{self.connection.bucket}/{self.key(location)}"
 
     def _location(self, key: str) -> Path:
         return self._root / key[len(self._prefix):].lstrip("/") if self._prefix else self._root / key
@@ -244,7 +248,7 @@ class S3Tier:
         try:
             raw = self.objects.get(self.key(path))
         except OSError as e:
-            raise layout.ManifestError(f"{path}: unreadable manifest: {e}") from e
+            raise layout.ManifestError(f"{self.url_of(path)}: unreadable manifest: {e}") from e
         return layout.parse_manifest_file(raw, path), layout.chunk_digest(raw)
 
     def has_commit_record(self, step: Path) -> bool:
@@ -257,7 +261,7 @@ class S3Tier:
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise layout.ManifestError(f"{path}: unreadable commit record: {e}") from e
+            raise layout.ManifestError(f"{self.url_of(path)}: unreadable commit record: {e}") from e
         return layout.parse_commit_record(raw, path)
 
     def record_version(self, step: Path) -> int:
@@ -288,7 +292,7 @@ class S3Tier:
                 except FileNotFoundError as e:
                     raise layout.ChecksumMismatch(ext.path, f"missing: {e}") from e
                 except OSError as e:
-                    raise layout.ManifestError(f"{ext.path}: unreadable: {e}") from e
+                    raise layout.ManifestError(f"{self.url_of(ext.path)}: unreadable: {e}") from e
                 if reader.size != ext.hi - ext.base:
                     raise layout.ChecksumMismatch(ext.path, f"size {reader.size} != {ext.hi - ext.base} in the "
                                                             "manifest")
@@ -298,7 +302,7 @@ class S3Tier:
                     try:
                         n = reader.readinto(piece[:min(len(piece), left)]) or 0
                     except OSError as e:
-                        raise layout.ManifestError(f"{ext.path}: unreadable: {e}") from e
+                        raise layout.ManifestError(f"{self.url_of(ext.path)}: unreadable: {e}") from e
                     if not n:
                         raise layout.ChecksumMismatch(ext.path, "shorter than the manifest says")
                     verifier.feed(piece[:n])
@@ -314,7 +318,7 @@ class S3Tier:
         manifest = self.key(part / layout.MANIFEST_FILE)
         head = self.objects.head(manifest)
         if head is None:
-            raise FileNotFoundError(errno.ENOENT, f"no part at {part}")
+            raise FileNotFoundError(errno.ENOENT, f"no part at {self.url_of(part)}")
         self.remove_published(part, str(head["ETag"]))
 
     def remove_published(self, part: Path, etag: str) -> None:
@@ -339,7 +343,7 @@ class S3Tier:
         key = self.key(step / layout.COMMIT_FILE)
         head = self.objects.head(key)
         if head is None:
-            raise FileNotFoundError(errno.ENOENT, f"no commit record in {step}")
+            raise FileNotFoundError(errno.ENOENT, f"no commit record in {self.url_of(step)}")
         if self._owner:
             for obj in list(self.objects.listing(self.dir_key(self._tmp()) + f"{_REMOVING}/")):
                 self._finish_removal(obj["Key"], under=self.dir_key(step))
@@ -537,7 +541,8 @@ class S3Tier:
     def discard_temporary(self, location: Path) -> bool:
         prefix = self.dir_key(location)
         if not prefix.startswith(self.dir_key(self._tmp())):
-            raise OSError(errno.EXDEV, f"{location} is not among the temporaries of {self._owner} on {self.url}")
+            raise OSError(errno.EXDEV, f"{self.url_of(location)} is not among the temporaries of {self._owner} on "
+                                       f"{self.url}")
         uploads = self.objects.abort_uploads(prefix)
         return self.objects.remove_tree(prefix) > 0 or bool(uploads)
 
@@ -545,7 +550,7 @@ class S3Tier:
         """No free space to speak of (see the module docstring): one request, so that the tier probe
         learns whether the store answers; raises OSError when it does not."""
         self.objects.any_under(self.dir_key(self._root))
-        return Usage(free_bytes=UNBOUNDED_BYTES, total_bytes=UNBOUNDED_BYTES)
+        return Usage(free_bytes=0, total_bytes=0, unbounded=True)
 
     def quarantine_part(self, part: Path) -> Path:
         """Copies the part's objects beside it as ``.corrupt-rank-R-<random>/``, then removes the part."""
@@ -553,7 +558,7 @@ class S3Tier:
         manifest = self.key(part / layout.MANIFEST_FILE)
         head = self.objects.head(manifest)
         if head is None:
-            raise FileNotFoundError(errno.ENOENT, f"no part at {part}")
+            raise FileNotFoundError(errno.ENOENT, f"no part at {self.url_of(part)}")
         source, dest = self.dir_key(part), self.dir_key(target)
         for obj in [o for o in self.objects.listing(source) if not o.get("Key", "").endswith("/" + CLAIM_FILE)]:
             self.objects.copy(obj["Key"], dest + obj["Key"][len(source):], int(obj.get("Size", 0)))

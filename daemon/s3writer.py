@@ -111,10 +111,10 @@ class S3PartWriter:
         manifest_key = tier.key(self.final / layout.MANIFEST_FILE)
         head = tier.objects.head(manifest_key)
         if head is not None and not self._staged:
-            raise FileExistsError(errno.EEXIST, f"{self.final} was published meanwhile by a writer that did not "
-                                                "hold its claim")
+            raise FileExistsError(errno.EEXIST, f"{tier.url_of(self.final)} was published meanwhile by a writer that "
+                                                "did not hold its claim")
         if head is not None and not (self.replace is not None and self.replace(self.final)):
-            raise FileExistsError(errno.EEXIST, f"{self.final} is already committed")
+            raise FileExistsError(errno.EEXIST, f"{tier.url_of(self.final)} is already committed")
         if head is not None:
             tier.remove_published(self.final, str(head["ETag"]))
         ours = set() if self._staged else {sink.key for sink in self._files.values()}
@@ -147,7 +147,8 @@ class S3PartWriter:
         except OSError as e:
             # The store fails: the claim and the note stay, and whoever writes the part next (this daemon
             # at once, another once the claim is stale) or this daemon's next start cleans up.
-            log.warning("cannot remove what was written at %s: %s", self.final, e, extra=fields(error=e))
+            log.warning("cannot remove what was written at %s: %s", tier.url_of(self.final), e,
+                        extra=fields(tier="shared", error=e))
             if claim is not None:
                 tier.claims.drop(claim, f"left behind: {e}", tier.dir_key(self.staging))
             return
@@ -165,7 +166,8 @@ class S3PartWriter:
             else:  # the note is all there is (a chunk batch staged here removes its own)
                 tier.objects.delete(tier.key(self.staging / WRITER_NOTE))
         except OSError as e:  # the daemon's next start removes them
-            log.warning("cannot remove the temporaries %s: %s", self.staging, e, extra=fields(error=e))
+            log.warning("cannot remove the temporaries %s: %s", tier.url_of(self.staging), e,
+                        extra=fields(tier="shared", error=e))
 
 
 class S3ChunkBatch:
@@ -203,7 +205,8 @@ class S3ChunkBatch:
         try:
             tier.objects.remove_tree(tier.dir_key(self._staging))
         except OSError as e:  # published all the same; the daemon's next start removes them
-            log.warning("cannot remove the temporaries %s: %s", self._staging, e, extra=fields(error=e))
+            log.warning("cannot remove the temporaries %s: %s", tier.url_of(self._staging), e,
+                        extra=fields(tier="shared", error=e))
 
     def discard(self) -> None:
         if not self._published:

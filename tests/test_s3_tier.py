@@ -27,7 +27,7 @@ from ckptstage.daemon.catalog import Catalog  # noqa: E402
 from ckptstage.daemon.config import ConfigError, load_config  # noqa: E402
 from ckptstage.daemon.s3client import Location, open_connection  # noqa: E402
 from ckptstage.daemon.s3tier import S3Tier  # noqa: E402
-from ckptstage.daemon.tier import Tier, TierName  # noqa: E402
+from ckptstage.daemon.tier import Tier, TierName, Usage  # noqa: E402
 from ckptstage.daemon.tiers import open_tiers  # noqa: E402
 from ckptstage.protos import layout  # noqa: E402
 from s3server import (ACCESS_KEY, BUCKET, REGION, SECRET_KEY, S3Server, object_bytes, open_tier,  # noqa: E402
@@ -285,6 +285,15 @@ def test_a_removal_cut_short_is_finished_at_the_next_start(tier: S3Tier) -> None
     assert _keys(tier) == []
 
 
+def test_the_tier_is_named_by_its_url_and_sets_no_limit_of_its_own(tier: S3Tier) -> None:
+    url = f"s3://{BUCKET}/{tier.key(tier.root)}"
+    assert tier.location == url and str(tier.root).startswith("/s3:")
+    assert tier.usage() == Usage(free_bytes=0, total_bytes=0, unbounded=True)
+    with pytest.raises(FileNotFoundError) as gone:
+        tier.remove_part(tier.part_location(JOB, 3, 0))
+    assert f"{url}/{JOB}/step-000000000003/rank-00000" in str(gone.value) and "/s3:" not in str(gone.value)
+
+
 # --- errors that name the bucket and the endpoint ------------------------------------------------------
 
 
@@ -380,7 +389,6 @@ def test_a_daemon_drains_to_the_object_store_and_another_node_restores_from_it(
         s3_server: S3Server, tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     from ckptstage.client import Client
-    from ckptstage.client.errors import CkptStageError
 
     state = {"w": torch.arange(300_000, dtype=torch.float32), "step": 3}
     a, b = _daemon(s3_server, tmp_path / "a", "e2e"), _daemon(s3_server, tmp_path / "b", "e2e")
@@ -397,13 +405,14 @@ def test_a_daemon_drains_to_the_object_store_and_another_node_restores_from_it(
                 time.sleep(0.1)
             [info] = client.list()
             assert (info.step, tuple(info.tiers)) == (3, ("shared",))
-            with pytest.raises(CkptStageError):
-                client.load()  # a client cannot read objects: restore goes through the daemon's prefetch
-            out = subprocess.run([sys.executable, "-m", "ckptstage.client.cli", "--socket", str(b.socket),
-                                  "prefetch", "e2e"], capture_output=True, text=True, timeout=60)
-            assert out.returncode == 0, out.stderr
+            # A client cannot read objects: its load has the daemon fetch the part to the local tier first.
             got = client.load()
             assert got["step"] == 3 and torch.equal(got["w"], state["w"])
+            [info] = client.list()
+            assert sorted(info.tiers) == ["local", "shared"]
+            out = subprocess.run([sys.executable, "-m", "ckptstage.client.cli", "--socket", str(b.socket),
+                                  "prefetch", "e2e"], capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr  # nothing left to fetch
     finally:
         a.stop()
         b.stop()
