@@ -23,7 +23,6 @@ from pathlib import Path
 from ckptstage.daemon import fsutil
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.tier import Manifest, PartIndex, Tier, TierName
-from ckptstage.daemon.tiers import as_tier
 from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
@@ -45,11 +44,6 @@ class Part:
     attempt: str = ""  # the run that saved it (see docs/FORMAT.md, attempts)
     digest: str = ""   # xxh3-64 of its manifest.json file: what a commit record names
     ino: int = 0       # of its directory: a part replaced under the same name has another
-
-    @classmethod
-    def from_disk(cls, ref: layout.PartRef, tier: TierName) -> Part:
-        """The part at ``ref``, its manifest read from the file system."""
-        return cls.from_manifest(ref, tier, *layout.read_manifest_and_digest(ref.path))
 
     @classmethod
     def read(cls, ref: layout.PartRef, tier: TierName, storage: PartIndex) -> Part:
@@ -211,14 +205,11 @@ class Catalog:
             (str(e[0]), int(e[1]), int(e[2])): str(e[3]) if len(e) > 3 else ""
             for e in fsutil.read_json(self._drained_file, [])}
 
-    def load_tier(self, tier: TierName, source: Tier | Path) -> int:
-        """Indexes every committed part and commit record on a tier; returns how many parts.
+    def load_tier(self, tier: TierName, source: Tier) -> int:
+        """Indexes every committed part and commit record on a tier; returns how many parts."""
+        return sum(self._sync(tier, source, job, None)[2] for job in source.list_jobs())
 
-        ``source`` is the tier's storage (a path: the file-system tier there)."""
-        storage = as_tier(source)
-        return sum(self._sync(tier, storage, job, None)[2] for job in storage.list_jobs())
-
-    def sync_job(self, tier: TierName, source: Tier | Path, job: str, step: int | None = None) -> tuple[int, int]:
+    def sync_job(self, tier: TierName, source: Tier, job: str, step: int | None = None) -> tuple[int, int]:
         """Re-reads one job's directory on a tier (or one step's); returns (parts added, parts dropped).
 
         Other nodes' daemons write other ranks of the same job to the shared
@@ -227,7 +218,7 @@ class Catalog:
         not re-read unless their inode changed (a part of another attempt
         replaced under the same name).
         """
-        added, dropped, _ = self._sync(tier, as_tier(source), job, step)
+        added, dropped, _ = self._sync(tier, source, job, step)
         return added, dropped
 
     def _sync(self, tier: TierName, storage: PartIndex, job: str, step: int | None) -> tuple[int, int, int]:

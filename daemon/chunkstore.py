@@ -37,7 +37,6 @@ from pathlib import Path
 
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.tier import ChunkBatch, PartWriter, Tier
-from ckptstage.daemon.tiers import as_tier
 from ckptstage.protos import chunks, layout
 
 log = logging.getLogger(__name__)
@@ -61,7 +60,7 @@ class Swept:
 _Seen = dict[Path, tuple[tuple[int, ...], frozenset[str]]]
 
 
-def referenced(where: Tier | Path, job: str, seen: _Seen | None = None) -> set[str]:
+def referenced(storage: Tier, job: str, seen: _Seen | None = None) -> set[str]:
     """The chunks every part of ``job`` on the tier refers to: committed or not, staged replacements too.
 
     A manifest that fails its own checks names nothing (that part is unreadable
@@ -71,7 +70,6 @@ def referenced(where: Tier | Path, job: str, seen: _Seen | None = None) -> set[s
     version (:meth:`Tier.manifest_version`), so that a mark reads only the
     manifests that are new since the last one.
     """
-    storage = as_tier(where)
     names: set[str] = set()
     known = dict(seen or {})
     if seen is not None:
@@ -125,10 +123,8 @@ def stored_bytes(parts: Iterable[tuple[int, int, Sequence[tuple[str, int]] | Non
 class ChunkStore:
     """The chunk stores (one per job) of one tier, as this daemon uses them: leases, and the sweep."""
 
-    def __init__(self, where: Tier | Path, owner: str, grace_s: float) -> None:
-        """``where`` is the tier's storage (a path: the file-system tier there)."""
-        self.tier = as_tier(where, owner)
-        self.owner = owner
+    def __init__(self, tier: Tier, grace_s: float) -> None:
+        self.tier = tier
         self.grace_s = grace_s
         self._lock = threading.Lock()
         self._leases: Counter[tuple[str, str]] = Counter()

@@ -14,7 +14,6 @@ from ckptstage.daemon.errors import InvalidRequest
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.retention import KeepBest
 from ckptstage.daemon.tier import Tier
-from ckptstage.daemon.tiers import as_tier
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +94,10 @@ class JobRetention:
 class JobRules:
     """The overrides of every job this daemon knows: its own sessions' and other nodes' published ones."""
 
-    def __init__(self, state_file: Path, shared: Tier | Path | None) -> None:
-        """``shared``: the shared tier's storage (a path: the file-system tier there), None without one."""
+    def __init__(self, state_file: Path, shared: Tier | None) -> None:
+        """``shared``: the shared tier's storage, None without one."""
         self._file = state_file
-        self._shared = as_tier(shared) if shared is not None else None
+        self._shared = shared
         self._rules: dict[str, JobRetention] = {}
         self._lock = threading.Lock()
         self._unpublished: set[str] = set()  # jobs whose rules the shared tier does not have yet

@@ -141,7 +141,7 @@ class Node:
         self._shared_wake = threading.Event()  # job rules changed: publish them now
         self.tier_probes = {name: TierProbe(name.value, tier) for name, tier in self.tiers.items()}
         grace = config.persist.chunk_grace_s
-        self.chunk_stores = {name: ChunkStore(tier, self.owner, grace) for name, tier in self.tiers.items()}
+        self.chunk_stores = {name: ChunkStore(tier, grace) for name, tier in self.tiers.items()}
         # What the persister and the drainer report (see _subscribe): their events, handled in order.
         self.events = Bus()
         self.persister = Persister(config.persist.workers, self.events, config.persist.nice)

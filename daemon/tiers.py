@@ -13,8 +13,6 @@ loads it.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from ckptstage.daemon.config import Config, ConfigError, SharedConfig
 from ckptstage.daemon.fstier import FsTier
 from ckptstage.daemon.tier import Tier, TierName
@@ -43,8 +41,3 @@ def open_object_store(config: SharedConfig, owner: str) -> Tier:
                                         f"(pip install 'ckptstage[s3]'): {e}") from None
     return s3tier.S3Tier.from_config(config, owner)
 
-
-def as_tier(where: Tier | Path, owner: str = "") -> Tier:
-    """``where`` as a tier: a path is the file-system tier at that directory (what callers written before
-    :class:`Tier` existed pass). ``owner`` names this daemon's temporaries there; indexing needs none."""
-    return FsTier(where, owner) if isinstance(where, Path) else where

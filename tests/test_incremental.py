@@ -20,6 +20,7 @@ import pytest
 import torch
 from ckptstage.client import Client
 from ckptstage.daemon.chunkstore import CONDEMNED_DIR, ChunkStore
+from ckptstage.daemon.fstier import FsTier
 from ckptstage.protos import chunks, layout
 
 from support import wait_until
@@ -118,7 +119,7 @@ def test_a_sweep_puts_back_a_condemned_chunk_a_part_published_meanwhile_refers_t
     # Another node's drain touches a chunk just before this sweep condemns it, and publishes its part
     # before the sweep marks again: the chunk must come back, not go.
     tier = tmp_path / "tier"
-    s = ChunkStore(tier, "node-a", grace_s=0)
+    s = ChunkStore(FsTier(tier, "node-a"), grace_s=0)
     name = chunks.digest(b"x" * 4096)
     path = s.path(JOB, name)
     path.parent.mkdir(parents=True)
@@ -133,7 +134,7 @@ def test_a_sweep_puts_back_a_condemned_chunk_a_part_published_meanwhile_refers_t
 
 def test_a_chunk_leased_by_a_save_in_flight_is_never_swept(tmp_path):
     tier = tmp_path / "tier"
-    s = ChunkStore(tier, "node-a", grace_s=0)
+    s = ChunkStore(FsTier(tier, "node-a"), grace_s=0)
     name = chunks.digest(b"y")
     path = s.path(JOB, name)
     path.parent.mkdir(parents=True)
@@ -309,8 +310,9 @@ def test_a_mark_rereads_a_manifest_replaced_since_the_last_one(tmp_path):
     part.mkdir(parents=True)
     x, y = chunks.digest(b"x"), chunks.digest(b"y")
     seen: dict[Any, Any] = {}
+    fs = FsTier(tmp_path, "node-a")
     _manifest_naming(part, [x])
-    assert referenced(tmp_path, JOB, seen) == {x}
+    assert referenced(fs, JOB, seen) == {x}
     _manifest_naming(part, [y])  # the step saved again with overwrite: same path, another manifest
-    assert referenced(tmp_path, JOB, seen) == {y}
-    assert referenced(tmp_path, JOB, seen) == {y} and list(seen) == [part / layout.MANIFEST_FILE]
+    assert referenced(fs, JOB, seen) == {y}
+    assert referenced(fs, JOB, seen) == {y} and list(seen) == [part / layout.MANIFEST_FILE]

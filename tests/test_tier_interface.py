@@ -24,7 +24,6 @@ from ckptstage.daemon.chunkstore import ChunkStore, referenced
 from ckptstage.daemon.commits import Commits
 from ckptstage.daemon.fstier import FsTier
 from ckptstage.daemon.tier import Tier, TierName
-from ckptstage.daemon.tiers import as_tier
 from ckptstage.protos import chunks, layout
 from s3server import object_bytes, open_tier, s3_server  # noqa: F401 - s3_server: the fixture
 from support import RecordingTier
@@ -283,7 +282,7 @@ def test_a_sweep_through_the_interface_keeps_exactly_the_chunks_a_manifest_names
     writer = tier.begin_part(JOB, 1, 0)
     writer.commit(_manifest(1, 0, live, chunk_list=[[chunks.digest(live), len(live)]]))
     assert referenced(tier, JOB) == {chunks.digest(live)}
-    swept = ChunkStore(tier, OWNER, grace_s=-3600).sweep(JOB)  # everything is past its grace
+    swept = ChunkStore(tier, grace_s=-3600).sweep(JOB)  # everything is past its grace
     assert (swept.removed, swept.freed) == (1, 4096)
     assert tier.list_chunks(JOB) == [chunks.digest(live)]
     tier.verify_part(writer.final)  # an incremental part verifies through its chunks
@@ -366,4 +365,3 @@ def test_the_catalogue_and_commits_use_whatever_tier_they_are_given(tmp_path: Pa
     assert fs.read_commit_record(fs.step_location(JOB, 11)) == record
     ckpt = catalog.get(JOB, 11)
     assert ckpt is not None and ckpt.complete_on(TierName.LOCAL)
-    assert as_tier(tier) is tier and isinstance(as_tier(tmp_path), FsTier)
