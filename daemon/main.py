@@ -20,6 +20,7 @@ from ckptstage.daemon.config import Config, ConfigError, format_size, load_confi
 from ckptstage.daemon.handoff import HandoffServer
 from ckptstage.daemon.node import STATE_DIR, VERSION, Node
 from ckptstage.daemon.notify import Notifier
+from ckptstage.daemon.status import OK
 from ckptstage.daemon.tier import TierName
 from ckptstage.daemon.server import RpcServer
 from ckptstage.protos.handoff import socket_path as handoff_socket
@@ -132,7 +133,8 @@ class Daemon:
             return line + ", no shared tier"
         parts, nbytes = drainer.pending()
         line += f", drain queue {parts} part{'' if parts == 1 else 's'} ({format_size(nbytes)})"
-        return line + (", shared tier unreachable" if drainer.reachable is False else "")
+        state = self.node.tier_status(TierName.SHARED).state  # as `ckptstage status` says it
+        return line + ("" if state == OK else f", shared tier {state}")
 
     def stop(self) -> None:
         """SIGTERM path: refuse new work, let in-flight saves commit (bounded), exit."""

@@ -55,7 +55,7 @@ from ckptstage.daemon.persister import Persister, Save
 from ckptstage.daemon.quarantine import Quarantine
 from ckptstage.daemon.sessions import Session, SessionInfo, SessionTable
 from ckptstage.daemon.sharedsync import SharedSync
-from ckptstage.daemon.status import NodeStatus, StatusReader
+from ckptstage.daemon.status import NodeStatus, StatusReader, TierReport
 from ckptstage.daemon.tier import PartWriter
 from ckptstage.daemon.tierprobe import TierProbe
 from ckptstage.daemon.tiers import open_tiers
@@ -551,6 +551,10 @@ class Node:
     def status(self) -> NodeStatus:
         """The node's state, from memory only (see :mod:`ckptstage.daemon.status`)."""
         return self._status.read()
+
+    def tier_status(self, tier: TierName) -> TierReport:
+        """One tier's part of :meth:`status`."""
+        return self._status.tier(tier)
 
     def job_summaries(self) -> list[JobSummary]:
         """Every job this node knows of (catalogued, with a session, or kept in memory), sorted by name."""

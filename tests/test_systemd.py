@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import free_port, scrape
+from support import free_port, scrape, wait_until
 
 from ckptstage.client import Client
 from ckptstage.client.rpc import Connection
@@ -48,6 +48,11 @@ class NotifySocket:
     @property
     def address(self) -> str:
         return "@" + self.name  # sd_notify's spelling of an abstract address
+
+    def wait_status(self, pattern: str, timeout: float) -> None:
+        """Receives until a STATUS= message that is exactly ``pattern`` (a regex) arrives."""
+        wait_until(lambda: any(re.fullmatch(f"STATUS={pattern}", m.strip()) for m in self.receive(0.3)), timeout,
+                   f"STATUS={pattern}")
 
     def receive(self, seconds: float) -> list[str]:
         """The messages that arrive within ``seconds``."""
@@ -239,10 +244,29 @@ def test_status_line_counts_sessions(daemon_factory: Any, run_daemon: Any, notif
     d = daemon_factory("st")
     run_daemon(d, {"NOTIFY_SOCKET": notify_socket.address, "WATCHDOG_USEC": "200000"})
     before = notify_socket.wait_for("READY=1", timeout=30)
-    assert "STATUS=serving: 0 sessions, drain queue 0 parts (0 B)" in before
+    assert any(m.startswith("STATUS=serving: 0 sessions, drain queue 0 parts (0 B)") for m in before)
+    notify_socket.wait_status(r"serving: 0 sessions, drain queue 0 parts \(0 B\)", timeout=10)  # the tier probed
     with Client("job", socket=d.socket, rank=0, world_size=2), Client("job", socket=d.socket, rank=1, world_size=2):
-        notify_socket.wait_for("STATUS=serving: 2 sessions, drain queue 0 parts (0 B)", timeout=5)
-    notify_socket.wait_for("STATUS=serving: 0 sessions", timeout=5)
+        notify_socket.wait_status(r"serving: 2 sessions, drain queue 0 parts \(0 B\)", timeout=5)
+    notify_socket.wait_status(r"serving: 0 sessions, drain queue 0 parts \(0 B\)", timeout=5)
+
+
+def test_status_line_says_when_drains_fail(daemon_factory: Any, run_daemon: Any,
+                                           notify_socket: NotifySocket) -> None:
+    torch = pytest.importorskip("torch")
+    d = daemon_factory("st")
+    d.shared.mkdir(parents=True)
+    blocker = d.shared / "job"
+    blocker.write_text("not a directory")  # every copy of the job's parts fails with an OSError
+    run_daemon(d, {"NOTIFY_SOCKET": notify_socket.address, "WATCHDOG_USEC": "200000"})
+    notify_socket.wait_for("READY=1", timeout=30)
+
+    with Client("job", socket=d.socket) as client:
+        client.save(1, {"w": torch.zeros(4)}).wait("local", timeout=30)
+        notify_socket.wait_status(r"serving: 1 session, drain queue 1 part \(.*\), shared tier degraded", 15)
+        blocker.unlink()
+        client.wait_step(1, "shared", timeout=30)
+        notify_socket.wait_status(r"serving: 1 session, drain queue 0 parts \(0 B\)", 15)  # healthy again
 
 
 # --- the unit file ------------------------------------------------------------------------------------------
