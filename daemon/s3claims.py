@@ -11,8 +11,10 @@ upload and commits nothing; what it wrote is the new holder's to replace.
 
 Every writer notes its claim in its daemon's temporaries first
 (``.tmp/<owner>/<job>.<step>.<rank>.<id>/.writer``), so that what a crash
-left at a part's keys is found again when the daemon starts
-(:meth:`ckptstage.daemon.s3tier.S3Tier.clean_temporaries`).
+left at a part's keys is found again: by the daemon itself when it starts
+(:meth:`ckptstage.daemon.s3tier.S3Tier.clean_temporaries`), and by any other
+daemon once the claim has been left alone long enough that its daemon is
+certainly gone (:mod:`ckptstage.daemon.s3orphans`).
 """
 
 from __future__ import annotations
@@ -132,6 +134,18 @@ class Claims:
                     quietly(objects.remove_tree, left)
             return claim
         raise OSError(errno.EBUSY, f"{objects.where(part)}: its claim keeps changing hands; trying again later")
+
+    def seize(self, part: str, writer: str, etag: str) -> Claim | None:
+        """Takes over the claim on ``part`` that the caller judged abandoned as it saw it (``etag``), for
+        ``writer``; None when it changed since (renewed, given back, or taken by another)."""
+        key = part + CLAIM_FILE
+        try:
+            self._objects.delete(key, etag)
+            etag = self._objects.put(key, self._body(writer), if_absent=True)
+        except (FileNotFoundError, FileExistsError):
+            return None
+        log.warning("took over the claim on %s, abandoned", self._objects.where(part), extra=fields(tier="shared"))
+        return self._hold(part, writer, etag)
 
     def _hold(self, part: str, writer: str, etag: str) -> Claim:
         """Notes a claim just written as held by ``writer``, and renews it from now on."""

@@ -34,7 +34,8 @@ step's record is removed (:meth:`S3Tier.remove_commit_record`: a record goes
 after every object of its parts) or when the daemon starts
 (:meth:`S3Tier.clean_temporaries`, which also aborts this daemon's multipart
 uploads and cleans the parts its writers left half written, through their
-notes).
+notes). What a daemon that never comes back left, any other daemon cleans
+once it has been untouched long enough (:meth:`S3Tier.clean_abandoned`).
 
 **Versions** are the ETag of the manifest (or record) object, as an integer:
 an object written again with other bytes has another one. Written again with
@@ -71,6 +72,7 @@ from ckptstage.daemon.s3claims import CLAIM_FILE, CLAIM_STALE_S, WRITER_NOTE, Cl
 from ckptstage.daemon.s3client import MAX_CONNECTIONS, Connection, check, connect, errors
 from ckptstage.daemon.s3io import MIN_PIECE_BYTES, ObjectReader, UploadSink
 from ckptstage.daemon.s3objects import Objects, version
+from ckptstage.daemon.s3orphans import ABANDONED_AFTER, REMOVING, REPLACE_DIR, Scope, clean_abandoned
 from ckptstage.daemon.s3writer import S3ChunkBatch, S3PartWriter, plain_name
 from ckptstage.daemon.tier import Manifest, PartWriter, QuarantinedCopy, Usage
 from ckptstage.protos import chunks, layout
@@ -87,8 +89,6 @@ THREADS = 16                 # uploads (and, apart, ranged reads) in flight, acr
 MAX_THREADS = MAX_CONNECTIONS // 2  # both pools together hold at most the client's connections
 VERIFY_PIECE_BYTES = 64 << 20  # read at once (as several ranged GETs) by verify_part
 _MANY = 256                  # more chunk names than this: list the store instead of asking for each
-_REMOVING = "removing"       # .tmp/<owner>/removing/<id>.json: a removal under way (its prefix)
-_REPLACE_DIR = "replace"     # .tmp/<owner>/replace/<job>/step-N/: replacements being assembled
 
 
 class S3Tier:
@@ -99,11 +99,14 @@ class S3Tier:
     (:class:`ckptstage.daemon.s3io.UploadSink`); ``threads`` run them, and
     the ranged reads (each kind its own pool); ``claim_stale_s`` is when
     another daemon's claim counts as abandoned
-    (:class:`ckptstage.daemon.s3claims.Claims`).
+    (:class:`ckptstage.daemon.s3claims.Claims`), ``abandoned_s`` (several
+    times that) when what another daemon's writer left is any daemon's to
+    clean (:meth:`clean_abandoned`).
     """
 
     def __init__(self, conn: Connection, owner: str = "", piece_bytes: int = PIECE_BYTES,
-                 in_flight: int = IN_FLIGHT, threads: int = THREADS, claim_stale_s: float = CLAIM_STALE_S) -> None:
+                 in_flight: int = IN_FLIGHT, threads: int = THREADS, claim_stale_s: float = CLAIM_STALE_S,
+                 abandoned_s: float | None = None) -> None:
         if piece_bytes < MIN_PIECE_BYTES:
             raise ValueError(f"a multipart upload's pieces are at least {MIN_PIECE_BYTES} bytes, not {piece_bytes}")
         self.connection = conn
@@ -117,6 +120,7 @@ class S3Tier:
         self._pools_lock = threading.Lock()
         self.objects = Objects(conn, piece_bytes, in_flight)
         self.claims = Claims(self.objects, owner, claim_stale_s)
+        self.abandoned_s = abandoned_s if abandoned_s is not None else ABANDONED_AFTER * claim_stale_s
 
     @classmethod
     def from_config(cls, config: Any, owner: str) -> S3Tier:
@@ -322,7 +326,7 @@ class S3Tier:
         self.remove_published(part, str(head["ETag"]))
 
     def remove_published(self, part: Path, etag: str) -> None:
-        note = self.key(self._tmp() / _REMOVING / f"{uuid.uuid4().hex[:12]}.json") if self._owner else None
+        note = self.key(self._tmp() / REMOVING / f"{uuid.uuid4().hex[:12]}.json") if self._owner else None
         if note is not None:
             self.objects.put(note, json.dumps({"part": self.dir_key(part)}).encode())
         self.objects.delete(self.key(part / layout.MANIFEST_FILE), etag)
@@ -345,7 +349,7 @@ class S3Tier:
         if head is None:
             raise FileNotFoundError(errno.ENOENT, f"no commit record in {self.url_of(step)}")
         if self._owner:
-            for obj in list(self.objects.listing(self.dir_key(self._tmp()) + f"{_REMOVING}/")):
+            for obj in list(self.objects.listing(self.dir_key(self._tmp()) + f"{REMOVING}/")):
                 self._finish_removal(obj["Key"], under=self.dir_key(step))
         self.objects.delete(key, str(head["ETag"]))
 
@@ -418,7 +422,7 @@ class S3Tier:
         parts = [p.path for s in self.list_steps(job) for p in s.parts]
         tmp = self.dir_key(self._root / layout.TMP_DIR)
         for owner in self.objects.listing(tmp, "/"):
-            staging = owner.get("Prefix", "") + f"{_REPLACE_DIR}/{layout.check_job(job)}/"
+            staging = owner.get("Prefix", "") + f"{REPLACE_DIR}/{layout.check_job(job)}/"
             for obj in self.objects.listing(staging):
                 names = obj.get("Key", "")[len(staging):].split("/")
                 if len(names) == 3 and names[2] == layout.MANIFEST_FILE and \
@@ -491,9 +495,9 @@ class S3Tier:
         entries of ``.tmp/<owner>/`` that was."""
         tmp = self.dir_key(self._tmp())
         entries: set[str] = set()
-        for obj in list(self.objects.listing(tmp + f"{_REMOVING}/")):
+        for obj in list(self.objects.listing(tmp + f"{REMOVING}/")):
             self._finish_removal(obj["Key"])
-            entries.add(_REMOVING)
+            entries.add(REMOVING)
         for note in [o["Key"] for o in self.objects.listing(tmp) if o.get("Key", "").endswith("/" + WRITER_NOTE)]:
             self._finish_writer(note)
         for key in self.objects.abort_uploads(tmp):
@@ -502,6 +506,17 @@ class S3Tier:
         entries.update(k[len(tmp):].split("/")[0] for k in keys)
         self.objects.delete_many(keys)
         return len(entries)
+
+    def clean_abandoned(self) -> int:
+        """Cleans what other daemons' writers and removals left and have not touched for
+        :attr:`abandoned_s` (their daemons are gone: see :mod:`ckptstage.daemon.s3orphans`); returns how
+        many. Never a live writer's work (its claim is renewed), nor a published part. Meant to run now
+        and then (each pass lists the temporaries, and reads each other daemon's notes)."""
+        if not self._owner:
+            raise ValueError(f"{self.url}: a tier opened without an owner only indexes; it cleans nothing")
+        tmp = self.dir_key(self._root / layout.TMP_DIR)
+        return clean_abandoned(self.objects, self.claims, Scope(tmp, self.dir_key(self._root), self._owner),
+                               self.abandoned_s)
 
     def _finish_writer(self, note: str) -> None:
         """A writer of this daemon that a crash stopped: while the part's claim is still that writer's, its
@@ -603,7 +618,7 @@ class S3Tier:
     # is one a swap was replacing.
 
     def _staged_step(self, job: str, step: int) -> Path:
-        return self._tmp() / _REPLACE_DIR / layout.check_job(job) / layout.step_dirname(step)
+        return self._tmp() / REPLACE_DIR / layout.check_job(job) / layout.step_dirname(step)
 
     def staged_location(self, job: str, step: int, rank: int) -> Path:
         return self._staged_step(job, step) / layout.rank_dirname(rank)
@@ -656,7 +671,7 @@ class S3Tier:
         return self.discard_temporary(self._staged_step(job, step))
 
     def recover_staged(self) -> int:
-        root = self.dir_key(self._tmp() / _REPLACE_DIR)
+        root = self.dir_key(self._tmp() / REPLACE_DIR)
         done = 0
         for obj in list(self.objects.listing(root)):
             names = obj.get("Key", "")[len(root):].split("/")
