@@ -200,6 +200,17 @@ def _os_error(what: str, conn: Connection, key: str | None, code: str, detail: s
     return OSError(errno.EIO, f"{what}: {conn.where(key)}: {detail}")
 
 
+def is_refused(e: OSError) -> bool:
+    """Whether ``e`` is the store declining the request as such (not implemented there, or not allowed to
+    these credentials), so that asking again is no use: a 501, or a 4xx that is not about the object (not
+    missing, not changed meanwhile, not throttled)."""
+    cause = e.__cause__
+    if not isinstance(cause, botocore.exceptions.ClientError):
+        return False
+    status = int(cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    return status == 501 or (400 <= status < 500 and status not in (404, 408, 409, 412, 429))
+
+
 def is_conflict(e: OSError) -> bool:
     """Whether ``e`` is S3's answer to a conditional write racing another one (worth trying again)."""
     cause = e.__cause__

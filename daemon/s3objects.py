@@ -88,6 +88,29 @@ class Objects:
                 time.sleep(0.05 * 2 ** attempt)  # another conditional write of the key is under way
         raise AssertionError("unreachable")
 
+    def tag(self, key: str, tags: dict[str, str]) -> None:
+        """Sets the object's tags (all of them): its bytes, modification time and version stay.
+        FileNotFoundError when it is not there."""
+        conn = self.connection
+        with errors("tagging", conn, key):
+            conn.client.put_object_tagging(Bucket=conn.bucket, Key=key, Tagging={
+                "TagSet": [{"Key": k, "Value": v} for k, v in tags.items()]})
+
+    def tags(self, key: str) -> dict[str, str]:
+        """The object's tags; FileNotFoundError when it is not there."""
+        conn = self.connection
+        with errors("reading the tags of", conn, key):
+            got = conn.client.get_object_tagging(Bucket=conn.bucket, Key=key)
+        return {str(t["Key"]): str(t["Value"]) for t in got.get("TagSet", [])}
+
+    def rewrite(self, key: str, metadata: dict[str, str]) -> None:
+        """Copies the object onto itself with new ``metadata``: its modification time becomes now.
+        FileNotFoundError when it is not there."""
+        conn = self.connection
+        with errors("rewriting", conn, key):
+            conn.client.copy_object(Bucket=conn.bucket, Key=key, CopySource={"Bucket": conn.bucket, "Key": key},
+                                    MetadataDirective="REPLACE", Metadata=metadata)
+
     def delete(self, key: str, etag: str | None = None) -> None:
         """Deletes one object (only while it has ``etag``, when given); FileNotFoundError when it is gone
         (or was written again meanwhile)."""

@@ -48,6 +48,14 @@ store answers. What the tier holds is the catalogue's count
 take longer than the tier probe allows on a large bucket, and the probe
 would report a healthy store as hung.
 
+**Chunk stores** (incremental parts): new chunks go straight to their keys
+(:class:`ckptstage.daemon.s3writer.S3ChunkBatch` says why that is safe). A
+chunk reused is touched with a tag naming the time (:data:`TOUCHED_TAG`),
+which a sweep reads besides the modification time before it condemns the
+chunk: no bytes move, and a versioned bucket keeps no extra version of the
+chunk for each save that reuses it. A store that refuses tags has its chunks
+copied onto themselves instead, as S3 sets no modification time otherwise.
+
 **Replacing a step** (a save with ``overwrite``): the replacement is staged
 in the temporaries and swapped in as described above :meth:`S3Tier.swap_in`;
 there is no atomic exchange of many objects, so readers see the old step,
@@ -59,6 +67,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -69,7 +78,7 @@ from typing import Any
 
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.s3claims import CLAIM_FILE, CLAIM_STALE_S, WRITER_NOTE, Claim, Claims
-from ckptstage.daemon.s3client import MAX_CONNECTIONS, Connection, check, connect, errors
+from ckptstage.daemon.s3client import MAX_CONNECTIONS, Connection, check, connect, is_refused
 from ckptstage.daemon.s3io import MIN_PIECE_BYTES, ObjectReader, UploadSink
 from ckptstage.daemon.s3objects import Objects, version
 from ckptstage.daemon.s3orphans import ABANDONED_AFTER, REMOVING, REPLACE_DIR, Scope, clean_abandoned
@@ -89,6 +98,7 @@ THREADS = 16                 # uploads (and, apart, ranged reads) in flight, acr
 MAX_THREADS = MAX_CONNECTIONS // 2  # both pools together hold at most the client's connections
 VERIFY_PIECE_BYTES = 64 << 20  # read at once (as several ranged GETs) by verify_part
 _MANY = 256                  # more chunk names than this: list the store instead of asking for each
+TOUCHED_TAG = "ckptstage-touched"  # a chunk's tag: when a writer last relied on it (unix time, touch_chunk)
 
 
 class S3Tier:
@@ -120,6 +130,7 @@ class S3Tier:
         self._pools_lock = threading.Lock()
         self.objects = Objects(conn, piece_bytes, in_flight)
         self.claims = Claims(self.objects, owner, claim_stale_s)
+        self._refused: set[str] = set()  # what the store declined to do ("tagging", "reading tags")
         self.abandoned_s = abandoned_s if abandoned_s is not None else ABANDONED_AFTER * claim_stale_s
 
     @classmethod
@@ -379,16 +390,49 @@ class S3Tier:
         return chunks.chunk_path(self._store(job), name)
 
     def touch_chunk(self, job: str, name: str) -> bool:
-        """Copies the chunk onto itself: its modification time (what a sweep reads) becomes now."""
+        """Marks the chunk as relied on now: its tag :data:`TOUCHED_TAG` says when, which a sweep reads
+        besides its modification time (:meth:`condemn_chunk`). A tag moves no bytes, and makes no new
+        version of the chunk in a versioned bucket. Where the store refuses tags, the chunk is copied onto
+        itself instead: its modification time becomes now."""
         key = self.key(self.chunk_location(job, name))
-        conn = self.connection
+        now = f"{math.ceil(time.time() * 1000) / 1000:.3f}"  # to the millisecond, never before the touch
         try:
-            with errors("touching", conn, key):
-                conn.client.copy_object(Bucket=conn.bucket, Key=key, CopySource={"Bucket": conn.bucket, "Key": key},
-                                        MetadataDirective="REPLACE", Metadata={"touched": f"{time.time():.3f}"})
+            if "tagging" not in self._refused:
+                try:
+                    self.objects.tag(key, {TOUCHED_TAG: now})
+                    return True
+                except OSError as e:
+                    if not is_refused(e):
+                        raise
+                    self._refuse("tagging", e, "chunks reused are touched by copying them onto themselves")
+            self.objects.rewrite(key, {"touched": now})
         except FileNotFoundError:
             return False
         return True
+
+    def _refuse(self, what: str, e: OSError, instead: str) -> None:
+        """Notes (once, with a warning) that the store refuses ``what``: the tier does ``instead`` from now on."""
+        if what not in self._refused:
+            log.warning("%s refuses %s (%s): %s", self.url, what, e, instead,
+                        extra=fields(tier="shared", path=self.url, error=e))
+        self._refused.add(what)
+
+    def _touched(self, key: str) -> float:
+        """When a writer last touched the object by its tag (unix time; 0: never, or the store keeps no
+        tags); FileNotFoundError when it is gone."""
+        if "reading tags" in self._refused:
+            return 0.0
+        try:
+            tags = self.objects.tags(key)
+        except OSError as e:
+            if not is_refused(e):
+                raise
+            self._refuse("reading tags", e, "a sweep knows when a chunk was used last by its modification time only")
+            return 0.0
+        try:
+            return float(tags.get(TOUCHED_TAG, 0))
+        except ValueError:
+            return 0.0
 
     def chunk_size(self, job: str, name: str) -> int:
         key = self.key(self.chunk_location(job, name))
@@ -410,12 +454,8 @@ class S3Tier:
         return [n for n, head in zip(names, there) if head is None]
 
     def new_chunks(self, job: str, part: PartWriter | None = None) -> S3ChunkBatch:
-        if part is not None:
-            assert isinstance(part, S3PartWriter), "a part of this tier stages the batch"
-            staging = part.staging / ".new"  # with the part's temporaries: an abort removes it with the rest
-        else:
-            staging = self._tmp() / f"chunks.{uuid.uuid4().hex[:12]}"
-        return S3ChunkBatch(self, job, staging)
+        """A batch whose chunks go straight into the store (nothing is staged: see :class:`S3ChunkBatch`)."""
+        return S3ChunkBatch(self, layout.check_job(job))
 
     def list_manifests(self, job: str) -> list[Path]:
         """The published parts, and the replacements any daemon is assembling in its temporaries."""
@@ -456,6 +496,8 @@ class S3Tier:
         if head is None or head["LastModified"].timestamp() + 1 > untouched_since:
             return False
         try:
+            if self._touched(key) > untouched_since:
+                return False
             self.objects.copy(key, self._condemned(job, name), int(head["ContentLength"]))
             self.objects.delete(key, str(head["ETag"]))
         except FileNotFoundError:

@@ -1,4 +1,4 @@
-"""Writing to the object store: a part's objects under its claim, and a job's new chunks.
+"""Writing to the object store: a part's objects under its claim, and a job's new chunks straight to theirs.
 
 **Publishing, all or nothing.** A part's files are uploaded straight to
 their keys, large ones as multipart uploads with several pieces in flight
@@ -21,7 +21,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -163,7 +162,7 @@ class S3PartWriter:
         try:
             if self._staged:
                 tier.objects.remove_tree(tier.dir_key(self.staging))
-            else:  # the note is all there is (a chunk batch staged here removes its own)
+            else:  # the note is all there is
                 tier.objects.delete(tier.key(self.staging / WRITER_NOTE))
         except OSError as e:  # the daemon's next start removes them
             log.warning("cannot remove the temporaries %s: %s", tier.url_of(self.staging), e,
@@ -171,45 +170,32 @@ class S3PartWriter:
 
 
 class S3ChunkBatch:
-    """New chunks uploaded under the temporaries, then copied into the store together by :meth:`publish`."""
+    """New chunks of a job's store, each uploaded straight to its key in the store by :meth:`write`.
 
-    def __init__(self, tier: S3Tier, job: str, staging: Path) -> None:
+    Staging them first and copying them in at :meth:`publish` would cost a
+    second copy of every byte and twice the requests, and protect nothing: a
+    chunk's name is the hash of its bytes, so a chunk never changes (one
+    written where the same name already is has the same bytes), and a PUT is
+    whole or absent. A chunk in the store before a manifest names it is
+    harmless: no part relies on it yet, a writer that finds it reuses the
+    right bytes, and a sweep leaves it for the grace period as it was written
+    just now (this daemon's sweeps never take a chunk its writers lease). So
+    every chunk is in the store once its :meth:`write` returned, and
+    :meth:`discard` leaves what was written for a later save to reuse or a
+    sweep to remove: another writer may rely on it already.
+    """
+
+    def __init__(self, tier: S3Tier, job: str) -> None:
         self._tier = tier
         self._job = job
-        self._staging = staging
-        self._lock = threading.Lock()
-        self._written: dict[str, int] = {}
-        self._published = False
 
     def write(self, name: str, data: memoryview, direct_io: bool) -> None:
         if not chunks.is_chunk_name(name):
             raise ValueError(f"{name!r} is not a chunk name")
-        self._tier.objects.put(self._tier.key(self._staging / name), bytes(data))
-        with self._lock:
-            self._written[name] = len(data)
+        self._tier.objects.put(self._tier.key(self._tier.chunk_location(self._job, name)), bytes(data))
 
     def publish(self) -> None:
-        """Copies each staged chunk into the store (a chunk of that name there already has the same
-        bytes), then removes the staged ones: every chunk is in the store before any manifest names it."""
-        with self._lock:
-            written, self._written = self._written, {}
-        tier = self._tier
-
-        def move(item: tuple[str, int]) -> None:
-            name, size = item
-            tier.objects.copy(tier.key(self._staging / name), tier.key(tier.chunk_location(self._job, name)), size)
-
-        for _ in tier.pool("upload").map(move, written.items()):
-            pass
-        self._published = True
-        try:
-            tier.objects.remove_tree(tier.dir_key(self._staging))
-        except OSError as e:  # published all the same; the daemon's next start removes them
-            log.warning("cannot remove the temporaries %s: %s", tier.url_of(self._staging), e,
-                        extra=fields(tier="shared", error=e))
+        """Nothing left to do: each chunk went into the store whole as it was written."""
 
     def discard(self) -> None:
-        if not self._published:
-            with self._lock:
-                self._written.clear()
-            self._tier.objects.remove_tree(self._tier.dir_key(self._staging))
+        """Nothing to undo: chunks written stay for a later save or a sweep (see the class)."""

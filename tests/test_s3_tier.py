@@ -29,7 +29,7 @@ from ckptstage.daemon.s3client import Location, open_connection  # noqa: E402
 from ckptstage.daemon.s3tier import S3Tier  # noqa: E402
 from ckptstage.daemon.tier import Tier, TierName, Usage  # noqa: E402
 from ckptstage.daemon.tiers import open_tiers  # noqa: E402
-from ckptstage.protos import layout  # noqa: E402
+from ckptstage.protos import chunks, layout  # noqa: E402
 from s3server import (ACCESS_KEY, BUCKET, REGION, SECRET_KEY, S3Server, object_bytes, open_tier,  # noqa: E402
                       s3_server)
 # The Replacing contract, run here on the object store (its own module's fixture names the file-system tier).
@@ -292,6 +292,34 @@ def test_the_tier_is_named_by_its_url_and_sets_no_limit_of_its_own(tier: S3Tier)
     with pytest.raises(FileNotFoundError) as gone:
         tier.remove_part(tier.part_location(JOB, 3, 0))
     assert f"{url}/{JOB}/step-000000000003/rank-00000" in str(gone.value) and "/s3:" not in str(gone.value)
+
+
+def test_new_chunks_go_straight_to_their_keys_and_a_touch_moves_no_bytes(tier: S3Tier) -> None:
+    conn = tier.connection
+    sent: list[str] = []
+    conn.client.meta.events.register("before-call.s3", lambda model, **_: sent.append(model.name))
+    data = [os.urandom(3000 + i) for i in range(3)]
+    names = [chunks.digest(memoryview(d)) for d in data]
+    batch = tier.new_chunks(JOB)
+    for name, d in zip(names, data):
+        batch.write(name, memoryview(d), direct_io=False)
+    assert tier.missing_chunks(JOB, names) == []  # each in the store, whole, once written
+    batch.publish()
+    batch.discard()
+    assert sent.count("PutObject") == 3 and "CopyObject" not in sent and _keys(tier, layout.TMP_DIR) == []
+    key = tier.key(tier.chunk_location(JOB, names[0]))
+    before = conn.client.head_object(Bucket=conn.bucket, Key=key)
+    time.sleep(2.1)  # the store's times are whole seconds
+    cutoff = time.time()  # untouched since the write, by its modification time
+    sent.clear()
+    assert tier.touch_chunk(JOB, names[0]) and sent == ["PutObjectTagging"]
+    after = conn.client.head_object(Bucket=conn.bucket, Key=key)
+    assert (after["LastModified"], after["ETag"]) == (before["LastModified"], before["ETag"])
+    # A sweep reads the touch from the tag: relied on since the cutoff, the chunk stays; the others go.
+    assert not tier.condemn_chunk(JOB, names[0], cutoff)
+    assert tier.condemn_chunk(JOB, names[1], cutoff) and tier.condemned_chunks(JOB) == [names[1]]
+    assert tier.condemn_chunk(JOB, names[0], time.time() + 1)  # once nobody touched it for the grace
+    assert not tier.touch_chunk(JOB, names[1])  # condemned: not in the store
 
 
 # --- errors that name the bucket and the endpoint ------------------------------------------------------
