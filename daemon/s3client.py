@@ -58,6 +58,8 @@ _DENIED = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
            "InvalidToken", "AllAccessDisabled", "AccountProblem"}
 _LOST_RACE = {"412", "PreconditionFailed"}
 _CONFLICT = {"409", "ConditionalRequestConflict"}  # a concurrent conditional write: try again
+# The bucket is in another region than the client signs for (a HEAD's answer has no body: its status only).
+_WRONG_REGION = {"301", "PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"}
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,9 @@ def errors(what: str, conn: Connection, key: str | None, bucket: bool = False) -
     try:
         yield
     except botocore.exceptions.ClientError as e:
-        raise _os_error(what, conn, key, error_code(e), str(e), bucket) from e
+        region = e.response.get("Error", {}).get("Region") or \
+            e.response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
+        raise _os_error(what, conn, key, error_code(e), str(e), bucket, region) from e
     except botocore.exceptions.NoCredentialsError as e:
         raise PermissionError(errno.EACCES, f"{what}: no credentials for {conn.where(key)}: set "
                               "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, [shared] profile, or give the node a "
@@ -186,7 +190,14 @@ def errors(what: str, conn: Connection, key: str | None, bucket: bool = False) -
                       else errno.EIO, f"{what}: {conn.where(key)}: {e}") from e
 
 
-def _os_error(what: str, conn: Connection, key: str | None, code: str, detail: str, bucket: bool) -> OSError:
+def _os_error(what: str, conn: Connection, key: str | None, code: str, detail: str, bucket: bool,
+              region: str | None = None) -> OSError:
+    if code in _WRONG_REGION and (region or code != "AuthorizationHeaderMalformed"):
+        where = f"region {region!r}" if region else "another region"
+        fix = f'set [shared] region = "{region}"' if region else "set [shared] region to the bucket's"
+        return OSError(errno.EIO, f"{what}: the bucket {conn.bucket!r} at {conn.endpoint} is in {where}, not "
+                                  f"{conn.client.meta.region_name!r} that requests are signed for ({code}): {fix} "
+                                  "(or [shared] endpoint to one of that region)")
     if code == "NoSuchBucket" or (bucket and code in _NOT_FOUND):
         return FileNotFoundError(errno.ENOENT, f"{what}: the bucket {conn.bucket!r} does not exist at "
                                  f"{conn.endpoint}")

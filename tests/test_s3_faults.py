@@ -9,12 +9,14 @@ signed them, bodies with their framing).
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -27,10 +29,12 @@ torch = pytest.importorskip("torch")
 from ckptstage.client import Client  # noqa: E402
 from ckptstage.client.rpc import Connection  # noqa: E402
 from ckptstage.daemon.launcher import DaemonProcess  # noqa: E402
-from ckptstage.protos import layout  # noqa: E402
+from ckptstage.daemon.s3client import Location, open_connection  # noqa: E402
+from ckptstage.daemon.s3tier import S3Tier  # noqa: E402
+from ckptstage.protos import chunks, layout  # noqa: E402
 from ckptstage.protos.v1 import ckptstage_pb2 as pb  # noqa: E402
 from conftest import DEFAULTS  # noqa: E402
-from s3server import BUCKET, S3Server, open_tier, serving  # noqa: E402
+from s3server import ACCESS_KEY, BUCKET, REGION, SECRET_KEY, S3Server, open_tier, serving  # noqa: E402
 from support import free_port, metric, scrape, wait_until  # noqa: E402
 
 MiB = 1 << 20
@@ -43,7 +47,8 @@ WRITES = r"^(PUT|POST) "  # uploads, pieces, completions, manifests, claims, rec
 @dataclass
 class Fault:
     """What the proxy does to requests whose ``"METHOD target"`` matches ``match``: answer ``status`` with
-    ``code`` itself, or drop the connection (``status`` 0), after ``delay_s``; ``times`` requests (None: all)."""
+    ``code`` (and ``headers``) itself, or drop the connection (``status`` -1), or forward it and flip a bit
+    of the response's body (``corrupt``), after ``delay_s``; ``times`` requests (None: all)."""
 
     match: str
     status: int = 0
@@ -51,6 +56,8 @@ class Fault:
     delay_s: float = 0.0
     times: int | None = None
     hits: int = 0
+    corrupt: bool = False
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 class FaultProxy:
@@ -64,11 +71,17 @@ class FaultProxy:
         self._faults: list[Fault] = []
         self._lock = threading.Lock()
         self.seen: list[str] = []  # "METHOD target -> what happened", in order
+        self.seen_at: list[float] = []  # when each of those requests came (monotonic)
         self._open: set[socket.socket] = set()
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def fail(self, status: int, code: str, match: str = ".", times: int | None = None) -> Fault:
-        return self._add(Fault(match, status, code, times=times))
+    def fail(self, status: int, code: str, match: str = ".", times: int | None = None,
+             headers: dict[str, str] | None = None) -> Fault:
+        return self._add(Fault(match, status, code, times=times, headers=headers or {}))
+
+    def corrupt(self, match: str = ".", times: int | None = None) -> Fault:
+        """Flips one bit in the middle of the body of the responses to matching requests."""
+        return self._add(Fault(match, corrupt=True, times=times))
 
     def delay(self, seconds: float, match: str = ".", times: int | None = None) -> Fault:
         return self._add(Fault(match, delay_s=seconds, times=times))
@@ -85,6 +98,11 @@ class FaultProxy:
         with self._lock:
             for conn in self._open:
                 conn.close()
+
+    def _saw(self, came: float, what: str) -> None:
+        with self._lock:
+            self.seen.append(what)
+            self.seen_at.append(came)
 
     def _add(self, fault: Fault) -> Fault:
         with self._lock:
@@ -120,16 +138,17 @@ class FaultProxy:
                 line, headers = head
                 method, target = line.split(" ")[:2]
                 request = f"{method} {target}"
+                came = time.monotonic()
                 fault = self._take(request)
                 expect = headers.get("expect", "").lower() == "100-continue"
                 if fault is not None and fault.delay_s:
                     time.sleep(fault.delay_s)
                 if fault is not None and fault.status:
-                    self.seen.append(f"{request} -> {'dropped' if fault.status < 0 else fault.status}")
+                    self._saw(came, f"{request} -> {'dropped' if fault.status < 0 else fault.status}")
                     if not expect:
                         _read_body(client, headers)
                     if fault.status > 0:
-                        conn.sendall(_error(fault.status, fault.code, method))
+                        conn.sendall(_error(fault.status, fault.code, method, fault.headers))
                     return  # closes the connection (a body not read must not be taken for a request)
                 if expect:
                     conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -139,8 +158,9 @@ class FaultProxy:
                     upstream = up.makefile("rb")
                 kept = [h for h in _raw_lines(line, headers) if not h.lower().startswith(b"expect:")]
                 up.sendall(b"\r\n".join(kept) + b"\r\n\r\n" + body)
-                status, close = _relay_response(upstream, conn, method)
-                self.seen.append(f"{request} -> {status}")
+                corrupt = fault is not None and fault.corrupt
+                status, close = _relay_response(upstream, conn, method, corrupt)
+                self._saw(came, f"{request} -> {status}{' corrupted' if corrupt else ''}")
                 if close:
                     return
         except OSError:
@@ -193,8 +213,9 @@ def _read_body(f: Any, headers: dict[str, str]) -> bytes:
     return f.read(int(headers.get("content-length", "0") or 0))
 
 
-def _relay_response(upstream: Any, conn: socket.socket, method: str) -> tuple[int, bool]:
-    """Copies one response from upstream to the client; returns its status and whether to close."""
+def _relay_response(upstream: Any, conn: socket.socket, method: str, corrupt: bool = False) -> tuple[int, bool]:
+    """Copies one response from upstream to the client; returns its status and whether to close. ``corrupt``:
+    one bit in the middle of a body of known length is flipped on the way (the headers stay as sent)."""
     head = _read_head(upstream)
     if head is None:
         raise OSError("the upstream closed the connection")
@@ -205,20 +226,26 @@ def _relay_response(upstream: Any, conn: socket.socket, method: str) -> tuple[in
     if method == "HEAD" or status in (204, 304) or status < 200:
         return status, close
     if "chunked" in headers.get("transfer-encoding", "").lower() or "content-length" in headers:
-        conn.sendall(_read_body(upstream, headers))
+        body = _read_body(upstream, headers)
+        if corrupt and body and "content-length" in headers:
+            flipped = bytearray(body)
+            flipped[len(flipped) // 2] ^= 0x10
+            body = bytes(flipped)
+        conn.sendall(body)
         return status, close
     while data := upstream.read(1 << 20):  # to the end of the connection
         conn.sendall(data)
     return status, True
 
 
-def _error(status: int, code: str, method: str) -> bytes:
+def _error(status: int, code: str, method: str, headers: dict[str, str] | None = None) -> bytes:
     body = b"" if method == "HEAD" else (
         f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>injected by the test '
         f"proxy</Message><RequestId>fault</RequestId></Error>").encode()
-    reason = {500: "Internal Server Error", 503: "Slow Down"}.get(status, "Error")
+    reason = {301: "Moved Permanently", 500: "Internal Server Error", 503: "Slow Down"}.get(status, "Error")
+    extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
     return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n"
-            f"Connection: close\r\n\r\n").encode() + body
+            f"{extra}Connection: close\r\n\r\n").encode() + body
 
 
 # --- fixtures ------------------------------------------------------------------------------------
@@ -284,6 +311,16 @@ def _assert_whole_on_the_store(server: S3Server, prefix: str, job: str, steps: l
     assert conn.client.list_multipart_uploads(Bucket=conn.bucket, Prefix=prefix + "/").get("Uploads", []) == []
 
 
+def _retry_delays(log: Path) -> dict[str, list[float]]:
+    """Each part's drain retries, as the daemon logged them: how long each waited (parts retry side by side,
+    their lines interleaved)."""
+    delays: dict[str, list[float]] = {}
+    for part, delay in re.findall(r"drain of (\S+ step \d+ rank \d+) failed .*?; retrying in ([0-9.]+)s",
+                                  log.read_text()):
+        delays.setdefault(part, []).append(float(delay))
+    return delays
+
+
 # --- tests ---------------------------------------------------------------------------------------
 
 
@@ -309,6 +346,8 @@ def test_a_throttling_store_degrades_the_tier_and_the_drain_backs_off_then_catch
             proxy.heal()
             proxy.fail(500, "InternalError", match=WRITES)  # now erring instead
             wait_until(lambda: "InternalError" in _shared(d).last_error, 30, "the 500s named in Status")
+            wait_until(lambda: len(_retry_delays(d.root / "daemon.log").get("thr step 2 rank 0", [])) >= 3, 30,
+                       "step 2's drain retried three times")
             with pytest.raises(TimeoutError):
                 h2.wait("shared", timeout=0.5)  # nothing reaches the store meanwhile
             proxy.heal()
@@ -318,8 +357,8 @@ def test_a_throttling_store_degrades_the_tier_and_the_drain_backs_off_then_catch
             assert metric(scrape(_port(d)), "ckptstage_job_drain_failing", job="thr") == 0
     finally:
         d.stop()
-    # The drain backed off: each retry waited longer, up to retry_max_s (1 s in the tests).
-    delays = [float(x) for x in re.findall(r"retrying in ([0-9.]+)s", (tmp_path / "n" / "daemon.log").read_text())]
+    # The drain backed off: each retry of a part waited longer, up to retry_max_s (1 s in the tests).
+    delays = _retry_delays(tmp_path / "n" / "daemon.log")["thr step 2 rank 0"]
     assert len(delays) >= 3 and delays[:3] == sorted(delays[:3]) and delays[0] < delays[2] and max(delays) <= 1.0
     assert any(s.endswith("-> 503") for s in proxy.seen) and any(s.endswith("-> 500") for s in proxy.seen)
     _assert_whole_on_the_store(server, "throttled", "thr", [1, 2, 3])
@@ -390,21 +429,129 @@ def test_the_store_killed_mid_upload_and_restarted_the_drain_resumes_and_nothing
     _assert_whole_on_the_store(server, "killed", "killed", [1, 2])
 
 
-def test_refused_credentials_or_a_missing_bucket_at_start_leave_the_local_tier_working_and_say_why(
-        server: S3Server, tmp_path: Path) -> None:
+def test_refused_credentials_a_missing_bucket_or_another_region_at_start_leave_the_local_tier_working_and_say_why(
+        server: S3Server, proxy: FaultProxy, tmp_path: Path) -> None:
+    # A bucket in another region: S3 answers 301 PermanentRedirect naming it (the SDK follows once, signing
+    # for that region; at an endpoint that is not AWS's the answer stays).
+    proxy.fail(301, "PermanentRedirect", headers={"x-amz-bucket-region": "eu-west-2"})
     missing = _daemon(server, tmp_path / "m", "p", bucket="no-such-bucket")
     refused = _daemon(server, tmp_path / "r", "p", secret="not-the-secret")
+    elsewhere = _daemon(server, tmp_path / "e", "p", endpoint=proxy.endpoint)
     try:
-        for d, words in ((missing, "the bucket 'no-such-bucket' does not exist"),
-                         (refused, f"access to the bucket '{BUCKET}' at {server.endpoint} refused")):
+        for d, endpoint, words in (
+                (missing, server.endpoint, "the bucket 'no-such-bucket' does not exist"),
+                (refused, server.endpoint, f"access to the bucket '{BUCKET}' at {server.endpoint} refused"),
+                (elsewhere, proxy.endpoint, f"the bucket '{BUCKET}' at {proxy.endpoint} is in region 'eu-west-2', "
+                                            f"not '{REGION}' that requests are signed for (301): set [shared] "
+                                            'region = "eu-west-2"')):
             with Client("startup", socket=d.socket) as client:
                 client.save(1, _state(1000, 1)).wait("local", timeout=30)
                 assert [i.step for i in client.list()] == [1]
             tier = wait_until(lambda d=d: (t := _shared(d)).last_error and t, 30, "the shared tier's error")
             assert tier.state in ("degraded", "unreachable")
-            assert words in tier.last_error and server.endpoint in tier.last_error
+            assert words in tier.last_error and endpoint in tier.last_error
             assert words in (d.root / "daemon.log").read_text()
         assert "not-the-secret" not in (refused.root / "daemon.log").read_text()
     finally:
         missing.stop()
         refused.stop()
+        elsewhere.stop()
+
+
+# --- one tier through the proxy: what one request meets ---------------------------------------------------
+
+
+def _tier(endpoint: str, prefix: str, owner: str = "node-a") -> S3Tier:
+    """The tier ``s3://BUCKET/prefix`` at ``endpoint`` (the server's, or the proxy's), as the daemon ``owner``."""
+    conn = open_connection(Location(BUCKET, prefix), endpoint, REGION, access_key_id=ACCESS_KEY,
+                           secret_access_key=SECRET_KEY)
+    return S3Tier(conn, owner, piece_bytes=5 * MiB)
+
+
+def _publish(tier: S3Tier, job: str, step: int, data: bytes) -> Path:
+    writer = tier.begin_part(job, step, 0)
+    sink = writer.create_file(layout.DATA_FILE, len(data), direct_io=False)
+    sink.write(memoryview(data), 0)
+    sink.sync()
+    sink.close()
+    return writer.commit({"format": layout.FORMAT, "job": job, "step": step, "rank": 0, "world_size": 1,
+                          "tensors": [], "tree": {}, "created": 1.0, "metrics": {}, "attempt": "run-1",
+                          "files": {layout.DATA_FILE: layout.FileEntry(
+                              len(data), MiB, tuple(layout.block_digests(data, MiB))).to_json()}})
+
+
+def test_a_byte_flipped_on_its_way_from_the_store_is_caught_as_a_corrupt_copy_never_accepted(
+        server: S3Server, proxy: FaultProxy) -> None:
+    prefix = f"flip-{uuid.uuid4().hex[:8]}"
+    data = os.urandom(3 * MiB + 5)
+    where = _publish(_tier(server.endpoint, prefix), "flip", 1, data)
+    reader = _tier(proxy.endpoint, prefix, "reader")
+    flipped = proxy.corrupt(match=r"^GET .*/data\.safetensors", times=1)  # one ranged GET's answer
+    with pytest.raises(layout.ChecksumMismatch) as bad:
+        reader.verify_part(where)
+    assert flipped.hits == 1
+    wait_until(lambda: any(s.endswith("-> 206 corrupted") for s in proxy.seen), 5, "the flipped answer noted")
+    assert bad.value.path == where / layout.DATA_FILE and layout.is_verification_failure(bad.value)
+    reader.verify_part(where)  # the store's copy is whole: read again, it verifies
+    with reader.open_file(where, layout.DATA_FILE) as f:
+        assert f.read(len(data)) == data
+
+
+def test_a_load_that_met_a_byte_flipped_on_the_way_fails_and_the_stores_good_copy_is_kept(
+        server: S3Server, proxy: FaultProxy, tmp_path: Path) -> None:
+    from ckptstage.client.errors import CkptStageError
+
+    prefix = f"flipped-{uuid.uuid4().hex[:8]}"
+    state = _state(400_000, 7)
+    a = _daemon(server, tmp_path / "a", prefix, **{"persist.incremental": False})
+    b = _daemon(server, tmp_path / "b", prefix, endpoint=proxy.endpoint, **{"persist.incremental": False})
+    try:
+        with Client("flipped", socket=a.socket) as client:
+            client.save(1, state).wait("shared", timeout=30)
+        flipped = proxy.corrupt(match=r"^GET .*/data\.safetensors", times=1)
+        with Client("flipped", socket=b.socket) as client:
+            wait_until(lambda: client.list(), 30, "the step listed on the second node")
+            with pytest.raises(CkptStageError, match="flipped step 1 rank 0"):
+                client.load()  # fetched through the proxy: the copy fails its checksums
+            assert flipped.hits == 1 and [tuple(i.tiers) for i in client.list()] == [("shared",)]  # none landed
+            got = client.load()  # the quarantine's second read found the store's copy whole: it stays
+            assert torch.equal(got["w"], state["w"])
+    finally:
+        a.stop()
+        b.stop()
+    assert "reported corrupt" in (tmp_path / "b" / "daemon.log").read_text()  # detected, then found whole
+    _assert_whole_on_the_store(server, prefix, "flipped", [1])
+
+
+def test_slow_down_answers_are_retried_after_the_wait_the_store_asks_for(server: S3Server,
+                                                                         proxy: FaultProxy) -> None:
+    tier = _tier(proxy.endpoint, f"slow-{uuid.uuid4().hex[:8]}")
+    proxy.fail(503, "SlowDown", match=r"^PUT .*/retention\.json", times=2, headers={"x-amz-retry-after": "600"})
+    tier.write_job_json("slow", "retention.json", {"shared_keep_last": 2})
+    assert tier.read_job_json("slow", "retention.json", {}) == {"shared_keep_last": 2}
+
+    def tries() -> list[tuple[float, str]]:  # noted once answered: the last may come a moment after the call
+        return [(at, what) for at, what in zip(proxy.seen_at, proxy.seen) if what.startswith("PUT")]
+
+    wait_until(lambda: len(tries()) == 3, 5, "three attempts noted")
+    assert [what.rsplit(" ", 1)[1] for _, what in tries()] == ["503", "503", "200"]
+    gaps = [b[0] - a[0] for a, b in zip(tries(), tries()[1:])]
+    assert all(gap >= 0.6 for gap in gaps), gaps  # the SDK's backoff, at least what the store asked
+
+
+def test_a_store_without_object_tags_has_reused_chunks_touched_by_copying_them_onto_themselves(
+        server: S3Server, proxy: FaultProxy, caplog: pytest.LogCaptureFixture) -> None:
+    tier = _tier(proxy.endpoint, f"untagged-{uuid.uuid4().hex[:8]}")
+    refused = proxy.fail(501, "NotImplemented", match=r"\?tagging")
+    names = [chunks.digest(memoryview(d)) for d in (b"kept", b"swept")]
+    batch = tier.new_chunks("tags")
+    for name, d in zip(names, (b"kept", b"swept")):
+        batch.write(name, memoryview(d), direct_io=False)
+    batch.publish()
+    time.sleep(2.1)  # the store's times are whole seconds
+    cutoff = time.time()
+    assert tier.touch_chunk("tags", names[0]) and tier.touch_chunk("tags", names[0])
+    assert not tier.condemn_chunk("tags", names[0], cutoff)  # its modification time is the touch's
+    assert tier.condemn_chunk("tags", names[1], cutoff)      # untouched: no tag to read, its time is old
+    assert refused.hits == 2  # one refused tagging, one refused tag reading: then neither is asked again
+    assert caplog.text.count("refuses tagging") == 1 and caplog.text.count("refuses reading tags") == 1
