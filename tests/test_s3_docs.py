@@ -54,6 +54,8 @@ ACTIONS: dict[str, set[str]] = {
     "abort_multipart_upload": {"s3:AbortMultipartUpload"},
     "delete_object": {"s3:DeleteObject"},
     "delete_objects": {"s3:DeleteObject"},
+    "put_object_tagging": {"s3:PutObjectTagging"},
+    "get_object_tagging": {"s3:GetObjectTagging"},
 }
 BUCKET_ACTIONS = {"s3:ListBucket", "s3:ListBucketMultipartUploads"}  # on the bucket, not on its objects
 # boto3's managed copy (``client.copy``, s3transfer): a HeadObject of the source, then one CopyObject, or a
