@@ -49,7 +49,9 @@ TESTS = Path(__file__).resolve().parent.parent / "tests"
 
 
 def s3server() -> ModuleType:
-    """``tests/s3server.py``, the SeaweedFS starter the tests use."""
+    """``tests/s3server.py``, the SeaweedFS starter the tests use (loaded once)."""
+    if "s3server" in sys.modules:
+        return sys.modules["s3server"]
     spec = importlib.util.spec_from_file_location("s3server", TESTS / "s3server.py")
     assert spec is not None and spec.loader is not None
     module = sys.modules["s3server"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
@@ -57,8 +59,28 @@ def s3server() -> ModuleType:
     return module
 
 
+def node(root: Path, local: Path, server: Any, piece_bytes: int, concurrency: int, metrics: bool = False,
+         **settings: Any) -> h.Daemon:
+    """A daemon (not started) whose shared tier is ``s3://BUCKET/PREFIX`` on ``server``, uploading pieces of
+    ``piece_bytes``, ``concurrency`` at once; its credentials come the standard way, from the environment."""
+    s3 = s3server()
+    daemon = h.Daemon(root, local, None, metrics=metrics,
+                      **{"shared.url": f"s3://{s3.BUCKET}/{PREFIX}", "shared.endpoint": server.endpoint,
+                         "shared.region": s3.REGION, "shared.multipart_bytes": piece_bytes,
+                         "shared.multipart_concurrency": concurrency, **settings})
+    daemon.env.update(server.env())
+    return daemon
+
+
+def arena_bytes(state_bytes: int) -> int:
+    """An arena that holds two saves of a state (whole MiB, at least 256 MiB)."""
+    return max(2 * state_bytes, 256 * h.MiB) // h.MiB * h.MiB
+
+
 class Peers:
-    """The same bytes uploaded by the SDK alone: s3transfer's upload_file and one put_object."""
+    """The same bytes moved by the SDK alone: s3transfer's upload_file and download_file (the engine of
+    ``aws s3 cp``, at its defaults or ``tuned`` to a piece size and concurrency), one put_object, one
+    streamed get_object."""
 
     def __init__(self, server: Any, bucket: str, piece_bytes: int, concurrency: int) -> None:
         import boto3.s3.transfer
@@ -82,6 +104,21 @@ class Peers:
         self.client.delete_object(Bucket=self.bucket, Key=key)
         return t.s
 
+    def download_file(self, key: str, path: Path, tuned: bool = False) -> float:
+        """Seconds to download object ``key`` to the file ``path`` (written through the page cache, not
+        synced, as ``aws s3 cp`` leaves it)."""
+        with h.Timer() as t:
+            self.client.download_file(self.bucket, key, str(path), Config=self.tuned if tuned else self.transfer)
+        return t.s
+
+    def get_object(self, key: str, path: Path, buffer_bytes: int = 8 * h.MiB) -> float:
+        """Seconds to stream object ``key`` into the file ``path`` with one GET (not synced)."""
+        with h.Timer() as t, open(path, "wb") as f:
+            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
+            for piece in body.iter_chunks(buffer_bytes):
+                f.write(piece)
+        return t.s
+
 
 def bench(args: argparse.Namespace, work: Path, droot: Path, out: Any) -> dict[str, Any]:
     from ckptstage.client import Client
@@ -94,13 +131,9 @@ def bench(args: argparse.Namespace, work: Path, droot: Path, out: Any) -> dict[s
     piece = parse_size(args.multipart_bytes, "--multipart-bytes")
     state = h.make_state(int(args.gib * h.GiB))
     nbytes = h.state_bytes(state)
-    settings = {"shared.url": f"s3://{s3.BUCKET}/{PREFIX}", "shared.endpoint": server.endpoint,
-                "shared.region": s3.REGION, "shared.multipart_bytes": piece,
-                "shared.multipart_concurrency": args.multipart_concurrency,
-                "arena.max_bytes": max(2 * nbytes, 256 * h.MiB) // h.MiB * h.MiB}
-    daemon = h.Daemon(droot / "d", work / "local", None, metrics=True, **settings,
-                      **{"shared.keep_last": 1, "local.keep_last": 1})  # the store keeps one state
-    daemon.env.update(server.env())  # credentials the standard way: the environment
+    daemon = node(droot / "d", work / "local", server, piece, args.multipart_concurrency, metrics=True,
+                  **{"arena.max_bytes": arena_bytes(nbytes),
+                     "shared.keep_last": 1, "local.keep_last": 1})  # the store keeps one state
     runs: dict[str, list[float]] = {}
     loads: list[tuple[float, float, float]] = []
     peers = Peers(server, s3.BUCKET, piece, args.multipart_concurrency)
@@ -152,8 +185,8 @@ def bench(args: argparse.Namespace, work: Path, droot: Path, out: Any) -> dict[s
     ]
     h.print_table(f"[{data_bytes / h.GiB:.3f} GiB data file] drain to S3 vs the SDK alone (median of rounds)",
                   rows, "drain (client)", out)
-    for r in rows:
-        out(f"  {r.name:18} {data_bytes / r.seconds / 1e6:7.1f} MB/s")
+    for row in rows:
+        out(f"  {row.name:18} {data_bytes / row.seconds / 1e6:7.1f} MB/s")
     verdicts = [
         h.verdict("drain bw (client) / upload_file bw", rows[2].seconds / rows[0].seconds * 100, ">=",
                   TARGET_OF_CP * 100, "%"),
