@@ -62,6 +62,7 @@ def test_a_killed_daemons_writing_is_cleaned_by_another_once_abandoned_and_a_liv
         wait_until(lambda: _uploads(reader), 20, "a multipart upload under way", poll=0.05)
     finally:
         d.kill()
+    killed = time.monotonic()
     part = "dead/step-000000000002/rank-00000/"
     [owner] = {k.split("/")[1] for k in _keys(reader, layout.TMP_DIR + "/")}
     assert _uploads(reader) == [part + layout.DATA_FILE] and part + ".claim" in _keys(reader, "dead/")
@@ -70,37 +71,43 @@ def test_a_killed_daemons_writing_is_cleaned_by_another_once_abandoned_and_a_liv
     live = S3Tier(reader.connection, "node-live", piece_bytes=5 * MiB, claim_stale_s=0.4)
     data = os.urandom(10 * MiB)
     writer = live.begin_part("live", 1, 0)
-    sink = writer.create_file(layout.DATA_FILE, len(data), direct_io=False)
-    sink.write(memoryview(data)[:5 * MiB], 0)
-    # A removal another gone node began: the manifest went, a file stayed, its note says which part.
-    gone = "gone/step-000000000001/rank-00000/"
-    conn = reader.connection
-    conn.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{gone}{layout.DATA_FILE}", Body=b"left over")
-    conn.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{layout.TMP_DIR}/node-gone/removing/r1.json",
-                           Body=json.dumps({"part": f"{prefix}/{gone}"}).encode())
+    try:
+        sink = writer.create_file(layout.DATA_FILE, len(data), direct_io=False)
+        sink.write(memoryview(data)[:5 * MiB], 0)
+        # A removal another gone node began: the manifest went, a file stayed, its note says which part.
+        gone = "gone/step-000000000001/rank-00000/"
+        conn = reader.connection
+        conn.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{gone}{layout.DATA_FILE}", Body=b"left over")
+        conn.client.put_object(Bucket=BUCKET, Key=f"{prefix}/{layout.TMP_DIR}/node-gone/removing/r1.json",
+                               Body=json.dumps({"part": f"{prefix}/{gone}"}).encode())
 
-    cleaner = S3Tier(reader.connection, "node-c", claim_stale_s=0.5, abandoned_s=ABANDONED_S)
-    began = time.monotonic()
-    assert cleaner.clean_abandoned() == 0  # all of it written moments ago: its daemons may be at it
-    assert len(_uploads(reader)) == 2 and part + ".claim" in _keys(reader, "dead/")
-    time.sleep(ABANDONED_S + 1.5 - (time.monotonic() - began))  # + 1 s: the store's times are whole seconds
-    assert cleaner.clean_abandoned() == 2  # the killed daemon's writing, the gone node's removal
+        # A pass cleans nothing younger than its threshold: all of it was written moments ago.
+        patient = S3Tier(reader.connection, "node-c", claim_stale_s=0.5, abandoned_s=60)
+        assert patient.clean_abandoned() == 0
+        assert len(_uploads(reader)) == 2 and part + ".claim" in _keys(reader, "dead/")
+        time.sleep(ABANDONED_S + 1.5 - (time.monotonic() - killed))  # + 1 s: the store's times are whole seconds
+        # Older than the threshold now: the dead ones go; the live writer's note is that old too, but its claim
+        # was renewed meanwhile.
+        cleaner = S3Tier(reader.connection, "node-c", claim_stale_s=0.5, abandoned_s=ABANDONED_S)
+        assert cleaner.clean_abandoned() == 2  # the killed daemon's writing, the gone node's removal
 
-    assert _uploads(reader) == ["live/step-000000000001/rank-00000/" + layout.DATA_FILE]  # the live one's
-    assert _keys(reader, "dead/") == ["dead/step-000000000001/commit.json",
-                                      "dead/step-000000000001/rank-00000/data.safetensors",
-                                      "dead/step-000000000001/rank-00000/manifest.json"]
-    reader.verify_part(reader.part_location("dead", 1, 0))
-    assert [k for k in _keys(reader) if k.startswith(f"{layout.TMP_DIR}/{owner}/")] == []
-    assert _keys(reader, "gone/") == [] and _keys(reader, f"{layout.TMP_DIR}/node-gone/") == []
-    assert cleaner.clean_abandoned() == 0
+        assert _uploads(reader) == ["live/step-000000000001/rank-00000/" + layout.DATA_FILE]  # the live one's
+        assert _keys(reader, "dead/") == ["dead/step-000000000001/commit.json",
+                                          "dead/step-000000000001/rank-00000/data.safetensors",
+                                          "dead/step-000000000001/rank-00000/manifest.json"]
+        reader.verify_part(reader.part_location("dead", 1, 0))
+        assert [k for k in _keys(reader) if k.startswith(f"{layout.TMP_DIR}/{owner}/")] == []
+        assert _keys(reader, "gone/") == [] and _keys(reader, f"{layout.TMP_DIR}/node-gone/") == []
+        assert cleaner.clean_abandoned() == 0
 
-    # The live writer was never disturbed: it finishes and publishes.
-    sink.write(memoryview(data)[5 * MiB:], 5 * MiB)
-    sink.sync()
-    where = writer.commit({"format": layout.FORMAT, "job": "live", "step": 1, "rank": 0, "world_size": 1,
-                           "tensors": [], "tree": {}, "created": 1.0, "metrics": {}, "attempt": "run-1",
-                           "files": {layout.DATA_FILE: layout.FileEntry(
-                               len(data), MiB, tuple(layout.block_digests(data, MiB))).to_json()}})
-    reader.verify_part(where)
-    assert _uploads(reader) == [] and [k for k in _keys(reader) if k.endswith(".claim")] == []
+        # The live writer was never disturbed: it finishes and publishes.
+        sink.write(memoryview(data)[5 * MiB:], 5 * MiB)
+        sink.sync()
+        where = writer.commit({"format": layout.FORMAT, "job": "live", "step": 1, "rank": 0, "world_size": 1,
+                               "tensors": [], "tree": {}, "created": 1.0, "metrics": {}, "attempt": "run-1",
+                               "files": {layout.DATA_FILE: layout.FileEntry(
+                                   len(data), MiB, tuple(layout.block_digests(data, MiB))).to_json()}})
+        reader.verify_part(where)
+        assert _uploads(reader) == [] and [k for k in _keys(reader) if k.endswith(".claim")] == []
+    finally:
+        writer.abort()  # a no-op once committed; else its claim is no longer renewed
