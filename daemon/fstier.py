@@ -232,6 +232,11 @@ class FsTier:
         shutil.rmtree(location, ignore_errors=True)
         return True
 
+    def clean_abandoned(self) -> int:
+        """Nothing: each daemon cleans its own temporaries when it starts again (see :meth:`clean_temporaries`);
+        one that never comes back leaves its ``.tmp/<owner>/`` for the operator."""
+        return 0
+
     def usage(self) -> Usage:
         st = os.statvfs(self._root)
         return Usage(free_bytes=st.f_bavail * st.f_frsize, total_bytes=st.f_blocks * st.f_frsize)

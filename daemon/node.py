@@ -838,7 +838,8 @@ class Node:
 
     def _shared_timer(self) -> None:
         """Every ``[retention] interval_s``, on its own thread: re-read the shared tier, publish job
-        rules, apply the shared rules. A hung shared file system stops only this thread."""
+        rules, apply the shared rules, clean what dead daemons left there. A hung shared file system stops
+        only this thread."""
         interval = self.config.retention.interval_s
         next_pass = time.monotonic() + interval
         while True:
@@ -858,6 +859,7 @@ class Node:
                 self.job_rules.publish()
                 for job in self.catalog.jobs():
                     self.apply_retention(job, trigger="timer", local=False)
+                self.tiers[TierName.SHARED].clean_abandoned()  # what daemons gone for good left there
             except OSError as e:  # the shared file system's condition, not a bug: the next pass tries again
                 log.warning("timed shared retention pass failed: %s", e, extra=fields(tier=TierName.SHARED, error=e))
             except Exception:  # the timer must outlive one bad pass

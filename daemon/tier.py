@@ -108,8 +108,12 @@ class ChunkBatch(Protocol):
     """New chunks of one job's store, written but not yet in the store (:meth:`Tier.new_chunks`).
 
     :meth:`write` may be called from several threads. :meth:`publish` makes
-    them durable and visible together (before any manifest names them);
-    :meth:`discard` drops what was not published (a no-op after publishing).
+    them durable and visible (before any manifest names them); :meth:`discard`
+    drops what was not published (a no-op after publishing). A store where a
+    write is whole or absent may show each chunk as soon as it is written, and
+    leave a discarded batch's chunks to a later save or the sweep (an object
+    store): a chunk is named by its bytes, so an early one is a good one, and
+    the sweep's grace period covers it until a manifest names it.
     """
 
     def write(self, name: str, data: memoryview, direct_io: bool) -> None: ...
@@ -279,6 +283,11 @@ class Housekeeping(Protocol):
 
     def usage(self) -> Usage:
         """Raises OSError when the tier cannot be reached."""
+
+    def clean_abandoned(self) -> int:
+        """Cleans what other daemons that died for good left on a tier several share (their writers'
+        uploads and objects, their removals cut short), once the tier has seen no sign of life from them
+        for long enough; returns how many. A tier that only one daemon writes has nothing to do."""
 
     def quarantine_part(self, part: Path) -> Path:
         """Moves a corrupt part aside, out of every listing but kept for forensics; returns where it went."""
