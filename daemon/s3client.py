@@ -31,10 +31,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import boto3
+import botocore
 import botocore.config
 import botocore.exceptions
 import botocore.session
 
+from ckptstage.daemon.config import ConfigError
 from ckptstage.daemon.logs import fields
 
 if TYPE_CHECKING:
@@ -122,8 +124,31 @@ def connect(config: SharedConfig) -> Connection:
         log.warning("the shared tier %s uses credentials written in the config file "
                     "([shared] allow_inline_credentials = true); prefer the environment, a profile or a role",
                     location.url, extra=fields(tier="shared"))
-    return open_connection(location, config.endpoint, config.region, config.profile, config.access_key_id,
-                           config.secret_access_key)
+    try:
+        conn = open_connection(location, config.endpoint, config.region, config.profile, config.access_key_id,
+                               config.secret_access_key)
+    except botocore.exceptions.ProfileNotFound:
+        raise ConfigError("shared.profile", f"no profile {config.profile!r} in the AWS config or credentials file "
+                                            "(~/.aws/config, $AWS_CONFIG_FILE, $AWS_SHARED_CREDENTIALS_FILE)") from None
+    check_sdk(conn.client)
+    return conn
+
+
+# Request parameters the tier sends, by operation: claims are renewed and removed with If-Match, records
+# and claims created with If-None-Match. An SDK too old to know one refuses the request before sending it.
+_CONDITIONS = {"PutObject": ("IfNoneMatch", "IfMatch"), "DeleteObject": ("IfMatch",), "GetObject": ("IfMatch",)}
+
+
+def check_sdk(client: Any) -> None:
+    """Raises :class:`ConfigError` when the installed botocore cannot send the conditional requests the tier
+    relies on (botocore before 1.35.69), naming what to install."""
+    model = client.meta.service_model
+    missing = [f"{op} {name}" for op, names in _CONDITIONS.items()
+               for name in names if name not in model.operation_model(op).input_shape.members]
+    if missing:
+        raise ConfigError("shared.url", f"the installed botocore {botocore.__version__} cannot send "
+                                        f"{', '.join(missing)}, which the object-store tier needs: install "
+                                        "boto3>=1.35.69 (pip install -U 'ckptstage[s3]')")
 
 
 def open_connection(location: Location, endpoint: str | None = None, region: str | None = None,

@@ -223,3 +223,28 @@ def test_the_drain_to_the_store_holds_the_bandwidth_cap(s3_server: S3Server, tmp
     assert metric(text, "ckptstage_drain_duration_seconds_count") == 1
     # Held: never beaten by more than the limiter's burst (the upper bound is the file-system test's concern).
     assert took >= 0.9 * nbytes / rate, f"{nbytes} bytes reached the store in {took:.2f}s, the cap says {nbytes / rate:.2f}s"
+
+
+def test_a_profile_that_does_not_exist_stops_the_start_naming_it(s3_server: S3Server, tmp_path: Path) -> None:
+    """A missing profile is the operator's to fix, not a fault to retry: exit 78 (systemd does not restart),
+    one line naming the key and the files searched, no traceback."""
+    import subprocess
+    import sys
+
+    from ckptstage.daemon.main import EXIT_CONFIG
+
+    d = DaemonProcess(tmp_path / "n", {"shared.dir": "", "shared.url": f"s3://{BUCKET}/p", "shared.profile": "nosuch",
+                                       "shared.endpoint": s3_server.endpoint}, defaults=DEFAULTS)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "AWS_CONFIG_FILE": str(tmp_path / "none"),
+           "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none")}
+    out = subprocess.run([sys.executable, "-m", "ckptstage.daemon.main", "--config", str(d.config_path)],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == EXIT_CONFIG, out.stderr
+    assert "Traceback" not in out.stderr
+    assert re.search(r"shared\.profile.*no profile 'nosuch' in the AWS config or credentials file", out.stderr)
+
+
+def test_the_installed_sdk_sends_every_conditional_request_the_tier_needs(s3_server: S3Server) -> None:
+    from ckptstage.daemon.s3client import check_sdk
+
+    check_sdk(open_tier(s3_server, "probe").connection.client)  # the pinned boto3 floor is met here
