@@ -6,7 +6,6 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
-TYPED := client daemon dcp protos/layout.py protos/paths.py protos/handoff.py integrations/lightning/__init__.py integrations/hf/__init__.py
 
 .PHONY: venv demo test protos check-protos bench lint clean
 
@@ -33,7 +32,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_save.py
 
 lint: $(STAMP)
-	$(PY) -m mypy $(TYPED)
+	$(PY) tools/typecheck.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

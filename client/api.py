@@ -564,7 +564,7 @@ class Client:
             return True, state
         return False, None
 
-    def _load_part(self, step: int, rank: int, locations: Sequence[tuple[int, Path]], into: Any,
+    def _load_part(self, step: int, rank: int, locations: Sequence[tuple[pb.Tier, Path]], into: Any,
                    commit: str = "") -> tuple[Any, bool]:
         """One rank's whole part, from its first copy that verifies; (state, whether a copy vanished or the
         step was replaced meanwhile: then the caller asks the daemon again)."""
@@ -915,7 +915,7 @@ def _innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return current
 
 
-def _tier_code(tier: str) -> int:
+def _tier_code(tier: str) -> pb.Tier:
     if tier not in _TIERS:
         raise ValueError(f"tier must be 'local', 'shared' or 'memory', not {tier!r}")
     return _TIERS[tier]

@@ -36,7 +36,7 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from ckptstage.client import errors
-from ckptstage.client.progress import MODES, Progress
+from ckptstage.client.progress import MODES, Mode, Progress
 from ckptstage.client.progress import size_text as _size  # one byte formatter for tables and progress
 from ckptstage.client.rpc import FETCH_TIMEOUT_S, Connection, resolve_socket
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
@@ -412,7 +412,7 @@ def _prefetch_with_progress(conn: Connection, args: argparse.Namespace, req: pb.
 def cmd_consolidate(args: argparse.Namespace) -> int:
     from ckptstage.client import consolidate  # imports torch
 
-    progress = "bar" if sys.stderr.isatty() else "lines"
+    progress: Mode = "bar" if sys.stderr.isatty() else "lines"
     done = consolidate.consolidate(args.job, args.step, out=args.out, prefix=args.prefix,
                                    max_shard_size=args.max_shard_size, overwrite=args.overwrite,
                                    socket=args.socket, progress=progress)

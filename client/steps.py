@@ -31,7 +31,7 @@ class LocatedStep:
     step: int
     world_size: int
     attempt: str
-    parts: dict[int, list[tuple[int, Path]]]  # rank -> [(tier code, part dir)]: the copies on disk
+    parts: dict[int, list[tuple[pb.Tier, Path]]]  # rank -> [(tier, part dir)]: the copies on disk
     commit: str = ""  # the commit the answer comes from: another value later means the step was replaced
     memory: dict[int, Path] = field(default_factory=dict)  # rank -> handoff socket of its memory-tier copy
 

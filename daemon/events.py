@@ -28,11 +28,12 @@ class Bus:
     """Typed publish and subscribe, in process: a handler is subscribed to one event class."""
 
     def __init__(self) -> None:
-        self._handlers: dict[type, tuple[Callable[[Any], None], ...]] = {}
+        self._handlers: dict[type, tuple[Callable[[Any], object], ...]] = {}
         self._lock = threading.Lock()  # subscribing copies the tuple: publishing reads it without the lock
 
-    def subscribe(self, kind: type[E], handler: Callable[[E], None]) -> None:
-        """Calls ``handler(event)`` for every event of class ``kind`` (not its subclasses) published from now on."""
+    def subscribe(self, kind: type[E], handler: Callable[[E], object]) -> None:
+        """Calls ``handler(event)`` for every event of class ``kind`` (not its subclasses) published from now on;
+        what it returns is ignored."""
         with self._lock:
             self._handlers[kind] = self._handlers.get(kind, ()) + (handler,)
 

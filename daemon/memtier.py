@@ -362,7 +362,7 @@ class MemoryTier:
                          r.job, r.step, r.rank, r.size, extra=_fields(r, bytes=r.size))
 
 
-def _fields(r: Resident, bytes: int | None = None, error: object = None, **more: object) -> dict[str, Any]:
+def _fields(r: Resident, bytes: int | None = None, error: object = None, **more: Any) -> dict[str, Any]:
     """The log fields of one rank's part in the memory tier."""
     return fields(job=r.job, step=r.step, rank=r.rank, tier="memory", bytes=bytes, error=error, **more)
 

@@ -708,6 +708,7 @@ class Node:
             self.apply_retention(save.spec.job, trigger="commit", shared=False)
             return
         writer = save.writer
+        assert writer is not None  # a save that reached its commit wrote a part
         part = Part(spec.job, spec.step, spec.rank, spec.world_size, TierName.LOCAL, save.committed_path,
                     spec.data_bytes, self.clock(), dict(spec.metrics), layout.manifest_attempt(spec.manifest),
                     writer.manifest_digest, writer.ino)

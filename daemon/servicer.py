@@ -100,10 +100,11 @@ def _mapped(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _tier(value: int) -> TierName:
-    if value not in _TIERS:
+def _tier(value: pb.Tier) -> TierName:
+    tier = _TIERS.get(value)
+    if tier is None:
         raise InvalidRequest(f"unknown tier {value}: LOCAL, SHARED or MEMORY")
-    return _TIERS[value]
+    return tier
 
 
 def _timeout(requested: float, context: grpc.aio.ServicerContext) -> float:

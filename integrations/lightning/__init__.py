@@ -126,8 +126,11 @@ def read_pointer(path: str | os.PathLike[str]) -> Pointer | None:
         got = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
         raise PointerError(f"{p} is not a ckptstage checkpoint pointer: its format is {got!r}, "
                            f"expected {POINTER_FORMAT!r}")
+    job, step = obj.get("job"), obj.get("step")
     try:
-        return Pointer(layout.check_job(obj.get("job")), layout.check_step(obj.get("step")))
+        if not isinstance(job, str) or not isinstance(step, int):
+            raise layout.InvalidName(f"its job must be a name and its step a number, got {job!r} and {step!r}")
+        return Pointer(layout.check_job(job), layout.check_step(step))
     except layout.InvalidName as e:
         raise PointerError(f"{p} is not a valid ckptstage checkpoint pointer: {e}") from None
 
