@@ -565,6 +565,18 @@ def state_args(doc: str, states: Sequence[str], rounds: int = 5) -> argparse.Arg
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     return p
 
+def run_args(doc: str, where: str) -> argparse.ArgumentParser:
+    """The options every run benchmark takes: ``--dir`` (``where``: what lives there), ``--settle``, ``--json``
+    and ``--strict``; the caller adds its own."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", type=Path, default=None, help=f"where {where} (default: a temp dir under /tmp)")
+    p.add_argument("--settle", type=float, default=2.0,
+                   help="idle seconds before each disk-writing measurement (default 2; see settle)")
+    p.add_argument("--json", type=Path, default=None, help="also write every run here")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    return p
+
+
 @contextmanager
 def bench_dirs(base: Path | None, name: str) -> Iterator[tuple[Path, Path, dict[str, Any]]]:
     """A benchmark's run: (work dir under ``base``, a daemon root under /tmp, the machine), both removed

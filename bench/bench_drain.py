@@ -174,18 +174,11 @@ def bench_capped(cap: str, gib: float, work: Path, droot: Path, settle: float, o
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = h.run_args(__doc__ or "", "local tier, shared tier and the cp target live")
     p.add_argument("--gib", type=float, default=1.0, help="checkpoint size in GiB (default 1)")
-    p.add_argument("--dir", type=Path, default=None,
-                   help="where local tier, shared tier and the cp target live (default: a temp dir under /tmp)")
     p.add_argument("--repeats", type=int, default=3, help="uncapped rounds (default 3)")
     p.add_argument("--cap", default="200MiB/s", help='shared.max_bandwidth for the capped run; "0" skips it')
     p.add_argument("--cap-gib", type=float, default=None, help="checkpoint size of the capped run (default --gib)")
-    p.add_argument("--settle", type=float, default=2.0,
-                   help="idle seconds before each disk-writing measurement (default 2; see _harness.settle)")
-    p.add_argument("--json", type=Path, default=None, help="also write every run here")
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     return p.parse_args(argv)
 
 

@@ -197,18 +197,11 @@ def bench(args: argparse.Namespace, work: Path, droot: Path, out: Any) -> dict[s
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = h.run_args(__doc__ or "", "the local tier and SeaweedFS's data live")
     p.add_argument("--gib", type=float, default=0.5, help="state size in GiB (default 0.5)")
-    p.add_argument("--dir", type=Path, default=None,
-                   help="where the local tier and SeaweedFS's data live (default: a temp dir under /tmp)")
     p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     p.add_argument("--multipart-bytes", default="64MiB", help="[shared] multipart_bytes (default 64MiB)")
     p.add_argument("--multipart-concurrency", type=int, default=8, help="[shared] multipart_concurrency (default 8)")
-    p.add_argument("--settle", type=float, default=2.0,
-                   help="idle seconds before each measurement (default 2; see _harness.settle)")
-    p.add_argument("--json", type=Path, default=None, help="also write every run here")
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     return p.parse_args(argv)
 
 

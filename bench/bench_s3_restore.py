@@ -318,16 +318,9 @@ def report(run: Run, n: int, tuned_note: str, out: Callable[[str], None]) -> dic
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = h.run_args(__doc__ or "", "the local tiers, the peers' files and SeaweedFS's data live")
     p.add_argument("--gib", type=float, nargs="+", default=[0.5, 1.0], help="state sizes in GiB (default 0.5 1)")
-    p.add_argument("--dir", type=Path, default=None,
-                   help="where the local tiers, the peers' files and SeaweedFS's data live (default: under /tmp)")
     p.add_argument("--rounds", type=int, default=3, help="rounds per size (default 3)")
-    p.add_argument("--settle", type=float, default=2.0,
-                   help="idle seconds before each measurement (default 2; see _harness.settle)")
-    p.add_argument("--json", type=Path, default=None, help="also write every run here")
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     return p.parse_args(argv)
 
 

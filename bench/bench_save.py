@@ -280,20 +280,13 @@ def report(gib: float, nbytes: int, file_bytes: int, runs: Runs, out: Callable[[
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = h.run_args(__doc__ or "", "the local tier and the peers write")
     p.add_argument("--gib", type=float, nargs="+", default=[1.0], help="state size(s) in GiB (default 1)")
-    p.add_argument("--dir", type=Path, default=None,
-                   help="where the local tier and the peers write (default: a temp dir under /tmp)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per size (default 3)")
     p.add_argument("--peers", default=",".join(ALL_PEERS),
                    help=f"comma-separated subset of {','.join(ALL_PEERS)}")
     p.add_argument("--chunk", default="64MiB", help="daemon persist.chunk_bytes (default 64MiB)")
     p.add_argument("--workers", type=int, default=2, help="daemon persist.workers (default 2)")
-    p.add_argument("--settle", type=float, default=2.0,
-                   help="idle seconds before each disk-writing measurement (default 2; see _harness.settle)")
-    p.add_argument("--json", type=Path, default=None, help="also write every run here")
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     args = p.parse_args(argv)
     args.peers = {x.strip() for x in args.peers.split(",") if x.strip()}
     unknown = args.peers - set(ALL_PEERS)
