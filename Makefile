@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/ckptstage demo
 
 test: $(STAMP)
-	$(PY) -m mypy $(TYPED)
+	$(PY) tools/typecheck.py
 	$(PY) -m pytest -q
 
 protos: $(STAMP)

@@ -824,9 +824,11 @@ class Drainer:
                     view = memoryview(buf)[:size]
                     try:
                         if f.readinto(view) != size:
-                            raise CorruptSource(f"{src}: shorter than its size (a chunk of {part.path})")
+                            raise CorruptSource(f"{source.name_of(src)}: shorter than its size (a chunk of "
+                                                f"{source.name_of(part.path)})")
                         if chunks.digest(view) != name:
-                            raise CorruptSource(f"{src}: its bytes do not hash to its name (a chunk of {part.path})")
+                            raise CorruptSource(f"{source.name_of(src)}: its bytes do not hash to its name (a chunk "
+                                                f"of {source.name_of(part.path)})")
                         if rate_limited:
                             self._limiter.acquire(size)
                         batch.write(name, view, direct_io=True)
@@ -834,7 +836,7 @@ class Drainer:
                         view.release()
                         buf.close()
             except FileNotFoundError as e:
-                raise CorruptSource(f"{src}: a chunk of {part.path} is missing") from e
+                raise CorruptSource(f"{source.name_of(src)}: a chunk of {source.name_of(part.path)} is missing") from e
 
         if todo:
             with ThreadPoolExecutor(min(_CHUNK_COPIERS, len(todo)), "drain-chunk",
@@ -876,7 +878,7 @@ class Drainer:
                         try:
                             layout.verify_block(data, entry, first + j, src)
                         except layout.ChecksumMismatch as e:
-                            raise CorruptSource(str(e)) from None
+                            raise CorruptSource(f"{source.name_of(src)}: {e.detail}") from None
                         if rate_limited:  # per block: a whole piece's credit at once would overshoot the cap
                             self._limiter.acquire(len(data))
                     if pending is not None:
@@ -886,7 +888,7 @@ class Drainer:
                 if pending is not None:
                     pending.result()
                 if total != entry.size or fin.read(1):
-                    raise CorruptSource(f"{src}: size differs from its manifest ({entry.size} bytes)")
+                    raise CorruptSource(f"{source.name_of(src)}: size differs from its manifest ({entry.size} bytes)")
             out.sync()
         finally:
             out.close()

@@ -55,6 +55,9 @@ class FsTier:
     def location(self) -> str:
         return str(self._root)
 
+    def name_of(self, location: Path) -> str:
+        return str(location)
+
     @property
     def owner(self) -> str:
         return self._owner

@@ -84,6 +84,9 @@ class Quarantine:
     def _storage(self, part: Part) -> Tier:
         return self._tiers[part.tier]
 
+    def _name(self, part: Part) -> str:
+        return self._storage(part).name_of(part.path)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -93,14 +96,15 @@ class Quarantine:
             verdict = self._own_verdict(part)
         except OSError as e:
             self._metrics.corrupt_reports.labels(tier, "unreadable").inc()
-            log.error("cannot re-verify %s (%s): nothing is hidden", part.path, e, extra=_fields(part, error=e))
+            log.error("cannot re-verify %s (%s): nothing is hidden", self._name(part), e,
+                      extra=_fields(part, error=e))
             return
         finally:
             with self._lock:
                 self._pending.discard(part.path)
         if verdict is None:
             self._metrics.corrupt_reports.labels(tier, "intact").inc()
-            log.warning("%s verifies: the report (%s) was wrong, the copy stays", part.path, detail,
+            log.warning("%s verifies: the report (%s) was wrong, the copy stays", self._name(part), detail,
                         extra=_fields(part))
             return
         self._move_aside(part, verdict)
@@ -115,7 +119,7 @@ class Quarantine:
         """
         storage = self._storage(part)
         if not storage.has_part(part.path):
-            raise FileNotFoundError(f"{part.path} is gone (deleted by retention meanwhile?)")
+            raise FileNotFoundError(f"{self._name(part)} is gone (deleted by retention meanwhile?)")
         try:
             (self._verify or storage.verify_part)(part.path)
         except layout.ManifestError as e:
@@ -126,28 +130,32 @@ class Quarantine:
         return None
 
     def _move_aside(self, part: Part, failure: layout.ManifestError) -> None:
-        why = str(failure)
         storage = self._storage(part)
+        why = f"{storage.name_of(failure.path)}: {failure.detail}" if isinstance(failure, layout.ChecksumMismatch) \
+            else str(failure)
         if isinstance(failure, layout.ChecksumMismatch):
             # A corrupt chunk of an incremental part leaves its store: no later save may reuse it, and the
             # next that has its bytes writes them again. A part's own file goes with the part.
             try:
                 moved = storage.quarantine_chunk(failure.path)
                 if moved is not None:
-                    log.error("quarantined the corrupt chunk %s as %s", failure.path, moved,
+                    log.error("quarantined the corrupt chunk %s as %s", storage.name_of(failure.path),
+                              storage.name_of(moved),
                               extra=_fields(part, error=why))
             except OSError as e:
-                log.error("cannot quarantine the chunk %s: %s", failure.path, e, extra=_fields(part, error=e))
+                log.error("cannot quarantine the chunk %s: %s", storage.name_of(failure.path), e,
+                          extra=_fields(part, error=e))
         self._catalog.remove(part)
         try:
             target = storage.quarantine_part(part.path)
         except OSError as e:
-            log.error("cannot quarantine %s: %s (it is no longer indexed)", part.path, e, extra=_fields(part, error=e))
+            log.error("cannot quarantine %s: %s (it is no longer indexed)", storage.name_of(part.path), e,
+                      extra=_fields(part, error=e))
             return
         with self._lock:
             self._moved.append(Quarantined(part.job, part.step, part.rank, part.tier.value, target, why))
         log.error("quarantined the %s copy of %s step %d rank %d as %s: %s", part.tier.value, part.job,
-                  part.step, part.rank, target, why, extra=_fields(part, error=why))
+                  part.step, part.rank, storage.name_of(target), why, extra=_fields(part, error=why))
 
 
 def _fields(part: Part, error: object = None) -> dict[str, object]:

@@ -182,6 +182,9 @@ class S3Tier:
         """How messages name a location of this tier: ``s3://bucket/key``."""
         return f"s3://{self.connection.bucket}/{self.key(location)}"
 
+    def name_of(self, location: Path) -> str:
+        return self.url_of(location)
+
     def _location(self, key: str) -> Path:
         return self._root / key[len(self._prefix):].lstrip("/") if self._prefix else self._root / key
 

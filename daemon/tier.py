@@ -345,5 +345,8 @@ class Tier(PartIndex, PartStorage, ChunkStorage, Housekeeping, Replacing, Protoc
     def location(self) -> str:
         """Where the tier is, for people (logs, status, the CLI): a directory, or ``s3://bucket/prefix``."""
 
+    def name_of(self, location: Path) -> str:
+        """How messages name one of the tier's locations: its path, or ``s3://bucket/key``."""
+
     @property
     def owner(self) -> str: ...
