@@ -40,7 +40,7 @@ class Quarantined:
     step: int
     rank: int
     tier: str
-    path: Path
+    where: str  # the copy now, as messages name it (a path, or an s3:// URL)
     detail: str
 
 
@@ -75,10 +75,11 @@ class Quarantine:
     def load_tier(self, tier: TierName) -> int:
         """Finds copies quarantined on ``tier`` before a restart (``<tier>/<job>/step-*/.corrupt-*``); returns
         how many."""
-        found = self._tiers[tier].list_quarantined()
+        storage = self._tiers[tier]
+        found = storage.list_quarantined()
         with self._lock:
-            self._moved += [Quarantined(q.job, q.step, q.rank, tier.value, q.location, "found at start")
-                            for q in found]
+            self._moved += [Quarantined(q.job, q.step, q.rank, tier.value, storage.name_of(q.location),
+                                        "found at start") for q in found]
         return len(found)
 
     def _storage(self, part: Part) -> Tier:
@@ -153,7 +154,8 @@ class Quarantine:
                       extra=_fields(part, error=e))
             return
         with self._lock:
-            self._moved.append(Quarantined(part.job, part.step, part.rank, part.tier.value, target, why))
+            self._moved.append(Quarantined(part.job, part.step, part.rank, part.tier.value, storage.name_of(target),
+                                           why))
         log.error("quarantined the %s copy of %s step %d rank %d as %s: %s", part.tier.value, part.job,
                   part.step, part.rank, storage.name_of(target), why, extra=_fields(part, error=why))
 

@@ -264,7 +264,7 @@ class Servicer(pb_grpc.CheckpointerServicer):
     async def ListCheckpoints(self, request: pb.ListRequest, context: grpc.aio.ServicerContext) -> pb.ListResponse:
         found = await self._run(self.node.list_checkpoints, request.job, request.memory)
         return pb.ListResponse(checkpoints=[_checkpoint_info(c) for c in found.checkpoints], quarantined=[
-            pb.QuarantinedCopy(step=q.step, rank=q.rank, tier=_TIER_PB[TierName(q.tier)], path=str(q.path),
+            pb.QuarantinedCopy(step=q.step, rank=q.rank, tier=_TIER_PB[TierName(q.tier)], path=q.where,
                                detail=q.detail) for q in found.quarantined])
 
     @_mapped

@@ -179,7 +179,13 @@ def test_a_flipped_byte_on_the_store_fails_the_load_naming_the_part_and_lands_no
             reader.load()
         assert f"s3://{BUCKET}/{key}: " in str(caught.value)  # the object, by its URL
     assert not (nodes.b.local / "rot").exists() or not any((nodes.b.local / "rot").rglob(layout.MANIFEST_FILE))
-    assert _entry(nodes.b.socket, "rot", 3).ranks_local == []
+    # The daemon's own read agrees: the store's copy is moved aside, and named by its URL.
+    with Connection(nodes.b.socket) as conn:
+        moved = wait_until(lambda: conn.call("ListCheckpoints", pb.ListRequest(job="rot")).quarantined, 20,
+                           "the store's copy quarantined")
+        assert conn.call("ListCheckpoints", pb.ListRequest(job="rot")).checkpoints == []
+    assert [(q.step, q.rank, q.tier) for q in moved] == [(3, 0, pb.SHARED)]
+    assert moved[0].path.startswith(f"s3://{BUCKET}/{PREFIX}/rot/{layout.step_dirname(3)}/.corrupt-rank-0"), moved
 
 
 def test_prefetch_of_ranks_outside_the_step_is_refused_naming_the_rank(nodes: Nodes) -> None:
