@@ -194,3 +194,17 @@ def begin_raw_save(conn: Any, job: str, step: int) -> tuple[str, str]:
     save = conn.call("BeginSave", pb.BeginSaveRequest(session_id=sid, step=step, manifest_json=manifest,
                                                       data_bytes=80))
     return str(sid), str(save.save_id)
+
+
+def unit_directives(text: str, section: str) -> dict[str, list[str]]:
+    """A systemd unit's (or drop-in's) directives in ``section`` (e.g. ``"[Service]"``): name -> every value."""
+    found: dict[str, list[str]] = {}
+    current = ""
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("["):
+            current = line
+        elif line and not line.startswith("#") and current == section:
+            key, _, value = line.partition("=")
+            found.setdefault(key, []).append(value)
+    return found

@@ -25,6 +25,7 @@ import pytest
 
 from ckptstage.daemon.config import load_config
 from s3server import s3_server
+from support import unit_directives
 
 _ = s3_server  # the session's SeaweedFS, a fixture
 
@@ -170,19 +171,6 @@ def test_the_example_config_loads_as_an_object_store_tier() -> None:
     assert cfg.shared.access_key_id is None and not cfg.shared.allow_inline_credentials
 
 
-def _service_section(text: str) -> dict[str, list[str]]:
-    found: dict[str, list[str]] = {}
-    section = ""
-    for line in text.splitlines():
-        line = line.strip()
-        if line.startswith("["):
-            section = line
-        elif line and not line.startswith("#") and section == "[Service]":
-            key, _, value = line.partition("=")
-            found.setdefault(key, []).append(value)
-    return found
-
-
 def _analyze(directory: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``systemd-analyze`` with ``directory`` first in the unit path (its units and their drop-ins)."""
     if shutil.which("systemd-analyze") is None:
@@ -197,8 +185,8 @@ def test_the_drop_in_opens_the_units_network_and_systemd_accepts_it(tmp_path: Pa
 
     unit = _unit_copy(tmp_path)
     # The unit keeps the daemon to localhost; the drop-in exists to reset that.
-    assert _service_section(unit.read_text())["IPAddressDeny"] == ["any"]
-    assert _service_section(DROP_IN.read_text())["IPAddressDeny"] == [""]
+    assert unit_directives(unit.read_text(), "[Service]")["IPAddressDeny"] == ["any"]
+    assert unit_directives(DROP_IN.read_text(), "[Service]")["IPAddressDeny"] == [""]
     instance = unit.rename(unit.with_name("ckptstaged@alice.service"))
     (tmp_path / "ckptstaged@.service.d").mkdir()
     (tmp_path / "ckptstaged@.service.d" / "s3.conf").write_text(DROP_IN.read_text())

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import free_port, scrape, wait_until
+from support import free_port, scrape, unit_directives, wait_until
 
 from ckptstage.client import Client
 from ckptstage.client.rpc import Connection
@@ -310,21 +310,8 @@ def test_unit_exposure_is_at_most_2_5(tmp_path: Path) -> None:
     assert float(match.group(1)) <= MAX_EXPOSURE and out.returncode == 0, out.stdout
 
 
-def _directives(text: str, section: str) -> dict[str, list[str]]:
-    found: dict[str, list[str]] = {}
-    current = ""
-    for line in text.splitlines():
-        line = line.strip()
-        if line.startswith("["):
-            current = line
-        elif line and not line.startswith("#") and current == section:
-            key, _, value = line.partition("=")
-            found.setdefault(key, []).append(value)
-    return found
-
-
 def test_unit_directives_the_daemon_relies_on() -> None:
-    service = _directives(UNIT.read_text(), "[Service]")
+    service = unit_directives(UNIT.read_text(), "[Service]")
     assert service["Type"] == ["notify"] and service["NotifyAccess"] == ["main"]
     # The daemon pings every WatchdogSec/2; RestartPreventExitStatus is main.EXIT_CONFIG.
     assert int(service["WatchdogSec"][0]) >= 10
