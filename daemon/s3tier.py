@@ -77,7 +77,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ckptstage.daemon.logs import fields
-from ckptstage.daemon.s3claims import CLAIM_FILE, CLAIM_STALE_S, WRITER_NOTE, Claim, Claims
+from ckptstage.daemon.s3claims import CLAIM_FILE, CLAIM_STALE_S, WRITER_NOTE, Claim, Claims, quietly
 from ckptstage.daemon.s3client import MAX_CONNECTIONS, Connection, check, connect, is_refused
 from ckptstage.daemon.s3io import MIN_PIECE_BYTES, ObjectReader, UploadSink
 from ckptstage.daemon.s3objects import Objects, version
@@ -531,8 +531,36 @@ class S3Tier:
     # --- housekeeping -------------------------------------------------------------------
 
     def prepare(self) -> None:
-        """Checks that the bucket answers to these credentials (a bucket is the operator's to create)."""
+        """Checks that the bucket answers to these credentials (a bucket is the operator's to create) and
+        that the store honours conditional writes."""
         self.check()
+        self._check_conditions()
+
+    def _check_conditions(self) -> None:
+        """Raises OSError (ENOTSUP) naming the store when it takes a conditional PUT whose condition fails.
+
+        Commit records (created exactly once across daemons), claims and removals rely on the store
+        refusing them; one that ignores the conditions (some S3-compatible stores, or old versions of
+        them) would let two daemons both publish a step. Three small requests on an object of this
+        daemon's temporaries, then it is deleted."""
+        key = f"{self.dir_key(self._tmp())}conditions-{uuid.uuid4().hex[:12]}"
+        self.objects.put(key, b"1", if_absent=True)
+        try:
+            for what, write in (("If-None-Match: * on an object that exists",
+                                 lambda: self.objects.put(key, b"2", if_absent=True)),
+                                ("If-Match with an ETag the object does not have",
+                                 lambda: self.objects.put(key, b"2", if_match='"00000000000000000000000000000000"'))):
+                try:
+                    write()
+                except (FileExistsError, FileNotFoundError):
+                    continue  # refused, as it must be
+                raise OSError(errno.ENOTSUP, f"the store at {self.connection.endpoint} took a conditional write "
+                                             f"whose condition fails ({what}, on {self.url_of(self._location(key))}): "
+                                             "it does not honour If-None-Match/If-Match on PutObject, which the "
+                                             "shared tier needs so that two daemons never both publish a step; "
+                                             "use a store that does (docs/OPERATIONS.md)")
+        finally:
+            quietly(self.objects.delete, key)
 
     def clean_temporaries(self) -> int:
         """Finishes removals cut short, cleans the parts this daemon's writers left half written under

@@ -86,6 +86,12 @@ class FaultProxy:
     def delay(self, seconds: float, match: str = ".", times: int | None = None) -> Fault:
         return self._add(Fault(match, delay_s=seconds, times=times))
 
+    def answer(self, status: int, match: str = ".", headers: dict[str, str] | None = None,
+               times: int | None = None) -> Fault:
+        """Answers matching requests itself, ``status`` and ``headers`` with no body, without asking the
+        store: a store that says yes to what it did not do."""
+        return self._add(Fault(match, status, "", headers=headers or {}, times=times))
+
     def drop(self, match: str = ".", times: int | None = None) -> Fault:
         return self._add(Fault(match, status=-1, times=times))
 
@@ -239,10 +245,10 @@ def _relay_response(upstream: Any, conn: socket.socket, method: str, corrupt: bo
 
 
 def _error(status: int, code: str, method: str, headers: dict[str, str] | None = None) -> bytes:
-    body = b"" if method == "HEAD" else (
+    body = b"" if method == "HEAD" or status < 300 else (
         f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>injected by the test '
         f"proxy</Message><RequestId>fault</RequestId></Error>").encode()
-    reason = {301: "Moved Permanently", 500: "Internal Server Error", 503: "Slow Down"}.get(status, "Error")
+    reason = {200: "OK", 301: "Moved Permanently", 500: "Internal Server Error", 503: "Slow Down"}.get(status, "Error")
     extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
     return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n"
             f"{extra}Connection: close\r\n\r\n").encode() + body
@@ -456,6 +462,28 @@ def test_refused_credentials_a_missing_bucket_or_another_region_at_start_leave_t
         missing.stop()
         refused.stop()
         elsewhere.stop()
+
+
+def test_a_store_that_ignores_conditional_writes_is_not_used_and_says_why(
+        server: S3Server, proxy: FaultProxy, tmp_path: Path) -> None:
+    """A store that takes a conditional PUT whose condition fails would let two daemons both publish a step:
+    the tier is refused at start (the probe's writes are answered 200 without asking the store), saves stay
+    local, and status and the log name the store and what it ignored."""
+    proxy.answer(200, match=r"^PUT [^ ]*/\.tmp/[^ ]*/conditions-", headers={"ETag": '"0123456789abcdef"'})
+    d = _daemon(server, tmp_path / "c", "p", endpoint=proxy.endpoint)
+    try:
+        with Client("lenient", socket=d.socket) as client:
+            client.save(1, _state(1000, 1)).wait("local", timeout=30)
+            tier = wait_until(lambda: (t := _shared(d)).last_error and t, 30, "the shared tier's error")
+            assert tier.state in ("degraded", "unreachable")
+            words = (f"the store at {proxy.endpoint} took a conditional write whose condition fails "
+                     "(If-None-Match: * on an object that exists")
+            assert words in tier.last_error
+            assert words in (d.root / "daemon.log").read_text()
+            assert not any(s.startswith("PUT") and "/lenient/" in s for s in proxy.seen)  # nothing drained
+            assert client.list()[0].tiers == ("local",)
+    finally:
+        d.stop()
 
 
 # --- one tier through the proxy: what one request meets ---------------------------------------------------
