@@ -85,6 +85,12 @@ def _train(socket: Path, job: str, world_size: int, steps: tuple[int, ...], **cl
             c.close()
 
 
+def _complete(client: Client) -> list[int]:
+    """The steps ``client``'s daemon lists as restorable. A step's parts can be listed before its commit
+    record is: each rank's save is on the store when its part is, the record follows the last one."""
+    return [i.step for i in client.list() if i.complete]
+
+
 def _entry(socket: Path, job: str, step: int) -> pb.CheckpointInfo:
     with Connection(socket) as conn:
         [info] = [c for c in conn.call("ListCheckpoints", pb.ListRequest(job=job)).checkpoints if c.step == step]
@@ -107,7 +113,7 @@ def test_a_node_that_never_saw_the_job_loads_from_the_store_fetching_only_the_pa
     reader0 = Client("fresh", socket=nodes.b.socket, rank=0, world_size=2)
     reader1 = Client("fresh", socket=nodes.b.socket, rank=1, world_size=2)
     try:
-        wait_until(lambda: [i.step for i in reader0.list()] == [1, 2], 20, "B listing the store")
+        wait_until(lambda: _complete(reader0) == [1, 2], 20, "B listing the store")
         assert _entry(nodes.b.socket, "fresh", 2).ranks_local == []
 
         assert _equal(reader0.load(), _state(0, 2))  # no prefetch: the load fetches what it reads
@@ -138,7 +144,7 @@ def test_many_readers_of_every_part_at_once_fetch_each_part_once(nodes: Nodes) -
     _train(nodes.a.socket, "crowd", 3, (5,))
     readers = [Client("crowd", socket=nodes.b.socket, rank=r, world_size=3) for r in range(3)]
     try:
-        wait_until(lambda: [i.step for i in readers[0].list()] == [5], 20, "B listing the store")
+        wait_until(lambda: _complete(readers[0]) == [5], 20, "B listing the store")
         barrier = threading.Barrier(len(readers) * 2)
         seen: list[Any] = []
 
@@ -174,7 +180,7 @@ def test_a_flipped_byte_on_the_store_fails_the_load_naming_the_part_and_lands_no
     conn.client.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
 
     with Client("rot", socket=nodes.b.socket) as reader:
-        wait_until(lambda: [i.step for i in reader.list()] == [3], 20, "B listing the store")
+        wait_until(lambda: _complete(reader) == [3], 20, "B listing the store")
         with pytest.raises(errors.CkptStageError, match=r"rot step 3 rank 0.*(checksum|digest|xxh3)") as caught:
             reader.load()
         assert f"s3://{BUCKET}/{key}: " in str(caught.value)  # the object, by its URL
@@ -191,7 +197,8 @@ def test_a_flipped_byte_on_the_store_fails_the_load_naming_the_part_and_lands_no
 def test_prefetch_of_ranks_outside_the_step_is_refused_naming_the_rank(nodes: Nodes) -> None:
     _train(nodes.a.socket, "few", 2, (1,))
     with Connection(nodes.b.socket) as conn:
-        wait_until(lambda: conn.call("ListCheckpoints", pb.ListRequest(job="few")).checkpoints, 20, "B listing")
+        wait_until(lambda: [c.step for c in conn.call("ListCheckpoints", pb.ListRequest(job="few")).checkpoints
+                            if c.complete] == [1], 20, "B listing")
         with pytest.raises(errors.InvalidRequest, match=r"rank 7 is not a rank of few step 1 \(world size 2\)"):
             conn.call("Prefetch", pb.PrefetchRequest(job="few", step=1, ranks=[7]))
         got = conn.call("Prefetch", pb.PrefetchRequest(job="few", step=1, ranks=[1]), timeout=60)
@@ -208,7 +215,7 @@ def test_incremental_parts_are_restored_chunk_by_chunk(s3_server: S3Server, tmp_
     try:
         _train(a.socket, "inc", 1, (1, 2))
         with Client("inc", socket=b.socket) as reader:
-            wait_until(lambda: [i.step for i in reader.list()] == [1, 2], 20, "B listing the store")
+            wait_until(lambda: _complete(reader) == [1, 2], 20, "B listing the store")
             assert _equal(reader.load(), _state(0, 2))
             assert _equal(reader.load(step=1), _state(0, 1))
         assert any((b.local / "inc").rglob("chunks/*/*"))
