@@ -17,6 +17,7 @@ object: a read fetches its range as several ranged GETs at once.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
@@ -30,6 +31,7 @@ MIN_PIECE_BYTES = 5 << 20
 MAX_PIECES = 10_000
 # The most a ranged GET asks for at once.
 READ_PIECE_BYTES = 8 << 20
+READ_AHEAD = 8  # ranged GETs in flight ahead of one reader (at most this many pieces held in memory)
 
 
 def piece_size(size: int, piece_bytes: int) -> int:
@@ -179,13 +181,24 @@ class UploadSink:
 
 
 class ObjectReader:
-    """An object read from its start; each read fetches its range with ranged GETs on ``pool``."""
+    """An object read from its start (or where :meth:`seek` says), by ranged GETs on ``pool``.
+
+    Up to ``ahead`` GETs of :data:`READ_PIECE_BYTES` are kept in flight ahead
+    of the reader, across reads: a read takes what has come and asks for the
+    next ranges at once, so the pipe to the store never empties between two
+    reads (on a store far away, waiting for all of one read's GETs before
+    asking for the next read's cost a round trip per read). A seek elsewhere
+    drops what was asked ahead. Every GET is pinned to the ETag seen at open:
+    an object replaced meanwhile fails the read instead of mixing versions.
+    """
 
     def __init__(self, conn: Connection, key: str, pool: ThreadPoolExecutor,
-                 on_missing: Callable[[FileNotFoundError], BaseException] | None = None) -> None:
+                 on_missing: Callable[[FileNotFoundError], BaseException] | None = None,
+                 ahead: int = READ_AHEAD) -> None:
         self._conn = conn
         self.key = key
         self._pool = pool
+        self._ahead = max(1, ahead)
         try:
             with errors("reading", conn, key):
                 head = conn.client.head_object(Bucket=conn.bucket, Key=key)
@@ -194,34 +207,55 @@ class ObjectReader:
         self.size: int = int(head["ContentLength"])
         self._etag = str(head["ETag"])
         self._pos = 0
+        self._asked: deque[tuple[int, int, Future[bytes]]] = deque()  # (start, end, GET), in order from _pos
+        self._next = 0  # where the next range to ask for starts
 
     def readinto(self, buf: memoryview) -> int | None:
         view = memoryview(buf).cast("B")
         n = min(len(view), self.size - self._pos)
         if n <= 0:
             return 0
-        ranges = [(lo, min(lo + READ_PIECE_BYTES, n)) for lo in range(0, n, READ_PIECE_BYTES)]
-        if len(ranges) == 1:
-            self._fetch(view, self._pos, 0, n)
-        else:
-            for f in [self._pool.submit(self._fetch, view, self._pos, lo, hi) for lo, hi in ranges]:
-                f.result()
-        self._pos += n
+        done = 0
+        while done < n:
+            self._ask()
+            lo, hi, got = self._asked[0]
+            data = memoryview(got.result())
+            take = min(hi - self._pos, n - done)
+            view[done:done + take] = data[self._pos - lo:self._pos - lo + take]
+            done += take
+            self._pos += take
+            if self._pos == hi:
+                self._asked.popleft()
+        self._ask()  # the next ranges come while the caller works on these
         return n
 
-    def _fetch(self, view: memoryview, start: int, lo: int, hi: int) -> None:
-        """Bytes [start+lo, start+hi) of the object into view[lo:hi]; the object must not have changed."""
+    def _ask(self) -> None:
+        while len(self._asked) < self._ahead and self._next < self.size:
+            lo, hi = self._next, min(self._next + READ_PIECE_BYTES, self.size)
+            self._asked.append((lo, hi, self._pool.submit(self._get, lo, hi)))
+            self._next = hi
+
+    def _get(self, lo: int, hi: int) -> bytes:
+        """Bytes [lo, hi) of the object; the object must not have changed."""
         with errors("reading", self._conn, self.key):
             got = self._conn.client.get_object(Bucket=self._conn.bucket, Key=self.key, IfMatch=self._etag,
-                                               Range=f"bytes={start + lo}-{start + hi - 1}")
-            data = got["Body"].read()
+                                               Range=f"bytes={lo}-{hi - 1}")
+            data: bytes = got["Body"].read()
         if len(data) != hi - lo:
             raise OSError(f"reading {self._conn.where(self.key)}: {len(data)} bytes for a range of {hi - lo}")
-        view[lo:hi] = data
+        return data
 
     def seek(self, pos: int) -> None:
         """Where the next read starts."""
-        self._pos = max(0, min(pos, self.size))
+        pos = max(0, min(pos, self.size))
+        if pos != self._pos:
+            self._drop()
+            self._pos = self._next = pos
+
+    def _drop(self) -> None:
+        for _, _, got in self._asked:
+            got.cancel()  # one already running finishes unread
+        self._asked.clear()
 
     def read(self, n: int) -> bytes:
         buf = bytearray(max(0, min(n, self.size - self._pos)))
@@ -229,7 +263,7 @@ class ObjectReader:
         return bytes(buf[:got])
 
     def close(self) -> None:
-        pass
+        self._drop()
 
     def __enter__(self) -> ObjectReader:
         return self

@@ -461,3 +461,42 @@ def test_a_daemon_refused_by_the_store_saves_locally_and_says_why(s3_server: S3S
         assert "wrong-secret" not in log
     finally:
         d.stop()
+
+
+def test_an_object_is_read_whole_through_odd_reads_and_seeks_with_gets_kept_in_flight_ahead(
+        s3_server: S3Server) -> None:
+    """ObjectReader keeps READ_AHEAD ranged GETs in flight across reads; reads of any size and seeks
+    anywhere give the object's bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckptstage.daemon.s3io import READ_AHEAD, READ_PIECE_BYTES, ObjectReader
+
+    from support import wait_until
+    from test_s3_faults import FaultProxy
+
+    data = os.urandom(5 * READ_PIECE_BYTES + 12345)
+    key = f"reader-{os.getpid()}/object"
+    writer = open_tier(s3_server, "writer").connection
+    writer.client.put_object(Bucket=BUCKET, Key=key, Body=data)
+    proxy = FaultProxy(s3_server.endpoint)
+    conn = open_connection(Location(BUCKET, "x"), proxy.endpoint, REGION, access_key_id=ACCESS_KEY,
+                           secret_access_key=SECRET_KEY)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            reader = ObjectReader(conn, key, pool, ahead=3)
+            assert reader.read(1) == data[:1]
+            # One byte read, three ranges asked: the first and the two behind it, before anyone reads them.
+            wait_until(lambda: sum(s.startswith("GET") for s in proxy.seen) == 3, 10, "three GETs ahead")
+            got = bytearray(data[:1])
+            for size in (7, READ_PIECE_BYTES - 3, 2 * READ_PIECE_BYTES + 1, 1 << 20):
+                got += reader.read(size)
+            reader.seek(len(data) - 100)  # far ahead: what was asked ahead is dropped
+            tail = reader.read(1000)
+            reader.seek(10)  # and back
+            assert reader.read(20) == data[10:30]
+            reader.close()
+            assert bytes(got) == data[:len(got)] and tail == data[-100:]
+            whole = ObjectReader(conn, key, pool, ahead=READ_AHEAD)
+            assert whole.read(len(data) + 1) == data and whole.read(1) == b""
+    finally:
+        proxy.close()
