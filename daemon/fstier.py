@@ -250,10 +250,9 @@ class FsTier:
         return target
 
     def quarantine_chunk(self, location: Path) -> Path | None:
-        store = location.parent.parent
-        if store.name != chunks.CHUNKS_DIR or not chunks.is_chunk_name(location.name):
+        target = chunks.corrupt_location(location)
+        if target is None:
             return None
-        target = store / chunks.CORRUPT_DIR / f"{location.name}-{uuid.uuid4().hex[:6]}"
         target.parent.mkdir(exist_ok=True)
         os.rename(location, target)
         return target

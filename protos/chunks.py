@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import re
+import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,15 @@ def store_dir(tier_dir: Path, job: str) -> Path:
 
 def chunk_path(store: Path, name: str) -> Path:
     return store / name[:2] / name
+
+
+def corrupt_location(location: Path) -> Path | None:
+    """Where the chunk at ``location`` goes when it fails verification: ``<store>/.corrupt/<name>-<random>``
+    (kept for forensics, out of the store). None when ``location`` is not a chunk of a store."""
+    store = location.parent.parent
+    if store.name != CHUNKS_DIR or not is_chunk_name(location.name):
+        return None
+    return store / CORRUPT_DIR / f"{location.name}-{uuid.uuid4().hex[:6]}"
 
 
 def store_of(part: Path, job: str) -> Path:
