@@ -99,9 +99,9 @@ def located(ckpt: Checkpoint, rank: int, all_ranks: bool, in_memory: Callable[[i
     """Where the committed step's parts are; ``in_memory(rank)``: whether the memory tier serves that rank's;
     ``tiers``: the storage of each disk tier, which says where its parts are read. A part committed only
     where no reader can open it is named in :attr:`Located.fetch`."""
-    asked = range(ckpt.world_size) if all_ranks else [rank]
-    found = {r: locations(ckpt.committed(r), in_memory(r), tiers) for r in asked}
-    fetch = {r: ckpt.committed(r)[0].nbytes for r in asked if not found[r] and ckpt.committed(r)}
+    committed = {r: ckpt.committed(r) for r in (range(ckpt.world_size) if all_ranks else [rank])}
+    found = {r: locations(parts, in_memory(r), tiers) for r, parts in committed.items()}
+    fetch = {r: parts[0].nbytes for r, parts in committed.items() if parts and not found[r]}
     record = ckpt.record
     return Located(ckpt.step, ckpt.world_size, ckpt.attempt, record.fingerprint() if record else "",
                    found.get(rank, []), found if all_ranks else {}, fetch)

@@ -31,6 +31,7 @@ from typing import Any
 
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.s3objects import Objects
+from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +258,19 @@ class Claims:
                     return
             for claim in held:
                 self.renew(claim)
+
+
+def part_objects(objects: Objects, part: str) -> list[str]:
+    """The keys under a part's key prefix ``part``, but its claim (only its writer, or a clean-up of that
+    writer's, removes that)."""
+    return [k for k in objects.keys(part) if not k.endswith("/" + CLAIM_FILE)]
+
+
+def discard_unpublished(objects: Objects, part: str) -> None:
+    """Deletes what a writing or a removal cut short left at a part's keys (its claim aside), unless the
+    part's manifest is there: then the part is published and stays. Run holding the part's claim."""
+    if objects.head(part + layout.MANIFEST_FILE) is None:
+        objects.delete_many(part_objects(objects, part))
 
 
 def quietly(call: Callable[..., Any], *args: Any) -> None:

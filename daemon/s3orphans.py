@@ -34,9 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptstage.daemon.logs import fields
-from ckptstage.daemon.s3claims import CLAIM_FILE, WRITER_NOTE, Claims, read_claim
+from ckptstage.daemon.s3claims import CLAIM_FILE, WRITER_NOTE, Claims, discard_unpublished, read_claim
 from ckptstage.daemon.s3objects import Objects
-from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +120,7 @@ def _finish_writer(objects: Objects, claims: Claims, scope: Scope, temporaries: 
             return 0  # renewed, given back or taken meanwhile: look again next pass
         try:
             objects.abort_uploads(part)
-            if objects.head(part + layout.MANIFEST_FILE) is None:
-                objects.delete_many([k for k in objects.keys(part) if not k.endswith("/" + CLAIM_FILE)])
+            discard_unpublished(objects, part)
         finally:
             claims.release(held)
     else:
@@ -157,8 +155,7 @@ def _finish_removal(objects: Objects, claims: Claims, scope: Scope, note: str, o
         except OSError:
             return 0  # a writer is at the part now (it removes what is not its own), or the store failed
         try:
-            if objects.head(part + layout.MANIFEST_FILE) is None:
-                objects.delete_many([k for k in objects.keys(part) if not k.endswith("/" + CLAIM_FILE)])
+            discard_unpublished(objects, part)
         finally:
             claims.release(held)
     objects.delete(note)

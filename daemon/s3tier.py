@@ -77,7 +77,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ckptstage.daemon.logs import fields
-from ckptstage.daemon.s3claims import CLAIM_FILE, CLAIM_STALE_S, WRITER_NOTE, Claim, Claims, quietly
+from ckptstage.daemon.s3claims import CLAIM_FILE, CLAIM_STALE_S, WRITER_NOTE, Claim, Claims, discard_unpublished, part_objects, quietly
 from ckptstage.daemon.s3client import MAX_CONNECTIONS, Connection, check, connect, is_refused
 from ckptstage.daemon.s3io import MIN_PIECE_BYTES, ObjectReader, UploadSink
 from ckptstage.daemon.s3objects import Objects, version
@@ -210,9 +210,8 @@ class S3Tier:
                           before_complete=before_complete)
 
     def part_objects(self, prefix: str) -> list[str]:
-        """The keys under a part's ``prefix``, but its claim (only its writer, or a clean-up of that
-        writer's, removes that)."""
-        return [k for k in self.objects.keys(prefix) if not k.endswith("/" + CLAIM_FILE)]
+        """The keys under a part's ``prefix``, but its claim (see :func:`s3claims.part_objects`)."""
+        return part_objects(self.objects, prefix)
 
     # --- the index ---------------------------------------------------------------------
 
@@ -607,8 +606,7 @@ class S3Tier:
         if claim is None:
             return  # it never took the claim, or another writer broke it since: what is there is not ours
         self.objects.abort_uploads(part)
-        if self.objects.head(part + layout.MANIFEST_FILE) is None:
-            self.objects.delete_many(self.part_objects(part))
+        discard_unpublished(self.objects, part)
         self.claims.release(claim)
 
     def _finish_removal(self, note: str, under: str = "") -> None:
@@ -622,8 +620,8 @@ class S3Tier:
             prefix = ""  # not one of ours to finish
         if not prefix.startswith(under):
             return
-        if prefix and self.objects.head(prefix + layout.MANIFEST_FILE) is None:
-            self.objects.delete_many(self.part_objects(prefix))
+        if prefix:
+            discard_unpublished(self.objects, prefix)
         self.objects.delete(note)
 
     def discard_temporary(self, location: Path) -> bool:
