@@ -34,13 +34,15 @@ from typing import IO, Any
 
 from pythonjsonlogger.json import JsonFormatter
 
+from ckptstage.daemon import journald
+
 FORMATS = ("auto", "text", "json", "journal")
 # The fields a call site may set, in the order text lines append them.
 FIELD_NAMES = ("job", "step", "rank", "tier", "bytes", "duration_s", "error")
 # The LogRecord attribute that carries a record's fields: one attribute, so that no field name can clash
 # with LogRecord's own (``name``, ``args``, ``module`` ...), and formatters know which extras are ours.
 FIELDS_ATTR = "ckptstage_fields"
-JOURNAL_SOCKET = "/run/systemd/journal/socket"
+JOURNAL_SOCKET = journald.SOCKET
 IDENTIFIER = "ckptstaged"
 
 # syslog(3) priorities, from the lowest logging level each starts at (levels between INFO and WARNING,
@@ -167,29 +169,23 @@ def journal_entry(record: logging.LogRecord, message: str) -> dict[str, str | in
     return entry
 
 
-def _journal_send(**entry: Any) -> int:
-    from cysystemd.journal import send
-
-    return int(send(**entry))
-
-
 class JournalHandler(logging.Handler):
-    """Writes each record as a journal entry (journald's native protocol, through libsystemd).
+    """Writes each record as one journal entry through journald's native protocol.
 
-    ``send`` (default: cysystemd's ``journal.send``) is injectable for tests. libsystemd drops an
-    entry silently when the journal's socket is missing, so :func:`configure` checks for the socket
-    first and falls back to prefixed lines on stderr.
+    ``send`` takes the entry's fields (default: :class:`~ckptstage.daemon.journald.JournalSocket`
+    on the journal's socket). :func:`make_handler` checks for the socket first and falls back to
+    prefixed lines on stderr where it is missing.
     """
 
-    def __init__(self, send: Callable[..., int] = _journal_send) -> None:
+    def __init__(self, send: Callable[[Mapping[str, str | int]], None] | None = None) -> None:
         super().__init__()
-        self._send = send
+        self._send = send or journald.JournalSocket().send
         # MESSAGE is the message (and a bug's traceback), without the timestamp journald adds itself.
         self.setFormatter(logging.Formatter("%(message)s"))
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self._send(**journal_entry(record, self.format(record)))
+            self._send(journal_entry(record, self.format(record)))
         except Exception:  # noqa: BLE001 - logging's contract: a handler never raises into the caller
             self.handleError(record)
 
@@ -223,11 +219,10 @@ def resolve_format(requested: str, env: Mapping[str, str], stream: IO[str]) -> s
     return "journal" if stderr_is_journal(env, stream) else "text"
 
 
-def make_handler(fmt: str, stream: IO[str], journal_socket: str = JOURNAL_SOCKET,
-                 send: Callable[..., int] = _journal_send) -> logging.Handler:
+def make_handler(fmt: str, stream: IO[str], journal_socket: str = JOURNAL_SOCKET) -> logging.Handler:
     """The handler of a concrete format (``text``, ``json`` or ``journal``)."""
     if fmt == "journal" and journal_socket_present(journal_socket):
-        return JournalHandler(send)
+        return JournalHandler(journald.JournalSocket(journal_socket).send)
     handler = logging.StreamHandler(stream)
     formatter: logging.Formatter = {"text": TextFormatter, "json": JsonLineFormatter,
                                     "journal": PrefixFormatter}[fmt]()

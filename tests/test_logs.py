@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import socket
+import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,7 @@ def test_prefixed_lines_carry_the_priority_on_every_line() -> None:
 
 def test_journal_entries_carry_the_fields_as_journal_fields() -> None:
     sent: list[dict[str, Any]] = []
-    handler = logs.JournalHandler(send=lambda **entry: sent.append(entry) or 0)
+    handler = logs.JournalHandler(send=lambda entry: sent.append(dict(entry)))
     handler.handle(_record(logging.WARNING, extra=logs.fields(job="a", step=3, rank=1, tier="shared",
                                                               error="gone", retry_in_s=1.5)))
     [entry] = sent
@@ -112,6 +113,63 @@ def test_journal_falls_back_to_prefixed_stderr_without_the_journal_socket(tmp_pa
         journal.bind(str(tmp_path / "socket"))
         present = logs.make_handler("journal", io.StringIO(), journal_socket=str(tmp_path / "socket"))
     assert isinstance(present, logs.JournalHandler)
+
+
+def _journal_fields(datagram: bytes) -> list[tuple[str, str]]:
+    """The fields of one native-protocol datagram, in order, repeats kept (journald's own parsing)."""
+    out: list[tuple[str, str]] = []
+    rest = datagram
+    while rest:
+        line, sep, after = rest.partition(b"\n")
+        if b"=" in line:
+            name, _, value = line.partition(b"=")
+            out.append((name.decode(), value.decode()))
+            rest = after
+        else:
+            size = struct.unpack("<Q", after[:8])[0]
+            out.append((line.decode(), after[8:8 + size].decode()))
+            assert after[8 + size:9 + size] == b"\n", "a binary field ends with a newline"
+            rest = after[9 + size:]
+    return out
+
+
+def test_journal_entries_reach_the_socket_with_the_daemons_call_site_once(tmp_path: Path) -> None:
+    """What journald receives: each CODE_* field once, naming the daemon's call site, never the journal
+    library's; a multi-line message (a traceback) and an entry larger than a datagram arrive whole."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as journal:
+        journal.bind(str(tmp_path / "socket"))
+        journal.settimeout(5)
+        handler = logs.make_handler("journal", io.StringIO(), journal_socket=str(tmp_path / "socket"))
+        logger = logging.getLogger("ckptstage.daemon.test_journal")
+        logger.addHandler(handler)
+        logger.propagate = False
+        try:
+            logger.warning("drain of %s failed", "a", extra=logs.fields(job="a", step=3))
+            line = sys._getframe().f_lineno - 1
+            fields = _journal_fields(journal.recv(1 << 20))
+            try:
+                raise OSError("disk\ngone")
+            except OSError:
+                logger.exception("bug")
+            traceback_fields = dict(_journal_fields(journal.recv(1 << 20)))
+            logger.error("%s", "x" * (4 << 20))  # past any datagram: sent as a sealed memfd
+            msg, ancillary, _, _ = journal.recvmsg(16, socket.CMSG_SPACE(4))
+        finally:
+            logger.removeHandler(handler)
+    names = [name for name, _ in fields]
+    for code in ("CODE_FILE", "CODE_LINE", "CODE_FUNC"):
+        assert names.count(code) == 1, f"{code} appears {names.count(code)} times: {fields}"
+    got = dict(fields)
+    assert (got["CODE_FILE"], got["CODE_LINE"], got["CODE_FUNC"]) == (
+        __file__, str(line), "test_journal_entries_reach_the_socket_with_the_daemons_call_site_once")
+    assert got["MESSAGE"] == "drain of a failed" and got["JOB"] == "a" and got["PRIORITY"] == "4"
+    assert "OSError: disk\ngone" in traceback_fields["MESSAGE"] and traceback_fields["PRIORITY"] == "3"
+    assert msg == b"" and len(ancillary) == 1, "a large entry travels as one passed descriptor"
+    fd = struct.unpack("i", ancillary[0][2][:4])[0]
+    with os.fdopen(fd, "rb") as memfd:
+        memfd.seek(0)  # the sender wrote through the same open file
+        big = dict(_journal_fields(memfd.read()))
+    assert big["MESSAGE"] == "x" * (4 << 20)
 
 
 def test_auto_is_journal_only_on_the_journal_stream(tmp_path: Path) -> None:
