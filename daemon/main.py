@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import faulthandler
 import fcntl
 import logging
 import os
@@ -248,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     # Private by default: manifests hold every plain value of a training state. Every file and
     # directory the daemon creates is 0600/0700, whatever umask it was started with.
     os.umask(0o077)
+    # A fatal signal (the watchdog's SIGABRT when the loop hangs, a SIGSEGV) writes every thread's
+    # stack to stderr, which the unit sends to the journal: the one trace of where the daemon hung.
+    faulthandler.enable(all_threads=True)
     args = parse_args(argv)
     log_format = logs.configure(args.log_format, args.log_level, sys.stderr)
     try:

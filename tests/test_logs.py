@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import os
+import signal
 import socket
 import struct
 import sys
@@ -264,3 +265,16 @@ def test_a_configuration_error_is_one_line_of_the_chosen_format(tmp_path: Path) 
         [line] = prefixed.stderr.splitlines()
         assert line.startswith("<3>ckptstaged: ") and "retention.interval_s" in line
     assert prefixed.returncode == 78
+
+
+def test_an_abort_writes_every_threads_stack_to_the_log(daemon: Any) -> None:
+    """The watchdog's kill of a hung daemon (SIGABRT) leaves where each thread was, in the daemon's
+    stderr (the journal under the unit): here the daemon's loop is stopped, aborted, then let run."""
+    os.kill(daemon.pid, signal.SIGSTOP)
+    os.kill(daemon.pid, signal.SIGABRT)
+    os.kill(daemon.pid, signal.SIGCONT)
+    assert daemon.proc.wait(timeout=60) == -signal.SIGABRT
+    out = daemon.output_tail(400)
+    assert "Fatal Python error: Aborted" in out, out
+    assert out.count("Thread 0x") >= 3, f"every thread's stack, not only the main thread's:\n{out}"
+    assert "_run_loop" in out and "in main" in out, out
