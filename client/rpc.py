@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,21 +99,36 @@ class Pending:
 
 
 def call_when_up(conn: Connection, method: str, request: Any, wait_s: float) -> Any:
-    """``conn.call``, waiting up to ``wait_s`` for a daemon that is not answering yet (starting, restarting).
+    """``conn.call``, waiting up to ``wait_s`` in all for a daemon that is not answering yet (starting,
+    restarting, or hung).
 
-    gRPC retries the connection every 100-250 ms meanwhile (see
-    ``_CHANNEL_OPTIONS``); one log line says that the client waits.
+    One deadline covers the whole wait: the first call is bounded by it too,
+    else against a daemon that accepts connections but never answers (stopped,
+    hung) it would first sit out gRPC's connection-attempt timeout (20 s, see
+    ``_CHANNEL_OPTIONS``) before the wait asked for began. Where no daemon
+    listens at all the first call fails at once; gRPC then retries the
+    connection every 100-250 ms until the deadline, and one log line says
+    that the client waits.
     """
+    deadline = time.monotonic() + wait_s
     try:
-        return conn.call(method, request)
+        return conn.call(method, request, timeout=wait_s if wait_s > 0 else DEFAULT_TIMEOUT_S)
     except DaemonUnavailable:
         if wait_s <= 0:
             raise
+    except DaemonTimeout as e:
+        if wait_s <= 0:
+            raise
+        raise _not_up(conn, wait_s, e) from None
     log.warning("ckptstage: no daemon answering on %s yet; waiting up to %.0fs for it to start", conn.socket, wait_s)
     try:
-        return conn.call(method, request, timeout=wait_s, wait_for_ready=True)
+        return conn.call(method, request, timeout=max(0.0, deadline - time.monotonic()), wait_for_ready=True)
     except (DaemonTimeout, DaemonUnavailable) as e:
-        raise DaemonUnavailable(
-            f"no ckptstaged answered on {conn.socket} within {wait_s:g}s ({e}); check that the daemon runs "
-            "(`ckptstage status`, `systemctl status ckptstaged@<instance>`, its log) and that this is its socket "
-            "(Client(socket=...), $CKPTSTAGE_SOCKET, `socket` in its config)") from None
+        raise _not_up(conn, wait_s, e) from None
+
+
+def _not_up(conn: Connection, wait_s: float, cause: Exception) -> DaemonUnavailable:
+    return DaemonUnavailable(
+        f"no ckptstaged answered on {conn.socket} within {wait_s:g}s ({cause}); check that the daemon runs "
+        "(`ckptstage status`, `systemctl status ckptstaged@<instance>`, its log) and that this is its socket "
+        "(Client(socket=...), $CKPTSTAGE_SOCKET, `socket` in its config)")

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from ckptstage.client import Client, DaemonTimeout
+from ckptstage.client import Client, DaemonTimeout, DaemonUnavailable
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
 TIMEOUT = 2.0
@@ -73,3 +73,22 @@ def test_a_client_saves_within_a_second_of_its_daemon_coming_back(daemon: Any, o
         elapsed = time.monotonic() - t0
         assert elapsed < 1.0, f"the first save after the restart took {elapsed:.2f}s"
         assert c.latest() == 2 and torch.equal(c.load(1)["w"], state_of(1)["w"])
+
+
+@pytest.mark.parametrize("connect_timeout", [2.0, 5.0])
+def test_connect_timeout_holds_against_a_stopped_daemon(daemon: Any, connect_timeout: float) -> None:
+    # A stopped daemon accepts the connection but never answers: the constructor gives up after its own
+    # connect_timeout, not after gRPC's 20 s connection-attempt timeout plus connect_timeout.
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailable) as info:
+            Client("frozen-open", socket=daemon.socket, connect_timeout=connect_timeout)
+        elapsed = time.monotonic() - t0
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert connect_timeout - 0.1 <= elapsed <= connect_timeout + 1.0, \
+        f"raised after {elapsed:.2f}s, connect_timeout was {connect_timeout}s"
+    assert str(daemon.socket) in str(info.value) and "hung, stopped" in str(info.value)
+    with Client("frozen-open", socket=daemon.socket, connect_timeout=10) as c:  # thawed, it serves again
+        c.save(1, state_of(1)).wait("local", timeout=30)
