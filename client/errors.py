@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import pwd
 import stat
+from pathlib import Path
 
 import grpc
 
@@ -141,6 +143,29 @@ _WHAT_TO_DO = ("start it (`ckptstaged`, or `systemctl start ckptstaged@<instance
                "socket it serves (--socket, $CKPTSTAGE_SOCKET, Client(socket=...))")
 
 
+def _another_users(socket: str) -> str:
+    """A socket this user may not connect to: it belongs to another user's daemon, which is running."""
+    path = Path(socket)
+    owner = None
+    for candidate in (path, *path.parents):  # the socket, else the nearest directory this user may stat
+        try:
+            owner = _user_name(candidate.stat().st_uid)
+            break
+        except OSError:
+            continue
+    whose = f"user {owner!r}" if owner else "another user"
+    return (f"permission denied on {socket}: it belongs to {whose}'s daemon; each user runs their own "
+            "(`systemctl start ckptstaged@$USER`, or `ckptstaged` as yourself) and connects to its socket "
+            "(--socket, $CKPTSTAGE_SOCKET, Client(socket=...))")
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
 def _unavailable(socket: str, detail: str, request: str) -> str:
     """Why nothing answers on ``socket``, said from the socket file's side, and what to do."""
     if "shutting down" in detail:  # the daemon's own answer while it stops
@@ -152,13 +177,14 @@ def _unavailable(socket: str, detail: str, request: str) -> str:
         st = os.stat(socket)
     except FileNotFoundError:
         return f"no daemon socket at {socket}: ckptstaged is not running there; {_WHAT_TO_DO}"
+    except PermissionError:  # its directory is private to the user whose daemon serves there
+        return _another_users(socket)
     except OSError as e:
         return f"cannot reach the daemon socket {socket}: {e.strerror}; {_WHAT_TO_DO}"
     if not stat.S_ISSOCK(st.st_mode):
         return f"{socket} is not a socket: {_WHAT_TO_DO}"
     if "Permission denied" in detail:
-        return (f"no permission to connect to {socket}: the daemon runs as another user (its socket is private "
-                "to that user); run ckptstage as that user")
+        return _another_users(socket)
     if "Connection refused" in detail:
         return (f"nothing listens on {socket} (a socket left behind by a daemon that stopped or crashed); "
                 f"{_WHAT_TO_DO}")

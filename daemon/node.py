@@ -536,8 +536,12 @@ class Node:
     def set_pin(self, job: str, step: int, pinned: bool) -> bool:
         """Pins or unpins a step; False when it already was (nothing changed)."""
         layout.check_job(job)
+        layout.check_step(step)
+        known = self._indexed(job, step)
         with self._pins_lock:
-            if pinned and self.catalog.get(job, step) is None:
+            # A pin left on a step that is gone may still be lifted; any other unknown step is an error
+            # (a typo'd step must not look done to a script).
+            if not known and not (not pinned and self.catalog.is_pinned(job, step)):
                 raise CheckpointNotFound(job, step)
             if self.catalog.is_pinned(job, step) == pinned:
                 return False
@@ -575,9 +579,7 @@ class Node:
         """
         layout.check_job(job)
         layout.check_step(step)
-        if self.catalog.get(job, step) is None and self.shared_sync is not None:
-            self.shared_sync.fresh(job, step, max_age_s=0.0)  # a step only the shared tier has, not yet indexed
-        if self.catalog.get(job, step) is None:
+        if not self._indexed(job, step):
             copies, nbytes = self.memory.drop_job(job, step)  # a step kept in memory only
             if copies:
                 return Deleted(copies, nbytes, (TierName.MEMORY,))
@@ -592,6 +594,12 @@ class Node:
                                      "is committed (SaveHandle.wait)")
         self.memory.drop_job(job, step)
         return self.janitor.delete_step(job, step)
+
+    def _indexed(self, job: str, step: int) -> bool:
+        """Whether the catalog has ``step`` of ``job``, once a step only the shared tier has is indexed."""
+        if self.catalog.get(job, step) is None and self.shared_sync is not None:
+            self.shared_sync.fresh(job, step, max_age_s=0.0)
+        return self.catalog.get(job, step) is not None
 
     def prefetch(self, job: str, step: int | None, ranks: Sequence[int] = ()) -> tuple[int, int]:
         """Copies a checkpoint's shared-only parts (``ranks``' only, when given) onto the local tier; returns

@@ -60,6 +60,17 @@ def test_pin_gc_and_drain_commands(daemon):
     assert pinned == [3]
 
 
+def test_pin_unpin_and_rm_of_a_step_that_does_not_exist_fail_naming_it(daemon):
+    with Client("cli-none", socket=daemon.socket) as c:
+        c.save(2, {"w": torch.ones(4)}).wait("local", timeout=30)
+    for command in ("pin", "unpin", "rm"):
+        result = ckptstage(command, "cli-none", "7", socket=daemon.socket)
+        assert result.returncode != 0, (command, result)
+        assert "no step 7 of job 'cli-none'" in result.stderr, (command, result.stderr)
+    # A step that exists: unpinning one never pinned is no failure (scripts may repeat it).
+    assert ckptstage("unpin", "cli-none", "2", socket=daemon.socket).returncode == 0
+
+
 def test_no_daemon_exit_code_and_message(tmp_path):
     res = ckptstage("status", socket=tmp_path / "nothing.sock")
     assert res.returncode == 3

@@ -272,6 +272,7 @@ def test_each_error_names_what_failed_without_grpc(daemon_factory: Any, capsys: 
         c.pin(1)
     cases = [  # argv, exit status, code, words the message must have
         (["pin", "ej", "9"], 1, "not_found", "no step 9 of job 'ej'"),
+        (["unpin", "ej", "9"], 1, "not_found", "no step 9 of job 'ej'"),
         (["prefetch", "ej", "9"], 1, "not_found", "no step 9 of job 'ej'"),
         (["rm", "ej", "1"], 1, "pinned", "step 1 of job 'ej' is pinned; unpin it first"),
         (["ls", "../up"], 1, "invalid_request", "invalid job name '../up'"),
@@ -303,8 +304,8 @@ def test_pin_and_unpin_are_idempotent(daemon: Any, capsys: Any) -> None:
         said.append(out.strip())
     assert said == ["pj step 4 pinned", "pj step 4 was already pinned: nothing changed",
                     "pj step 4 unpinned", "pj step 4 was not pinned: nothing changed"]
-    assert run_json(capsys, "unpin", "pj", "12", "--socket", s) == {"job": "pj", "step": 12, "changed": False,
-                                                                    "pinned": False}
+    missing = run_json(capsys, "unpin", "pj", "12", "--socket", s, expect=1)  # no such step: not "nothing changed"
+    assert missing["error"]["code"] == "not_found" and "no step 12 of job 'pj'" in missing["error"]["message"]
     assert run_json(capsys, "pin", "pj", "4", "--socket", s)["changed"] is True
     assert run_json(capsys, "pin", "pj", "4", "--socket", s) == {"job": "pj", "step": 4, "changed": False,
                                                                  "pinned": True}

@@ -107,3 +107,28 @@ def test_the_commit_helpers_are_private_whatever_the_umask(tmp_path: Path) -> No
     for p in created:
         mode = stat.S_IMODE(p.lstat().st_mode)
         assert mode == (0o700 if p.is_dir() else 0o600), f"{p} is {oct(mode)}"
+
+
+def test_another_users_socket_is_named_as_theirs_not_as_a_daemon_to_start(world_readable_root: Path) -> None:
+    """Another user's running daemon: the command says whose socket it is and that each user runs their
+    own, whether the socket's directory hides it (0700) or the socket itself refuses the connection."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("connecting as another user needs root and setpriv")
+    import sys
+
+    d = DaemonProc(world_readable_root / "node")
+    d.root.chmod(0o755)
+    d.start()
+    try:
+        cli = (sys.executable, "-m", "ckptstage.client.cli", "--socket", str(d.socket), "status")
+        if as_other_user(sys.executable, "-c", "import ckptstage.client.cli").returncode:
+            pytest.skip(f"user {OTHER_USER} cannot import ckptstage from here (a private home directory?)")
+        hidden = as_other_user(*cli)
+        d.socket.parent.chmod(0o755)  # the directory open, the socket itself still 0600
+        refused = as_other_user(*cli)
+    finally:
+        d.stop()
+    for result in (hidden, refused):
+        assert result.returncode != 0, result
+        assert f"permission denied on {d.socket}: it belongs to user 'root'" in result.stderr, result.stderr
+        assert "ckptstaged@$USER" in result.stderr and "start it" not in result.stderr, result.stderr
