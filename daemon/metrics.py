@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ckptstage.daemon.retention import DELETE_REASONS
+
 if TYPE_CHECKING:
     from ckptstage.daemon.jobs import JobSummary
 
@@ -104,7 +106,7 @@ class Metrics:
         self.sessions_opened = Counter("ckptstage_sessions_opened", "Client sessions opened.", registry=r)
         self.sessions_reaped = Counter("ckptstage_sessions_reaped",
                                        "Sessions closed because the client went away.", registry=r)
-        for trigger in ("commit", "drain", "timer", "gc"):
+        for trigger in ("commit", "drain", "timer", "gc", "start"):
             self.retention_passes.labels(trigger)
         # Every label value known in advance starts at 0, so rate() and increase() see the first event.
         self.saves_committed.labels("memory")
@@ -115,6 +117,8 @@ class Metrics:
             self.chunks_swept.labels(tier)
             self.chunk_bytes_swept.labels(tier)
             self.chunks_reused.labels(tier)
+            for rule in DELETE_REASONS:
+                self.evictions.labels(tier, rule)
             for verdict in ("corrupt", "intact", "unreadable"):
                 self.corrupt_reports.labels(tier, verdict)
 
