@@ -4,8 +4,11 @@ Whoever starts ``ckptstaged`` with ``$NOTIFY_SOCKET`` (systemd for a
 ``Type=notify`` unit, or a launcher that binds the socket itself) learns:
 
 * ``READY=1`` once the local tier is recovered and the socket serves;
-* ``STATUS=...`` a line for ``systemctl status`` (sessions, drain queue), on
-  start and whenever it changes, checked every heartbeat;
+* ``STATUS=...`` a line for ``systemctl status`` (sessions, drain queue, the
+  shared tier's state), on start and whenever it changes: the notifier's
+  thread checks it every :data:`STATUS_CHECK_S` and sends a changed line at
+  most once per :data:`STATUS_MIN_INTERVAL_S`, so ``systemctl status`` is never
+  more than about a second behind, whatever the watchdog's period;
 * ``WATCHDOG=1`` every heartbeat when the service manager asks for it
   (``$WATCHDOG_USEC``, and ``$WATCHDOG_PID`` naming this process if set): the
   heartbeat runs on the loop that answers RPCs, so a hung loop stops the pings
@@ -21,17 +24,21 @@ never the RPC loop whose liveness the pings report.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 
 log = logging.getLogger(__name__)
 
-# Heartbeat period when no watchdog is asked for: how stale the STATUS line may get.
-STATUS_INTERVAL_S = 5.0
+# How often the STATUS line is computed (from memory: cheap), and how often a changed one may be sent.
+STATUS_CHECK_S = 0.5
+STATUS_MIN_INTERVAL_S = 1.0
 _QUEUE_MAX = 64
-_TICK = "tick"  # a heartbeat: WATCHDOG=1 if asked for, then STATUS= if it changed
+_TICK = "tick"  # a heartbeat: WATCHDOG=1 if asked for
+_STATUS = "status"  # the line now, sent at once whatever the rate (start, READY)
 
 
 def watchdog_interval_s(env: Mapping[str, str], pid: int) -> float | None:
@@ -62,7 +69,7 @@ class Notifier:
     """
 
     def __init__(self, status: Callable[[], str], env: Mapping[str, str] | None = None, pid: int | None = None,
-                 send: Callable[[str], None] = _sd_notify) -> None:
+                 send: Callable[[str], None] = _sd_notify, clock: Callable[[], float] = time.monotonic) -> None:
         env = os.environ if env is None else env
         self.enabled = bool(env.get("NOTIFY_SOCKET"))
         self.watchdog_s = watchdog_interval_s(env, os.getpid() if pid is None else pid) if self.enabled else None
@@ -70,6 +77,8 @@ class Notifier:
         self._send = send
         self._queue: queue.Queue[str | None] = queue.Queue(_QUEUE_MAX)
         self._last_status = ""
+        self._clock = clock
+        self._status_sent_at = -math.inf
         self._stopping = False
         self._failed_once = False
         self._thread = threading.Thread(target=self._run, name="sd-notify", daemon=True)
@@ -78,20 +87,18 @@ class Notifier:
 
     @property
     def heartbeat_s(self) -> float | None:
-        """How often :meth:`heartbeat` should be called; None: never (no ``$NOTIFY_SOCKET``)."""
-        if not self.enabled:
-            return None
-        return self.watchdog_s if self.watchdog_s is not None else STATUS_INTERVAL_S
+        """How often :meth:`heartbeat` should be called; None: never (no watchdog is asked for)."""
+        return self.watchdog_s
 
     def ready(self) -> None:
         """The daemon serves: its STATUS line, then ``READY=1`` (so the first status is there when
         ``systemctl start`` returns)."""
-        self._put(_TICK)
+        self._put(_STATUS)
         self._put("READY=1")
 
     def heartbeat(self) -> None:
-        """Called by the RPC loop every :attr:`heartbeat_s`: the watchdog ping and a status refresh.
-        Never blocks (the queue is bounded; a full one means the receiver is not reading)."""
+        """Called by the RPC loop every :attr:`heartbeat_s`: the watchdog ping. Never blocks (the queue
+        is bounded; a full one means the receiver is not reading)."""
         self._put(_TICK)
 
     def stopping(self, status: str) -> None:
@@ -114,18 +121,31 @@ class Notifier:
             pass  # the receiver is not reading: this heartbeat is lost like the ones before it
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
+        while True:
+            try:
+                item = self._queue.get(timeout=STATUS_CHECK_S)
+            except queue.Empty:
+                self._refresh_status(now=False)
+                continue
+            if item is None:
+                return
             if item == _TICK:
-                self._tick()
+                if self.watchdog_s is not None:
+                    self._deliver("WATCHDOG=1")
+                self._refresh_status(now=False)
+            elif item == _STATUS:
+                self._refresh_status(now=True)
             else:
                 if item == "STOPPING=1":
                     self._stopping = True
                 self._deliver(item)
 
-    def _tick(self) -> None:
-        if self.watchdog_s is not None:
-            self._deliver("WATCHDOG=1")
-        if self._stopping:
+    def _refresh_status(self, now: bool) -> None:
+        """Sends the STATUS line if it changed, and (unless ``now``) the last one went out long enough ago;
+        a change held back goes out at a later check."""
+        if self._stopping:  # the stopping line stays
+            return
+        if not now and self._clock() - self._status_sent_at < STATUS_MIN_INTERVAL_S:
             return
         try:
             status = self._status()
@@ -134,6 +154,7 @@ class Notifier:
             return
         if status != self._last_status:
             self._last_status = status
+            self._status_sent_at = self._clock()
             self._deliver(f"STATUS={status}")
 
     def _deliver(self, line: str) -> None:

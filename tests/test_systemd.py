@@ -258,15 +258,17 @@ def test_status_line_says_when_drains_fail(daemon_factory: Any, run_daemon: Any,
     d.shared.mkdir(parents=True)
     blocker = d.shared / "job"
     blocker.write_text("not a directory")  # every copy of the job's parts fails with an OSError
-    run_daemon(d, {"NOTIFY_SOCKET": notify_socket.address, "WATCHDOG_USEC": "200000"})
+    # The unit's watchdog (WatchdogSec=30): a ping every 15 s. The line follows the state within
+    # seconds all the same, not at the next ping.
+    run_daemon(d, {"NOTIFY_SOCKET": notify_socket.address, "WATCHDOG_USEC": "30000000"})
     notify_socket.wait_for("READY=1", timeout=30)
 
     with Client("job", socket=d.socket) as client:
         client.save(1, {"w": torch.zeros(4)}).wait("local", timeout=30)
-        notify_socket.wait_status(r"serving: 1 session, drain queue 1 part \(.*\), shared tier degraded", 15)
+        notify_socket.wait_status(r"serving: 1 session, drain queue 1 part \(.*\), shared tier degraded", 5)
         blocker.unlink()
         client.wait_step(1, "shared", timeout=30)
-        notify_socket.wait_status(r"serving: 1 session, drain queue 0 parts \(0 B\)", 15)  # healthy again
+        notify_socket.wait_status(r"serving: 1 session, drain queue 0 parts \(0 B\)", 5)  # healthy again
 
 
 # --- the unit file ------------------------------------------------------------------------------------------
