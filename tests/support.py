@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import struct
 import os
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.request import urlopen
@@ -208,3 +210,33 @@ def unit_directives(text: str, section: str) -> dict[str, list[str]]:
             key, _, value = line.partition("=")
             found.setdefault(key, []).append(value)
     return found
+
+
+@contextlib.contextmanager
+def read_only_mount(path: Path) -> Iterator[Callable[[], None]]:
+    """``path`` made read-only, for root too: a bind mount of it over itself, remounted read-only.
+
+    Skips the test where mounting is not permitted. Yields a function that
+    makes ``path`` writable again early; the mount is undone at exit anyway.
+    """
+    def run(*args: str) -> None:
+        subprocess.run(args, check=True, capture_output=True, timeout=30)
+
+    try:
+        run("mount", "--bind", str(path), str(path))
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"cannot bind-mount {path} here: {e}")
+    mounted = True
+
+    def writable() -> None:
+        nonlocal mounted
+        if mounted:
+            if subprocess.run(["umount", str(path)], capture_output=True, check=False, timeout=30).returncode:
+                run("umount", "--lazy", str(path))  # busy: detach it now, the kernel frees it when idle
+            mounted = False
+
+    try:
+        run("mount", "-o", "remount,bind,ro", str(path))
+        yield writable
+    finally:
+        writable()
