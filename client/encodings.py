@@ -178,7 +178,7 @@ def _unresolved_again(obj: Unresolved, path: str, w: Walker) -> Any:
 
 def _path(obj: pathlib.PurePath, path: str, w: Walker) -> Any:
     s = str(obj)
-    _check_str(s, path)
+    layout.check_plain_value(s, path)
     return {"p": [type(obj).__name__, s]}
 
 
@@ -305,12 +305,6 @@ def _bit_generator_state(np: Any, bg: Any, path: str, w: Walker) -> Any:
 
 def _name(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
-
-
-def _check_str(s: str, path: str) -> None:
-    if len(s) > layout.MAX_PLAIN_VALUE_BYTES // 4 and len(s.encode("utf-8", "surrogatepass")) > \
-            layout.MAX_PLAIN_VALUE_BYTES:
-        raise ValueError(f"{path} is longer than {layout.MAX_PLAIN_VALUE_BYTES} bytes, the limit for a plain value")
 
 
 def _unsupported(obj: Any, path: str) -> str:

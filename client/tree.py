@@ -145,10 +145,10 @@ def flatten_state(state: Any, inline_arrays: bool = False) -> Flat:
         if kind is float:
             return {"f": obj.hex()}
         if kind is str:
-            _check_plain_size(len(obj.encode()), path)
+            layout.check_plain_value(obj, path)
             return {"s": obj}
         if kind is bytes:
-            _check_plain_size(len(obj), path)
+            layout.check_plain_value(obj, path)
             return {"y": base64.b64encode(obj).decode()}
         if kind is torch.Size:
             return {"S": list(obj)}
@@ -324,13 +324,6 @@ def _view_key(t: torch.Tensor) -> tuple[Any, ...] | None:
     if t.numel() == 0:
         return None
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-
-
-def _check_plain_size(nbytes: int, path: str) -> None:
-    if nbytes > layout.MAX_PLAIN_VALUE_BYTES:
-        raise ValueError(f"{path} is a str/bytes value of {nbytes} bytes; plain values travel in the manifest, "
-                         f"at most {layout.MAX_PLAIN_VALUE_BYTES} bytes each: store it as a tensor instead "
-                         "(torch.frombuffer(bytearray(value), dtype=torch.uint8))")
 
 
 def _check_tensor(t: torch.Tensor, path: str) -> None:

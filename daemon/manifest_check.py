@@ -335,10 +335,10 @@ def _plain(node: Any, where: str) -> Any:
     if not valid:
         raise InvalidRequest(f"{where} = {_short(node)} is not a valid tree node")
     if tag in ("s", "y"):
-        size = len(value.encode("utf-8", "surrogatepass")) if tag == "s" else len(value) * 3 // 4
-        if size > layout.MAX_PLAIN_VALUE_BYTES:
-            raise InvalidRequest(f"{where} is a str/bytes value of about {size} bytes, more than the limit of "
-                                 f"{layout.MAX_PLAIN_VALUE_BYTES}")
+        try:
+            layout.check_plain_value(value, where, base64_text=tag == "y")
+        except layout.PlainValueTooLarge as e:
+            raise InvalidRequest(str(e)) from None
     try:
         if tag == "f":
             return float.fromhex(value)

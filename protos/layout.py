@@ -53,6 +53,9 @@ MAX_MANIFEST_BYTES = 64 << 20
 # bytes value kept in the manifest: bigger blobs belong in a tensor (torch.frombuffer).
 MAX_TREE_DEPTH = 100
 MAX_PLAIN_VALUE_BYTES = 16 << 20
+# The limit is of the value as the state holds it (a str's UTF-8 bytes, a bytes value's own bytes), never of
+# its form in the manifest (base64 for bytes): plain_value_bytes measures it, check_plain_value applies it,
+# on both sides.
 # How many replaced commits of a step a commit record remembers (see CommitRecord.replaces).
 MAX_REPLACES = 16
 
@@ -66,6 +69,39 @@ MAX_RANK = 10**5 - 1
 
 class InvalidName(ValueError):
     """A job name, step or rank that cannot name a directory safely."""
+
+
+class PlainValueTooLarge(ValueError):
+    """A str or bytes value over :data:`MAX_PLAIN_VALUE_BYTES`; the message names its key path and size."""
+
+    def __init__(self, path: str, nbytes: int) -> None:
+        super().__init__(f"{path} is a str/bytes value of {nbytes} bytes, over the limit of {MAX_PLAIN_VALUE_BYTES} "
+                         f"bytes (16 MiB) for a plain value: plain values travel in the manifest; store it as a "
+                         "tensor instead (torch.frombuffer(bytearray(value), dtype=torch.uint8))")
+        self.path, self.nbytes = path, nbytes
+
+
+def plain_value_bytes(value: str | bytes, base64_text: bool = False) -> int:
+    """The size :data:`MAX_PLAIN_VALUE_BYTES` limits: a str's UTF-8 bytes, a bytes value's length.
+
+    ``base64_text``: ``value`` is a bytes value as the manifest holds it (a ``"y"`` node, base64); its
+    decoded length is counted exactly (padding excluded), so a value the client accepted is never
+    refused by the daemon for the two or three bytes its encoding adds.
+    """
+    if isinstance(value, bytes):
+        return len(value)
+    if not base64_text:
+        return len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
+    n = len(value)
+    return n // 4 * 3 - (value[-2:].count("=") if n % 4 == 0 else 0) + (n % 4) * 3 // 4
+
+
+def check_plain_value(value: str | bytes, path: str, base64_text: bool = False) -> None:
+    """Raises :class:`PlainValueTooLarge` for a str or bytes value over the limit (see :func:`plain_value_bytes`)."""
+    if len(value) > MAX_PLAIN_VALUE_BYTES // 4:  # smaller ones fit whatever their encoding
+        nbytes = plain_value_bytes(value, base64_text)
+        if nbytes > MAX_PLAIN_VALUE_BYTES:
+            raise PlainValueTooLarge(path, nbytes)
 
 
 class ManifestError(ValueError):

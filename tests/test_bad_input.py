@@ -7,6 +7,8 @@ buggy or hostile client would send them.
 
 from __future__ import annotations
 
+import base64
+
 import itertools
 import logging
 import os
@@ -135,10 +137,21 @@ def nested(depth: int) -> Any:
 TOO_BIG = [
     ("deep", nested(500), "nested more than 100 containers deep"),
     ("big-str", {"cfg": {"blob": "x" * (layout.MAX_PLAIN_VALUE_BYTES + 1)}},
-     rf"state\['cfg'\]\['blob'\] is a str/bytes value of {layout.MAX_PLAIN_VALUE_BYTES + 1} bytes.*at most "
-     f"{layout.MAX_PLAIN_VALUE_BYTES}"),
-    ("big-bytes", {"b": b"\0" * (layout.MAX_PLAIN_VALUE_BYTES + 1)}, "store it as a tensor"),
+     rf"state\['cfg'\]\['blob'\] is a str/bytes value of {layout.MAX_PLAIN_VALUE_BYTES + 1} bytes, over the "
+     rf"limit of {layout.MAX_PLAIN_VALUE_BYTES} bytes \(16 MiB\)"),
+    ("big-bytes", {"b": b"\0" * (layout.MAX_PLAIN_VALUE_BYTES + 1)},
+     rf"state\['b'\] is a str/bytes value of {layout.MAX_PLAIN_VALUE_BYTES + 1} bytes.*store it as a tensor"),
 ]
+
+
+@pytest.mark.parametrize("value", [b"\xff" * layout.MAX_PLAIN_VALUE_BYTES, "\u00e9" * (layout.MAX_PLAIN_VALUE_BYTES // 2)],
+                         ids=["bytes", "str"])
+def test_a_plain_value_of_exactly_the_limit_is_saved_and_loaded(daemon, value):
+    # The client counts the value's own bytes; the daemon used to count a bytes value's base64 form, padding
+    # included, and refused the 16 MiB the client and the README accept.
+    with Client("at-limit", socket=daemon.socket) as c:
+        c.save(1, {"blob": value, "w": torch.ones(2)}).wait("local", timeout=60)
+        assert c.load(1)["blob"] == value
 
 
 @pytest.mark.parametrize("state,pattern", [t[1:] for t in TOO_BIG], ids=[t[0] for t in TOO_BIG])
@@ -398,6 +411,12 @@ LIMITS = [
     ("plain-value-size", _limits_manifest(tree={"d": [[{"s": "w"}, {"T": 0}], [{"s": "blob"}, {
         "s": "x" * (layout.MAX_PLAIN_VALUE_BYTES + 1)}]]}), 80,
      rf"tree state\['blob'\] is a str/bytes value .*limit of {layout.MAX_PLAIN_VALUE_BYTES}"),
+    ("bytes-value-over-the-limit", _limits_manifest(tree={"d": [[{"s": "w"}, {"T": 0}], [{"s": "blob"}, {
+        "y": base64.b64encode(b"\0" * (layout.MAX_PLAIN_VALUE_BYTES + 1)).decode()}]]}), 80,
+     rf"tree state\['blob'\] is a str/bytes value of {layout.MAX_PLAIN_VALUE_BYTES + 1} bytes, over the limit of "
+     f"{layout.MAX_PLAIN_VALUE_BYTES}"),
+    ("bytes-value-at-the-limit", _limits_manifest(tree={"d": [[{"s": "w"}, {"T": 0}], [{"s": "blob"}, {
+        "y": base64.b64encode(b"\0" * layout.MAX_PLAIN_VALUE_BYTES).decode()}]]}), 80, None),
 ]
 
 
