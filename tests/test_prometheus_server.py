@@ -43,7 +43,6 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "ckptstage.json"
 OPERATIONS = ROOT / "docs" / "OPERATIONS.md"
 
 PROMETHEUS = shutil.which("prometheus")
-pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (Debian: apt-get install prometheus)")
 
 SCRAPE_JOB = "ckptstaged"  # the scrape job's name docs/OPERATIONS.md asks for
 JOB = "promjob"            # the training job the daemon checkpoints
@@ -272,6 +271,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A daemon with metrics on a free loopback port and a Prometheus scraping it, after one save that
     committed locally and drained to the shared tier, and once Prometheus has scraped and evaluated the
     rules on that state."""
+    if PROMETHEUS is None:
+        pytest.skip("no prometheus binary on PATH (Debian: apt-get install prometheus)")
     root = tmp_path_factory.mktemp("prometheus")
     mport = free_port()
     instance = f"127.0.0.1:{mport}"
