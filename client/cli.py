@@ -153,7 +153,7 @@ def _tier_line(t: pb.TierStatus) -> str:
         line += f" ({state.upper()})"
     if t.last_error:
         line += f"; last error {_when(t.last_error_time)} ({_age(t.last_error_time)}): {t.last_error}"
-    return line
+    return "\n".join([line, *(f"  WARNING: {w}" for w in t.warnings)])
 
 
 def _drain_text(d: pb.DrainState) -> str:

@@ -14,6 +14,7 @@ from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.chunkstore import ChunkStore
 from ckptstage.daemon.config import Config
 from ckptstage.daemon.drainer import Drainer
+from ckptstage.daemon.floorwatch import FloorWatch
 from ckptstage.daemon.job_rules import JobRetention, JobRules
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.metrics import Metrics
@@ -68,6 +69,8 @@ class Janitor:
         self._cache_lock = threading.Lock()
         self._swept_at: dict[tuple[str, TierName], float] = {}  # monotonic time of each job's last sweep
         self._locks = {TierName.LOCAL: threading.Lock(), TierName.SHARED: threading.Lock()}
+        self.floor = FloorWatch(config.local.min_free_bytes, str(config.local.dir),
+                                lambda: self._free_bytes(TierName.LOCAL))
 
     def apply(self, job: str, dry_run: bool = False, trigger: str = "gc", local: bool = True,
               shared: bool = True) -> list[GcAction]:
@@ -94,6 +97,8 @@ class Janitor:
                     for action in planned:
                         self._delete(action)
                     self._sweep(job, tier, deleted=bool(planned or removed), trigger=trigger)
+                    if tier == TierName.LOCAL:
+                        self.floor.after_pass(len(planned))
             actions = planned + actions if tier == TierName.LOCAL else actions + planned  # reported local first
         if not dry_run and tiers:
             self.metrics.retention_passes.labels(trigger).inc()

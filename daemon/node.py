@@ -167,7 +167,7 @@ class Node:
                                self._in_flight, self.chunk_stores, tiers=self.tiers)
         self._pins_lock = threading.Lock()  # a pin's check and change, one caller at a time
         self._status = StatusReader(self.tiers, self.catalog, self.sessions, self.budget, self.memory, self.drainer,
-                                    self.tier_probes, self.job_summaries, self.started)
+                                    self.tier_probes, self.job_summaries, self.started, self._tier_warnings)
         self._subscribe()
         self.metrics.add_state(self._probe())
 
@@ -555,6 +555,10 @@ class Node:
     def status(self) -> NodeStatus:
         """The node's state, from memory only (see :mod:`ckptstage.daemon.status`)."""
         return self._status.read()
+
+    def _tier_warnings(self, tier: TierName) -> tuple[str, ...]:
+        warning = self.janitor.floor.warning if tier == TierName.LOCAL else ""
+        return (warning,) if warning else ()
 
     def tier_status(self, tier: TierName) -> TierReport:
         """One tier's part of :meth:`status`."""

@@ -351,7 +351,8 @@ def _located(found: Located, handoff: str) -> pb.LocateResponse:
 def _tier_status(t: TierReport) -> pb.TierStatus:
     return pb.TierStatus(tier=_TIER_PB[t.tier], dir=t.dir, enabled=t.enabled, reachable=t.reachable,
                          used_bytes=t.used_bytes, free_bytes=t.free_bytes, checkpoints=t.parts, state=t.state,
-                         last_error=t.last_error, last_error_time=t.last_error_time, unbounded=t.unbounded)
+                         last_error=t.last_error, last_error_time=t.last_error_time, unbounded=t.unbounded,
+                         warnings=t.warnings)
 
 
 def _job_status(j: JobSummary) -> pb.JobStatus:

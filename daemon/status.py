@@ -43,6 +43,7 @@ class TierReport:
     last_error: str = ""    # while degraded: the newest failure
     last_error_time: float = 0.0
     unbounded: bool = False  # the storage sets no limit (an object store): free_bytes is 0 and means nothing
+    warnings: tuple[str, ...] = ()  # conditions for the operator to act on (a free-space floor out of reach)
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,10 @@ class StatusReader:
 
     def __init__(self, tiers: Mapping[TierName, Tier], catalog: Catalog, sessions: SessionTable,
                  budget: Budget, memory: MemoryTier, drainer: Drainer | None, probes: Mapping[TierName, TierProbe],
-                 jobs: Callable[[], list[JobSummary]], started: float | None = None) -> None:
-        """``tiers``: the storage of each disk tier the node has (no shared tier: no entry)."""
+                 jobs: Callable[[], list[JobSummary]], started: float | None = None,
+                 warnings: Callable[[TierName], tuple[str, ...]] = lambda tier: ()) -> None:
+        """``tiers``: the storage of each disk tier the node has (no shared tier: no entry); ``warnings``:
+        a tier's standing warnings, from memory."""
         self._tiers = tiers
         self._catalog = catalog
         self._sessions = sessions
@@ -96,6 +99,7 @@ class StatusReader:
         self._drainer = drainer
         self._probes = probes
         self._jobs = jobs
+        self._warnings = warnings
         self._started = time.monotonic() if started is None else started
 
     def read(self) -> NodeStatus:
@@ -118,4 +122,4 @@ class StatusReader:
         return TierReport(tier, storage.location if storage is not None else "", storage is not None,
                           bool(reading and reading.reachable),
                           sum(p.nbytes for p in parts), (reading.free_bytes or 0) if reading else 0, len(parts),
-                          state, error, when, bool(reading and reading.unbounded))
+                          state, error, when, bool(reading and reading.unbounded), self._warnings(tier))

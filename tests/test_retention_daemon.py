@@ -268,3 +268,30 @@ def test_shared_rules_shorter_than_local_ones_do_not_pin_local_copies(daemon_fac
         settle(d, c, local={4, 5, 6}, shared={6})
     drained = re.findall(rf"drained {JOB} step (\d+) rank 0", d.log.read_text())
     assert sorted(int(s) for s in drained) == [1, 2, 3, 4, 5, 6]  # each exactly once
+
+
+def test_a_free_space_floor_the_disk_cannot_reach_warns_once_and_shows_in_status(daemon_factory: Any) -> None:
+    """A floor above what the disk can ever free evicts every deletable local step at each commit: the
+    daemon says so once per episode, at WARNING, naming the key and the figures, and status shows it."""
+    import json
+    import subprocess
+    import sys
+
+    d = daemon_factory("floor", **{"local.keep_last": 10, "local.min_free_bytes": "1000TiB"}).start()
+    with Client(JOB, socket=d.socket) as c:
+        for step in (1, 2, 3, 4):
+            c.save(step, {"w": torch.full((64,), float(step))}).wait("shared", timeout=30)
+            c.wait_step(step, "shared", timeout=30)
+    drain(d)
+    wait_until(lambda: on_disk(d.local) == {4}, 30, "every step but the newest evicted from the local tier")
+    warnings = [line for line in d.log.read_text().splitlines()
+                if " WARNING " in line and "local.min_free_bytes = 1000 TiB" in line]
+    assert len(warnings) == 1, warnings  # one per episode, not one per commit
+    assert re.search(r"has \d+(\.\d+)? [KMGT]?i?B free after retention", warnings[0]), warnings[0]
+    status = subprocess.run([sys.executable, "-m", "ckptstage.client.cli", "--socket", str(d.socket), "status",
+                             "--json"], capture_output=True, text=True, timeout=60)
+    [local] = [t for t in json.loads(status.stdout)["tiers"] if t["tier"] == "local"]
+    assert len(local["warnings"]) == 1 and "local.min_free_bytes" in local["warnings"][0], local
+    text = subprocess.run([sys.executable, "-m", "ckptstage.client.cli", "--socket", str(d.socket), "status"],
+                          capture_output=True, text=True, timeout=60).stdout
+    assert "  WARNING: local.min_free_bytes = 1000 TiB" in text, text

@@ -483,7 +483,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStatus(_message.Message):
-    __slots__ = ("tier", "dir", "enabled", "reachable", "used_bytes", "free_bytes", "checkpoints", "state", "last_error", "last_error_time", "unbounded")
+    __slots__ = ("tier", "dir", "enabled", "reachable", "used_bytes", "free_bytes", "checkpoints", "state", "last_error", "last_error_time", "unbounded", "warnings")
     TIER_FIELD_NUMBER: _ClassVar[int]
     DIR_FIELD_NUMBER: _ClassVar[int]
     ENABLED_FIELD_NUMBER: _ClassVar[int]
@@ -495,6 +495,7 @@ class TierStatus(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_TIME_FIELD_NUMBER: _ClassVar[int]
     UNBOUNDED_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     dir: str
     enabled: bool
@@ -506,7 +507,8 @@ class TierStatus(_message.Message):
     last_error: str
     last_error_time: float
     unbounded: bool
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., dir: _Optional[str] = ..., enabled: _Optional[bool] = ..., reachable: _Optional[bool] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., checkpoints: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., last_error_time: _Optional[float] = ..., unbounded: _Optional[bool] = ...) -> None: ...
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., dir: _Optional[str] = ..., enabled: _Optional[bool] = ..., reachable: _Optional[bool] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., checkpoints: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., last_error_time: _Optional[float] = ..., unbounded: _Optional[bool] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SessionStatus(_message.Message):
     __slots__ = ("session_id", "job", "rank", "pid", "arena_bytes", "saves_in_flight")
