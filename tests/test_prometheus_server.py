@@ -23,6 +23,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from urllib.error import HTTPError
@@ -307,8 +308,6 @@ def rules_evaluated_after(prom: PrometheusServer, t: float) -> bool:
 
 def rfc3339(text: str) -> float:
     """Seconds since the epoch of Prometheus' RFC 3339 timestamps (nanoseconds, 'Z' or an offset)."""
-    from datetime import datetime
-
     m = re.fullmatch(r"(.+?)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)", text)
     assert m, text
     base = datetime.fromisoformat(m.group(1) + ("+00:00" if m.group(3) == "Z" else m.group(3)))
