@@ -306,6 +306,8 @@ def _seconds(minimum: float, maximum: float) -> _Kind:
 _S3_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _REGION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _PROFILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,127}")
+_NODE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+NODE_NAME_ENV = "CKPTSTAGE_NODE_NAME"
 
 
 def _parse_s3_url(value: Any, key: str) -> str | None:
@@ -371,6 +373,7 @@ _KEEP_BEST = _Kind(_parse_keep_best, _dump_keep_best)
 _S3_URL = _Kind(_parse_s3_url, _dump_str)
 _ENDPOINT = _Kind(_parse_endpoint, _dump_str)
 _REGION = _Kind(_name(_REGION_RE, 'a region name such as "us-east-1"'), _dump_str)
+_NODE_NAME = _Kind(_name(_NODE_NAME_RE, "a name of letters, digits, '.', '_' and '-' (at most 100)"), _dump_str)
 _PROFILE = _Kind(_name(_PROFILE_RE, "a profile name of the shared credentials file"), _dump_str)
 _SECRET = _Kind(_parse_secret, _dump_str)
 
@@ -587,6 +590,10 @@ class Config:
     metrics: MetricsConfig = field(metadata={"section": MetricsConfig})
     retention: RetentionConfig = field(metadata={"section": RetentionConfig})
     memory: MemoryConfig = field(default_factory=MemoryConfig, metadata={"section": MemoryConfig})
+    # The node's name for what it leaves on tiers several daemons share (its temporaries): stable
+    # across restarts of the daemon, its container or its pod, unique per node. None: the host name.
+    # Default from $CKPTSTAGE_NODE_NAME (a Kubernetes DaemonSet sets it from spec.nodeName).
+    node_name: str | None = field(default=None, metadata=_kind(_NODE_NAME))
     source: Path | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -702,6 +709,9 @@ def _fill_env_defaults(raw: dict[str, Any], env: Mapping[str, str], origins: dic
     if "socket" not in raw:
         raw["socket"] = str(default_socket_path(env))
         origins["socket"] = ENV_ORIGIN
+    if "node_name" not in raw and env.get(NODE_NAME_ENV):
+        raw["node_name"] = env[NODE_NAME_ENV]
+        origins["node_name"] = f"${NODE_NAME_ENV}"
     local = raw.setdefault("local", {})
     if isinstance(local, dict) and "dir" not in local:
         local["dir"] = str(default_data_dir(env) / "local")

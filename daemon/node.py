@@ -92,15 +92,17 @@ class BegunSave:
     released: int  # the session's arena stream positions below this are free now
 
 
-def node_name(local_dir: Path | None = None) -> str:
-    """This daemon's name for its temporaries on shared tiers: ``<host>-<8 hex of the local dir>``.
+def node_name(local_dir: Path | None = None, node: str | None = None) -> str:
+    """This daemon's name for its temporaries on shared tiers: ``<node>-<8 hex of the local dir>``.
 
-    Every daemon cleans its own ``.tmp/<name>/`` on start, so no two live
-    daemons may share a name: two users' daemons on one host (or two test
-    daemons) differ by their local tier, and a restarted daemon keeps its
-    name, so it finds what its predecessor left.
+    ``node`` is the configured ``node_name`` (``$CKPTSTAGE_NODE_NAME``), else
+    the host name. Every daemon cleans its own ``.tmp/<name>/`` on start, so
+    no two live daemons may share a name: two users' daemons on one host (or
+    two test daemons) differ by their local tier, and a restarted daemon
+    keeps its name, so it finds what its predecessor left (on Kubernetes only
+    with the node's name: a replaced pod gets a new host name).
     """
-    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in socket.gethostname())
+    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in node or socket.gethostname())
     name = (name.lstrip("._-") or "node")[:100]
     if local_dir is None:
         return name
@@ -122,7 +124,7 @@ class Node:
                                  self._newest_complete)
         self.budget.reclaim = self.memory.reclaim  # kept copies make way for sessions that need the room
         self.sessions = SessionTable()
-        self.owner = node_name(config.local.dir)
+        self.owner = node_name(config.local.dir, config.node_name)
         # The storage of each disk tier: everything below the node reaches a tier through these.
         self.tiers = open_tiers(config, self.owner)
         local = self.tiers[TierName.LOCAL]

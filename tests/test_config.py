@@ -172,7 +172,7 @@ def test_default_toml_documents_the_defaults(tmp_path: Path, env: dict[str, str]
 def _all_keys() -> dict[str, list[str]]:
     cfg = load_config(None, env={"HOME": "/h"})
     names = ("arena", "local", "shared", "persist", "metrics", "retention")
-    return {"": ["socket"], **{name: list(vars(getattr(cfg, name))) for name in names}}
+    return {"": ["socket", "node_name"], **{name: list(vars(getattr(cfg, name))) for name in names}}
 
 
 def _section_text(text: str, section: str) -> str:
@@ -683,3 +683,12 @@ def test_unit_does_not_restart_on_a_configuration_error() -> None:
     assert f"RestartPreventExitStatus={EXIT_CONFIG}\n" in unit
     assert f"**{EXIT_CONFIG}**" in (REPO / "deploy" / "systemd" / "README.md").read_text()
     assert f"status {EXIT_CONFIG}" in default_toml()
+
+
+def test_the_node_name_comes_from_the_key_else_the_environment(tmp_path: Path, env: dict[str, str]) -> None:
+    assert load_config(None, env=env).node_name is None  # the host name, at run time
+    assert load_config(None, env={**env, "CKPTSTAGE_NODE_NAME": "gpu-07"}).node_name == "gpu-07"
+    path = write(tmp_path, 'node_name = "gpu-01"\n')
+    assert load_config(path, env={**env, "CKPTSTAGE_NODE_NAME": "gpu-07"}).node_name == "gpu-01"
+    with pytest.raises(ConfigError, match=r"^\$CKPTSTAGE_NODE_NAME: node_name: must be a name of letters, digits"):
+        load_config(None, env={**env, "CKPTSTAGE_NODE_NAME": "gpu 07/x"})

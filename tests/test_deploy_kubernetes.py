@@ -23,9 +23,11 @@ from typing import Any
 import pytest
 import yaml
 
-from ckptstage.daemon.config import Config, load_config, parse_size
+from ckptstage.daemon.config import NODE_NAME_ENV, Config, load_config, parse_size
+from ckptstage.daemon.node import node_name
+from ckptstage.protos import layout
 from ckptstage.daemon.launcher import DaemonProcess
-from support import free_port, scrape
+from support import free_port, scrape, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "kubernetes"
@@ -102,7 +104,7 @@ NODE = "gpu-node-7"
 
 
 def daemon_config() -> tuple[Config, dict[str, Any], dict[str, Any]]:
-    """The daemon's config as the pod runs it: the ConfigMap's TOML, its flags, $(NODE_NAME) filled in."""
+    """The daemon's config as the pod runs it: the ConfigMap's TOML, its flags, $(CKPTSTAGE_NODE_NAME) filled in."""
     spec = pod_spec("DaemonSet")
     c = container(spec, "ckptstaged")
     config_path = PurePosixPath(flag(c, "config"))
@@ -113,7 +115,7 @@ def daemon_config() -> tuple[Config, dict[str, Any], dict[str, Any]]:
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"ckptstage-k8s-{os.getpid()}.toml"
     tmp.write_text(text)
     try:
-        local = flag(c, "local-dir").replace("$(NODE_NAME)", NODE)
+        local = flag(c, "local-dir").replace("$(CKPTSTAGE_NODE_NAME)", NODE)
         cfg = load_config(tmp, {"local.dir": local}, env={"HOME": "/nonexistent"})
     finally:
         tmp.unlink()
@@ -190,12 +192,30 @@ def test_the_configmap_is_a_valid_config_and_its_paths_are_on_the_pods_volumes()
 
 
 def test_the_daemons_name_is_stable_across_pods_and_unique_per_node() -> None:
-    # node_name() = <hostname>-<hash of local.dir>: a fixed hostname and a local.dir named after the node.
+    # node_name() = <$CKPTSTAGE_NODE_NAME>-<hash of local.dir>: the node's name, whatever the pod's host name.
     spec = pod_spec("DaemonSet")
     c = container(spec, "ckptstaged")
-    assert spec.get("hostname"), "without a fixed hostname the daemon's name changes with every pod"
-    assert "$(NODE_NAME)" in flag(c, "local-dir")
-    assert env_of(c)["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env_of(c)[NODE_NAME_ENV] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert f"$({NODE_NAME_ENV})" in flag(c, "local-dir")
+
+
+def test_a_replaced_pod_cleans_what_its_predecessor_left_on_the_shared_tier(tmp_path: Path) -> None:
+    """Two pods of one node in turn, each with its own host name: the second daemon takes its name from
+    $CKPTSTAGE_NODE_NAME, so it finds the temporaries the first left on the shared tier and removes them,
+    and leaves another node's alone."""
+    d = DaemonProcess(tmp_path / "pod", env={NODE_NAME_ENV: "gpu-07"})
+    assert d.shared is not None
+    mine = layout.tmp_root(d.shared, node_name(d.local, "gpu-07"))
+    other = layout.tmp_root(d.shared, node_name(d.local, "gpu-08"))
+    for root in (mine, other):
+        (root / "job" / "step-3" / "rank-0.partial").mkdir(parents=True)
+        (root / "job" / "step-3" / "rank-0.partial" / "data").write_bytes(b"x" * 1024)
+    d.start()
+    try:
+        wait_until(lambda: not any(mine.rglob("*")), 30, f"{mine} cleaned at start")
+        assert (other / "job" / "step-3" / "rank-0.partial" / "data").exists()
+    finally:
+        d.stop()
 
 
 def test_no_host_namespaces_and_no_privilege() -> None:
@@ -332,8 +352,8 @@ def test_the_pods_config_and_flags_start_a_real_daemon_and_the_probe_answers(tmp
     toml = toml.replace(f'"{cfg.metrics.listen}"', f'"127.0.0.1:{port}"')  # loopback only, on a free port
     config_file.write_text(toml)
     args = [a for a in c["args"] if not a.startswith("--config=")]
-    args = [a.replace("$(NODE_NAME)", NODE) for a in args]
-    args = [f"--local-dir={moved(flag(c, 'local-dir').replace('$(NODE_NAME)', NODE))}" if a.startswith("--local-dir=")
+    args = [a.replace("$(CKPTSTAGE_NODE_NAME)", NODE) for a in args]
+    args = [f"--local-dir={moved(flag(c, 'local-dir').replace('$(CKPTSTAGE_NODE_NAME)', NODE))}" if a.startswith("--local-dir=")
             else a for a in args]
     assert c["command"] == ["ckptstaged"]
     d = DaemonProcess(tmp_path / "launcher", config=config_file, args=args)
