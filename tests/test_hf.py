@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -363,3 +364,44 @@ def test_steps_to_rotate(steps, limit, protected, removed):
 
 if __name__ == "__main__":  # a process of test_ddp_main_process_saves_and_every_process_resumes, under torchrun
     ddp_rank(*sys.argv[1:])
+
+
+class SignalAt(TrainerCallback):
+    """Sends this process ``sig`` as training step ``step`` begins (a node given notice mid-step)."""
+
+    def __init__(self, step: int, sig: int = signal.SIGTERM) -> None:
+        self.step, self.sig = step, sig
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step + 1 == self.step:
+            os.kill(os.getpid(), self.sig)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_a_signal_saves_the_step_it_came_in_then_the_trainers_handler_runs(daemon, tmp_path, on):
+    """SIGTERM during step 2 of a run saving every 100 steps: step 2 is saved, then the handler installed
+    before train() runs (here it returns, so training goes on); with preemption_signals=() nothing is saved."""
+    client = Client("hf-preempt", socket=daemon.socket)
+    calls: list[tuple[int, int | None]] = []
+
+    def own(signum: int, frame: Any) -> None:
+        last = ckpt._last  # the callback's newest save: snapshotted by the time the handler runs?
+        calls.append((signum, last.step if last is not None and last.snapshot_done() else None))
+
+    before = signal.signal(signal.SIGTERM, own)
+    try:
+        ckpt = CkptstageCallback("hf-preempt", socket=daemon.socket, **({} if on else {"preemption_signals": ()}))
+        record = Record(weights_at=(2,))
+        trainer(tmp_path / "out", 0, [record, SignalAt(2), ckpt], max_steps=4, save_steps=100).train()
+        assert signal.getsignal(signal.SIGTERM) is own  # restored at the end of training
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    ckpt.close()
+    with client:
+        if on:
+            assert calls == [(signal.SIGTERM, 2)], calls
+            assert_same(client.load(2)["model"], record.weights[2], exact_dicts=False)
+            assert [c.step for c in client.list()] == [2, 4]  # and the Trainer's save at the end
+        else:
+            assert calls == [(signal.SIGTERM, None)]  # ran at once, nothing saved
+            assert [c.step for c in client.list()] == [4]

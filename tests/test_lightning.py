@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import datetime
 import json
+import os
+import signal
 import subprocess
 import sys
 from http import HTTPStatus
@@ -365,3 +367,44 @@ def test_bad_pointers_and_bad_state_get_clear_errors(daemon: Any, tmp_path: Path
     io.teardown()
     assert committed(daemon, "bad") == {}
 
+
+
+class SigtermAt(Callback):
+    """Sends this process SIGTERM as training batch ``batch_idx`` starts (a node given notice mid-batch)."""
+
+    def __init__(self, batch_idx: int) -> None:
+        self.batch_idx = batch_idx
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.batch_idx and trainer.global_step == batch_idx:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_saves_the_step_it_came_in_and_fit_resumes_there(daemon: Any, tmp_path: Path) -> None:
+    """SIGTERM during the third batch: Lightning stops after it, PreemptionCheckpoint saves step 3 through the
+    plug-in, the handler installed before fit ran; the next fit (ckpt_path "last") starts at step 3."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from ckptstage.lightning import PreemptionCheckpoint
+
+    calls: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    ckpts = tmp_path / "ckpts"
+    try:
+        capture = Capture()
+        io = CkptstageCheckpointIO("lt-preempt", socket=daemon.socket)
+        with pytest.raises(SIGTERMException):
+            fit(tmp_path, io, 20, [capture, SigtermAt(2), PreemptionCheckpoint(ckpts)])
+        assert calls == [signal.SIGTERM]  # Lightning calls the handler that was there before it
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert read_pointer(ckpts / "preempted.ckpt") == Pointer("lt-preempt", 3)
+    saved = load(ckpts / "preempted.ckpt", socket=daemon.socket)
+    assert saved["global_step"] == 3
+    assert_same(saved["state_dict"], capture.states[3]["model"], exact_dicts=False)
+
+    resumed = Capture()
+    fit(tmp_path, CkptstageCheckpointIO("lt-preempt", socket=daemon.socket), 4,
+        [resumed, PreemptionCheckpoint(ckpts)])
+    assert resumed.start_step == 3
+    assert_same(resumed.start["model"], capture.states[3]["model"], exact_dicts=False)

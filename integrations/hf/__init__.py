@@ -91,6 +91,22 @@ uninterrupted run's.
 ``resume()`` takes the newest step that is committed; a save the daemon is
 still persisting when the new process asks is not waited for.
 
+Preemption
+----------
+The Trainer does nothing on SIGTERM: a node given notice (a spot instance,
+a drain, SLURM before its time limit) kills it and the steps since the last
+save are lost. The callback catches ``preemption_signals`` (default SIGTERM;
+``()`` turns it off): the handler only records the signal, and at the end of
+the step being trained (``on_step_end``) a save is asked for, taken like any
+other at (C) and waited for until the daemon holds it; then the process ends
+as the signal would have ended it without ckptstage: the handler installed
+before ``train()`` runs, or the signal's default action kills the process
+(exit status -15 for SIGTERM), or, when it was ignored, training goes on.
+Under DDP the processes agree at each step end (one all-reduce of a flag),
+so they save the same step, and a process the signal did not reach ends as
+if it had. A step longer than the notice loses the step, not the run: the
+previous save stays the newest.
+
 Distributed data parallel (DDP under accelerate)
 ------------------------------------------------
 Model and optimizer are replicated, so only the main process saves, through
@@ -110,9 +126,10 @@ import os
 import random
 import secrets
 import shutil
+import signal
 import tempfile
 import weakref
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,6 +143,7 @@ from transformers.utils import WEIGHTS_NAME
 
 from ckptstage.client import CheckpointNotFound, Client, SaveHandle
 from ckptstage.client.errors import StepPinned
+from ckptstage.client.preemption import SignalLatch
 
 __all__ = ["CkptstageCallback", "steps_to_rotate"]
 
@@ -190,11 +208,20 @@ class CkptstageCallback(TrainerCallback):
     the first save blocks no longer than the others; ``arena_bytes``
     allocates it when the client connects (``on_train_begin``) instead. See the module docstring for what is saved,
     when, and how ``resume()`` works.
+
+    ``preemption_signals`` (default SIGTERM): on one of them the step being
+    trained is saved at its end, then the process ends as the signal would
+    have ended it (see "Preemption" in the module docstring); ``()`` turns
+    this off.
     """
 
     def __init__(self, job: str, socket: str | os.PathLike[str] | None = None, *,
-                 arena_bytes: int | None = None, connect_timeout: float = 30.0) -> None:
+                 arena_bytes: int | None = None, connect_timeout: float = 30.0,
+                 preemption_signals: Sequence[int] = (signal.SIGTERM,)) -> None:
         self.job = job
+        self.preemption_signals = tuple(preemption_signals)
+        self._latch: SignalLatch | None = None
+        self._stopping = False                 # a signal came: the save at the step's end is the last
         self.socket = socket
         self.arena_bytes = arena_bytes
         self.connect_timeout = connect_timeout
@@ -257,6 +284,7 @@ class CkptstageCallback(TrainerCallback):
         _check_supported(args)
         if state.is_world_process_zero:
             self._get_client()  # the saving process: a daemon that cannot be reached fails the run now
+        self._watch_signals()
         self._pending, self._last, self._unpinned_best = None, None, None
         self._prepared = False
         restore = self._restore
@@ -308,6 +336,10 @@ class CkptstageCallback(TrainerCallback):
             if self.arena_bytes is None and model is not None:
                 self._get_client().prepare({"model": model.state_dict(),
                                             "optimizer": optimizer.state_dict() if optimizer is not None else None})
+        signalled = self._latch is not None and self._latch.received is not None
+        if self.preemption_signals and _any_process(args, signalled):
+            self._stopping = True
+            control.should_save = True  # taken over just below, as any save
         self._intercept(state, control)
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -350,9 +382,11 @@ class CkptstageCallback(TrainerCallback):
             log.info("ckptstage: loaded the best model, step %d (%s %s)", self.best_step,
                      args.metric_for_best_model, state.best_metric)
         self._discard_restore(collective=True)
+        self._unwatch_signals()
 
     def close(self) -> None:
         """Ends this process's session with the daemon (saves already snapshotted still commit)."""
+        self._unwatch_signals()
         self._discard_restore()
         if self._client is not None:
             self._client.close()
@@ -377,6 +411,14 @@ class CkptstageCallback(TrainerCallback):
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        try:
+            self._save_pending(pending, args, state, kwargs, history_end)
+        finally:
+            if self._stopping:
+                self._end_for_preemption(pending.step)
+
+    def _save_pending(self, pending: _Pending, args: TrainingArguments, state: TrainerState,
+                      kwargs: Mapping[str, Any], history_end: int | None) -> None:
         rngs = _gather(pending.rng)
         if not state.is_world_process_zero:
             return  # replicated state: the main process saves it (see the module docstring)
@@ -437,6 +479,32 @@ class CkptstageCallback(TrainerCallback):
             log.info("ckptstage: step %d of %r is pinned; save_total_limit leaves it", step, self.job)
         except CheckpointNotFound:
             pass  # already gone (the daemon's own retention, or another node's deletion)
+
+    # --- preemption ---------------------------------------------------------------------
+
+    def _watch_signals(self) -> None:
+        self._unwatch_signals()
+        self._stopping = False
+        if not self.preemption_signals:
+            return
+        try:
+            self._latch = SignalLatch(self.preemption_signals)
+        except RuntimeError as e:  # not the main thread: the Trainer runs without the last save
+            log.warning("ckptstage: no save on preemption: %s", e)
+
+    def _unwatch_signals(self) -> None:
+        latch, self._latch = self._latch, None
+        if latch is not None:
+            latch.close()
+
+    def _end_for_preemption(self, step: int) -> None:
+        """After the save of the step a signal interrupted: every process ends as the signal says."""
+        self._stopping = False
+        latch = self._latch
+        log.warning("ckptstage: preempted: step %d is with the daemon; ending as the signal says", step)
+        _barrier()  # the main process's snapshot is with the daemon before any process ends
+        if latch is not None:
+            latch.finish()  # a process the signal did not reach ends as if it had (the first of the signals)
 
     # --- plumbing -----------------------------------------------------------------------
 
@@ -505,6 +573,15 @@ def _process_index_and_count() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+def _any_process(args: TrainingArguments, flag: bool) -> bool:
+    """Whether ``flag`` is set on any process (collective under torch.distributed: one small all-reduce)."""
+    if _process_index_and_count()[1] == 1:
+        return flag
+    t = torch.tensor([int(flag)], device=args.device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def _barrier() -> None:

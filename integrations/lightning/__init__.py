@@ -49,6 +49,27 @@ moving on) or removed by Lightning behind the plug-in's back (the
 background thread, behind the commits of every save started before them:
 a checkpoint is never deleted before its successor is durable. Only steps
 of the plug-in's own job are ever deleted.
+
+Preemption
+----------
+Lightning handles SIGTERM itself during ``fit`` (its signal connector): the
+handler records it (calling a handler installed before, at once), the loop
+ends the current training batch, agrees across ranks, and raises
+``SIGTERMException`` (a ``SystemExit``) after every callback's
+``on_exception``. It saves nothing (unless SLURM auto-requeue is on: then
+its own SIGUSR1 handler saves through the plug-in). A ``CheckpointIO`` never
+sees the trainer, so the save is a callback's: :class:`PreemptionCheckpoint`
+saves the state at that safe point, through the plug-in, and the process
+then ends as Lightning ends it::
+
+    trainer = Trainer(plugins=[CkptstageCheckpointIO(job="run3")],
+                      callbacks=[ModelCheckpoint(dirpath="ckpts", save_last=True),
+                                 PreemptionCheckpoint("ckpts")])
+    trainer.fit(model, ckpt_path="last")
+
+``ckpt_path="last"`` (Lightning's default with this callback) picks the
+newer of ``last.ckpt`` and ``preempted.ckpt``. Leave the callback out to
+turn this off. Client code outside Lightning uses ``Client.on_preemption``.
 """
 
 from __future__ import annotations
@@ -68,13 +89,15 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from ckptstage.client import Client, SaveHandle, errors
 from ckptstage.protos import layout
 
-__all__ = ["POINTER_FORMAT", "CkptstageCheckpointIO", "Pointer", "PointerError", "list_pointers", "load",
-           "read_pointer", "write_pointer"]
+__all__ = ["POINTER_FORMAT", "CkptstageCheckpointIO", "Pointer", "PointerError", "PreemptionCheckpoint",
+           "list_pointers", "load", "read_pointer", "write_pointer"]
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +237,30 @@ def load(path: str | os.PathLike[str], map_location: Any = None, socket: str | o
         return io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
     finally:
         io.teardown()
+
+
+# --- preemption -----------------------------------------------------------------------
+
+
+class PreemptionCheckpoint(OnExceptionCheckpoint):
+    """Saves ``dirpath/filename.ckpt`` when Lightning stops ``fit`` on SIGTERM (see "Preemption" above).
+
+    Only on ``SIGTERMException``: Lightning raises it at the end of a training
+    batch, where the state is whole. Any other exception may come from the
+    middle of an optimizer step, so nothing is saved then (Lightning's own
+    ``OnExceptionCheckpoint`` saves on every exception). Through
+    :class:`CkptstageCheckpointIO` the save returns once the daemon holds the
+    snapshot; the daemon commits it after the process ends.
+    """
+
+    def __init__(self, dirpath: str | os.PathLike[str], filename: str = "preempted") -> None:
+        super().__init__(dirpath, filename)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException):
+            log.warning("ckptstage: SIGTERM: saving step %d as %s before Lightning stops", trainer.global_step,
+                        self.ckpt_path)
+            trainer.save_checkpoint(self.ckpt_path)
 
 
 # --- the plug-in ----------------------------------------------------------------------
