@@ -300,7 +300,7 @@ def cmd_drain(conn: Connection, args: argparse.Namespace) -> int:
             progress.update(queue.done, queue.total, queue.note)
         while True:
             left = 25.0 if deadline is None else max(0.0, min(25.0, deadline - time.monotonic()))
-            call = conn.start("Drain", pb.DrainRequest(job=args.job or "", wait=True, timeout_s=left),
+            call = conn.start("Drain", pb.DrainRequest(job=args.job or "", wait=True, timeout_s=left, newest=True),
                               timeout=left + 10)
             while not call.wait(POLL_S):
                 queue.sample()

@@ -219,9 +219,11 @@ def _int(minimum: int, maximum: int) -> _Kind:
     return _Kind(parse, str, f"{minimum} to {maximum}")
 
 
-def _parse_seconds(value: Any, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ConfigError(key, f"must be a positive number of seconds, got {value!r}")
+def _parse_seconds(value: Any, key: str, zero: bool = False) -> float:
+    """A number of seconds; 0 only where ``zero`` (a key whose 0 turns something off)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value if zero else 0 < value) \
+            or value == math.inf:
+        raise ConfigError(key, f"must be a {'non-negative' if zero else 'positive'} number of seconds, got {value!r}")
     return float(value)
 
 
@@ -295,7 +297,7 @@ def _seconds(minimum: float, maximum: float) -> _Kind:
     bounds = f"{minimum:g} to {maximum:g} s"
 
     def parse(value: Any, key: str) -> float:
-        seconds = _parse_seconds(value, key)
+        seconds = _parse_seconds(value, key, zero=minimum == 0)
         if not minimum <= seconds <= maximum:
             raise ConfigError(key, f"must be a number of seconds from {bounds}, got {value!r}")
         return seconds
@@ -463,6 +465,9 @@ class SharedConfig:
     retry_max_s: float = field(default=60.0, metadata=_kind(_seconds(0.1, 86400)))
 
     def __post_init__(self) -> None:
+    # On SIGTERM, after in-flight saves commit: at most this long draining the newest complete step of
+    # each job that the shared tier lacks (off the drain_every cadence too) before exiting. 0: off.
+    drain_on_stop_s: float = field(default=20.0, metadata=_kind(_seconds(0, 3600)))
         if self.retry_max_s < self.retry_initial_s:
             raise ConfigError(
                 "shared.retry_max_s",

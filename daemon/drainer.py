@@ -297,10 +297,12 @@ class Drainer:
 
     # --- queue -------------------------------------------------------------------------
 
-    def enqueue(self, part: Part) -> None:
-        """Queues a local part for draining, unless it is queued or drained already."""
+    def enqueue(self, part: Part, off_cadence: bool = False) -> None:
+        """Queues a local part for draining, unless it is queued or drained already; ``off_cadence``: also
+        a step the ``drain_every`` cadence keeps off the shared tier (a node going away)."""
         key = (part.job, part.step, part.rank)
-        if not self.config.drains(part.step) or self._on_shared(key) or self.catalog.was_drained(*key):
+        if not (off_cadence or self.config.drains(part.step)) or self._on_shared(key) or \
+                self.catalog.was_drained(*key):
             return
         with self._cond:
             if key in self._staged:
@@ -445,7 +447,9 @@ class Drainer:
     def wait_part(self, job: str, step: int, rank: int, timeout: float) -> bool:
         """True once the part is on the shared tier; raises if it never can be."""
         key = (job, step, rank)
-        if not self.config.drains(step) and not self.drained(job, step, rank):
+        with self._cond:
+            queued = key in self._parts or key in self._staged
+        if not self.config.drains(step) and not queued and not self.drained(job, step, rank):
             raise SaveFailed(self.not_drained(step))
         with self._cond:
             # The daemon stopping ends the wait too (stop() notifies): its thread must not hold the exit.

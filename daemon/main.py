@@ -143,10 +143,12 @@ class Daemon:
             return
         self._stopped.set()
         timeout = self.config.persist.shutdown_timeout_s
-        self.notifier.stopping(f"stopping: finishing in-flight saves (up to {timeout:.0f}s)")
-        log.info("shutting down: finishing in-flight saves (up to %.0fs)", timeout)
+        drain_s = self.config.shared.drain_on_stop_s if self.node.drainer is not None else 0.0
+        then = f", then draining each job's newest step (up to {drain_s:.0f}s)" if drain_s else ""
+        self.notifier.stopping(f"stopping: finishing in-flight saves (up to {timeout:.0f}s){then}")
+        log.info("shutting down: finishing in-flight saves (up to %.0fs)%s", timeout, then)
         self.rpc.begin_shutdown()
-        self.node.shutdown(timeout)
+        self.node.shutdown(timeout, drain_s)
         self.handoff.stop()
         self.rpc.stop(grace=2)
         try:

@@ -41,7 +41,7 @@ from ckptstage.daemon.errors import (
 )
 from ckptstage.daemon.incomplete import IncompleteSteps, why_incomplete
 from ckptstage.daemon.janitor import Deleted, GcAction, Janitor
-from ckptstage.daemon import listing
+from ckptstage.daemon import listing, stopdrain
 from ckptstage.daemon import jobs as jobs_mod
 from ckptstage.daemon.jobs import JobSummary
 from ckptstage.daemon.job_rules import JobRetention, JobRules
@@ -225,8 +225,10 @@ class Node:
         if self.shared_sync is not None:
             self.shared_sync.start()
 
-    def shutdown(self, timeout: float) -> None:
-        """Stops taking saves, lets finished ones commit (bounded), then stops the drainer."""
+    def shutdown(self, timeout: float, drain_s: float = 0.0) -> None:
+        """Stops taking saves, lets finished ones commit (bounded by ``timeout``), drains the newest step of
+        each job the shared tier lacks (bounded by ``drain_s``: see :mod:`ckptstage.daemon.stopdrain`),
+        then stops the drainer."""
         self._stopping.set()
         self.commits.wake()  # step waits end (they check _stopping)
         self._shared_wake.set()  # the shared-tier thread sleeps on it
@@ -240,6 +242,10 @@ class Node:
                 self.persister.fail(save, "daemon shutdown timed out before the save committed")
         self.persister.shutdown(wait=True)
         if self.drainer is not None:
+        if self.drainer is not None and drain_s > 0:
+            outcome = stopdrain.drain_newest(self.catalog, self.drainer, drain_s)
+            stopdrain.log_outcome(outcome, drain_s, "stopping")
+            deadline = max(deadline, time.monotonic() + 1.0)  # the drainer's threads still get to stop
             self.drainer.stop(max(0.0, deadline - time.monotonic()))  # copies under way stop: fetches too
         if self.fetcher is not None:
             self.fetcher.close()
@@ -644,12 +650,20 @@ class Node:
     def gc(self, dry_run: bool) -> list[GcAction]:
         return self.janitor.gc(dry_run)
 
-    def drain(self, job: str | None, wait: bool, timeout: float) -> tuple[int, int]:
+    def drain(self, job: str | None, wait: bool, timeout: float, newest: bool = False) -> tuple[int, int]:
+        """Waits (with ``wait``, up to ``timeout``) for the job's (every job's) drain queue to empty;
+        ``newest``: first drains each job's newest step only this node holds (see
+        :mod:`ckptstage.daemon.stopdrain`). Returns (parts still pending, parts failed)."""
         if self.drainer is None:
             return 0, 0
         if job:
             layout.check_job(job)
-        return self.drainer.wait_idle(job or None, timeout if wait else 0.0)
+        deadline = time.monotonic() + (timeout if wait else 0.0)
+        if newest:
+            outcome = stopdrain.drain_newest(self.catalog, self.drainer, timeout if wait else 0.0, job)
+            if wait:
+                stopdrain.log_outcome(outcome, timeout, "drain requested")
+        return self.drainer.wait_idle(job or None, max(0.0, deadline - time.monotonic()))
 
     # --- internals ---------------------------------------------------------------------
 

@@ -294,7 +294,8 @@ class Servicer(pb_grpc.CheckpointerServicer):
     @_mapped
     async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
         timeout = _timeout(request.timeout_s, context)
-        pending, failed = await self._wait(self.node.drain, request.job or None, request.wait, timeout)
+        pending, failed = await self._wait(self.node.drain, request.job or None, request.wait, timeout,
+                                           request.newest)
         return pb.DrainResponse(pending=pending, failed=failed)
 
     @_mapped

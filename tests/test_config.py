@@ -489,6 +489,7 @@ OUT_OF_BOUNDS: dict[str, tuple[object, object]] = {
     "shared.multipart_concurrency": (0, 65),
     "shared.retry_initial_s": (0.009, 3601),
     "shared.retry_max_s": (0.09, 86401),
+    "shared.drain_on_stop_s": (None, 3601),
     "persist.workers": (0, 65),
     "persist.chunk_bytes": (0, "1025MiB"),
     "persist.shutdown_timeout_s": (0.99, 3601),

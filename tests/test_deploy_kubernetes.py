@@ -258,10 +258,16 @@ def test_one_uid_everywhere() -> None:
     assert "chmod 0700" in script
 
 
-def test_grace_period_outlasts_the_shutdown_timeout() -> None:
-    cfg, spec, _ = daemon_config()
-    # SIGTERM: in-flight writes get shutdown_timeout_s, then the gRPC server a 2 s grace, then exit.
-    assert spec["terminationGracePeriodSeconds"] >= cfg.persist.shutdown_timeout_s + 10
+def test_grace_period_outlasts_the_drain_before_stop_and_the_shutdown() -> None:
+    cfg, spec, c = daemon_config()
+    # preStop: `ckptstage drain --wait --timeout S`, each job's newest step first (a node going away).
+    command = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:3] == ["ckptstage", "drain", "--wait"] and "--timeout" in command
+    pre_stop = float(command[command.index("--timeout") + 1])
+    # SIGTERM then: in-flight writes get shutdown_timeout_s, the newest steps drain_on_stop_s, the gRPC
+    # server a 2 s grace, then exit. The grace period counts from the preStop hook's start.
+    assert spec["terminationGracePeriodSeconds"] >= pre_stop + cfg.persist.shutdown_timeout_s + \
+        cfg.shared.drain_on_stop_s + 5
 
 
 def test_memory_limit_holds_the_arena_budget() -> None:

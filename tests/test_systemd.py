@@ -141,7 +141,7 @@ def test_ready_only_once_recovered_and_serving_then_stopping_on_sigterm(
     assert "READY=1" not in after
     assert proc.wait(timeout=60) == 0
     assert [m for m in notify_socket.receive(0.2) if m.startswith("STATUS=")] == [
-        "STATUS=stopping: finishing in-flight saves (up to 30s)"]
+        "STATUS=stopping: finishing in-flight saves (up to 30s), then draining each job's newest step (up to 20s)"]
 
 
 @pytest.mark.parametrize(("env", "pid", "expected"), [
@@ -320,8 +320,8 @@ def test_unit_directives_the_daemon_relies_on() -> None:
     from ckptstage.daemon.main import EXIT_CONFIG
     assert service["RestartPreventExitStatus"] == [str(EXIT_CONFIG)]
     # The shutdown bound (persist.shutdown_timeout_s, 30 s by default) must fit before systemd's SIGKILL.
-    from ckptstage.daemon.config import PersistConfig
-    assert int(service["TimeoutStopSec"][0]) > PersistConfig().shutdown_timeout_s
+    from ckptstage.daemon.config import PersistConfig, SharedConfig
+    assert int(service["TimeoutStopSec"][0]) > PersistConfig().shutdown_timeout_s + SharedConfig().drain_on_stop_s
     assert service["UMask"] == ["0077"] and service["CapabilityBoundingSet"] == [""]
     assert "LimitMEMLOCK" in service and service["RemoveIPC"] == ["no"]
     # The arenas in /dev/shm are shared with the trainers and the default tier is in the home directory:

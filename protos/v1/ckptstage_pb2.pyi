@@ -415,14 +415,16 @@ class DeleteStepResponse(_message.Message):
     def __init__(self, parts_deleted: _Optional[int] = ..., bytes_deleted: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
-    __slots__ = ("job", "wait", "timeout_s")
+    __slots__ = ("job", "wait", "timeout_s", "newest")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_FIELD_NUMBER: _ClassVar[int]
     job: str
     wait: bool
     timeout_s: float
-    def __init__(self, job: _Optional[str] = ..., wait: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    newest: bool
+    def __init__(self, job: _Optional[str] = ..., wait: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., newest: _Optional[bool] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
     __slots__ = ("pending", "failed")
