@@ -112,3 +112,33 @@ def test_ckptstage_drain_wait_does_the_same_on_demand(daemon_factory: Any) -> No
     assert on_shared(d.shared, 13) and not on_shared(d.shared, 12)
     d.stop()
     restore_elsewhere(daemon_factory, d.shared, 13, nbytes)
+
+
+def test_a_job_killed_with_notice_resumes_from_its_step_on_another_node(daemon_factory: Any, tmp_path: Path) -> None:
+    """The whole story: the node gets notice, the trainer (on_preemption) and its daemon both get SIGTERM.
+    The trainer's last snapshot (step 17; its periodic saves are every 10 steps, and only every 10th step
+    goes to the shared tier) reaches the daemon, the daemon drains it before it exits, and a replacement
+    node with an empty SSD resumes from step 17."""
+    from preemption_trainer import STOP_AT, model_and_data, train
+
+    d = daemon_factory("node", **{"shared.drain_every": 10, "shared.max_bandwidth": "1MiB/s"}).start()
+    trainer = subprocess.Popen([sys.executable, str(Path(__file__).parent / "preemption_trainer.py"), str(d.socket),
+                                JOB, "default", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        assert trainer.stdout is not None and trainer.stdout.readline().strip() == f"at {STOP_AT}"
+        trainer.send_signal(signal.SIGTERM)  # the node's notice reaches the trainer first ...
+        assert trainer.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+    code, _ = stop_by_sigterm(d)  # ... then its daemon
+    assert code == 0 and on_shared(d.shared, STOP_AT), d.log_tail()
+    model, x = model_and_data()
+    expected = train(model, x, STOP_AT)
+    other = daemon_factory("replacement", **{"shared.dir": str(d.shared)}).start()
+    with Client(JOB, socket=other.socket) as c:
+        assert c.latest() == STOP_AT
+        got = c.load()
+    assert all(torch.equal(got["model"][k], v) for k, v in expected.items())
