@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 import torch
 
-from ckptstage.client import dist, errors, reshard, rpc, shards, steps, tree
+from ckptstage.client import dist, errors, lifecycle, reshard, rpc, shards, steps, tree
 from ckptstage.client.fileplan import FilePlan, PlanCache, build_manifest
 from ckptstage.client.memread import read_memory_part
 from ckptstage.client.restore import read_part
@@ -57,6 +57,10 @@ def _drop_lifelines_in_child() -> None:
 os.register_at_fork(after_in_child=_drop_lifelines_in_child)
 # A deletion waits for saves and drains of the step still in flight (the daemon bounds each wait to 30 s).
 _DELETE_TIMEOUT_S = 120.0
+# How long closing waits for a client thread to leave its gRPC call (it ends as soon as the call is cancelled).
+_THREAD_EXIT_S = 5.0
+# A wait at exit longer than this is logged as a warning (the script should have waited for its saves).
+_WAIT_NOTED_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -199,14 +203,23 @@ class Client:
     ``connect_timeout`` (seconds) is how long the constructor waits for a
     daemon that is not answering yet (a job prologue that starts it a moment
     before the trainer); then :class:`DaemonUnavailable` names the socket.
+
+    A client still open when the interpreter exits (the script ended without
+    ``close()``) first finishes its snapshots in flight, so every save it
+    started reaches the daemon, which commits it; it waits at most
+    ``exit_timeout`` seconds (``None``: ``$CKPTSTAGE_EXIT_TIMEOUT``, else 60)
+    and logs a warning when it waited long or gave up (see
+    :mod:`ckptstage.client.lifecycle`). A process killed by a signal gets
+    only the saves the daemon already held.
     """
 
     def __init__(self, job: str, socket: str | os.PathLike[str] | None = None, rank: int | None = None,
                  world_size: int | None = None, arena_bytes: int | None = None,
                  retention: Mapping[str, Any] | None = None, attempt: str | None = None,
-                 connect_timeout: float = 30.0) -> None:
+                 connect_timeout: float = 30.0, exit_timeout: float | None = None) -> None:
         try:
             self.job = layout.check_job(job)
+            self._exit_timeout = lifecycle.exit_timeout(exit_timeout)
             given_rank = rank
             rank, world_size = dist.rank_and_world(rank, world_size)
             layout.check_rank(rank, world_size)
@@ -248,6 +261,7 @@ class Client:
         self._worker = threading.Thread(target=self._run, name=f"ckptstage-snapshot-{rank}", daemon=True)
         self._worker.start()
         self._copy_threads.confirm_private()
+        lifecycle.track(self)
         if arena_bytes and self._memory_copy:
             self._deferred_prepare = arena_bytes
         elif arena_bytes:
@@ -660,16 +674,62 @@ class Client:
         except errors.CkptStageError:
             pass  # the daemon is gone; nothing is left to release there
         self._attach.cancel()
+        self._watcher.join(_THREAD_EXIT_S)  # out of its gRPC call before the interpreter may exit
         if self._arena is not None:
             self._arena.close()
             self._arena = None
         self._conn.close()
+        lifecycle.untrack(self)
 
     def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def close_at_exit(self) -> None:
+        """At interpreter exit: the snapshots in flight finish (at most ``exit_timeout``), then :meth:`close`.
+
+        Given up on, the connection is closed under them instead: that ends the
+        calls the snapshot thread waits in, and the daemon drops the session.
+        """
+        if self._closed:
+            return
+        if self._finish_snapshots(self._exit_timeout):
+            self.close()
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._conn.close()
+        self._worker.join(_THREAD_EXIT_S)
+        self._watcher.join(_THREAD_EXIT_S)
+
+    def _finish_snapshots(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` for every snapshot in flight, logging what it waited for; False if one is left."""
+        with self._lock:
+            pending = [h for h in self._inflight if not h.snapshot_done()]
+        if not pending:
+            return True
+        started = time.monotonic()
+        deadline = started + timeout
+        log.info("ckptstage: finishing the snapshots of job %r steps %s before exit (up to %gs)", self.job,
+                 [h.step for h in pending], timeout)
+        for h in pending:
+            h._snapshot.wait(max(0.0, deadline - time.monotonic()))
+        waited = time.monotonic() - started
+        left = [h.step for h in pending if not h.snapshot_done()]
+        failed = [h for h in pending if h.snapshot_done() and h._error is not None]
+        if left:
+            log.warning("ckptstage: gave up after %.1fs (exit_timeout) on the snapshots of job %r steps %s: they are "
+                        "not saved; wait for them (h.wait_snapshot()) or raise exit_timeout / $%s", waited, self.job,
+                        left, lifecycle.EXIT_TIMEOUT_ENV)
+        elif waited > _WAIT_NOTED_S:
+            log.warning("ckptstage: waited %.1fs at exit for the snapshots of job %r steps %s (the script ended "
+                        "without waiting for its saves); the daemon commits them", waited, self.job,
+                        [h.step for h in pending])
+        for h in failed:
+            log.warning("ckptstage: the save of job %r step %d failed: %s", self.job, h.step, h._error)
+        return not left
 
     # --- internals ----------------------------------------------------------------------
 
@@ -703,8 +763,9 @@ class Client:
             _LIFELINES.add(self._lifeline)
         except OSError as e:  # an older daemon: no memory tier for this session's arena, nothing else lost
             log.debug("ckptstage: no lifeline to the daemon's memory tier: %s", e)
-        threading.Thread(target=self._watch, args=(self._attach, self._session_id), daemon=True,
-                         name=f"ckptstage-session-{self.rank}").start()
+        self._watcher = threading.Thread(target=self._watch, args=(self._attach, self._session_id), daemon=True,
+                                         name=f"ckptstage-session-{self.rank}")
+        self._watcher.start()
 
     def _close_lifeline(self) -> None:
         lifeline, self._lifeline = getattr(self, "_lifeline", None), None

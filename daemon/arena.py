@@ -11,6 +11,7 @@ blocking window.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from ckptstage.daemon.errors import ArenaFull
+from ckptstage.daemon.errors import ArenaFull, SharedMemoryFull
 from ckptstage.daemon.logs import fields
 
 log = logging.getLogger(__name__)
@@ -39,9 +40,11 @@ class Budget:
     session's (job, rank), first gives up its own).
     """
 
-    def __init__(self, total: int, reclaim: Callable[[int, tuple[str, int] | None], None] | None = None) -> None:
+    def __init__(self, total: int, reclaim: Callable[[int, tuple[str, int] | None], None] | None = None,
+                 shm_dir: Path = SHM_DIR) -> None:
         self.total = total
         self.reclaim = reclaim
+        self.shm_dir = shm_dir  # the file system the arenas are carved from (``[arena] dir``)
         self._used = 0
         self._lock = threading.Lock()
 
@@ -74,6 +77,36 @@ class Budget:
             self._used -= n
             assert self._used >= 0, "arena budget released more than it granted"
 
+    def fit_to_dir(self) -> int:
+        """Caps the budget to what :attr:`shm_dir` has free (at start, once stale arenas are gone); returns it.
+
+        A budget the file system cannot hold fails saves later, when an arena
+        cannot be allocated: the operator hears of it now, with both figures.
+        """
+        space = shm_space(self.shm_dir)
+        if space is None:
+            return self.total
+        free, size = space
+        if self.total > free + self.used:
+            log.warning("arena.max_bytes (%d bytes) does not fit in %s (%d bytes free of %d): the arena budget is "
+                        "capped to %d bytes; lower arena.max_bytes, or enlarge the mount (docker run --shm-size, a "
+                        "Kubernetes emptyDir with medium: Memory)", self.total, self.shm_dir, free, size,
+                        free + self.used,
+                        extra=fields(configured_bytes=self.total, free_bytes=free, fs_bytes=size,
+                                     shm_dir=str(self.shm_dir)))
+            with self._lock:
+                self.total = free + self._used
+        return self.total
+
+
+def shm_space(shm_dir: Path) -> tuple[int, int] | None:
+    """(bytes free, bytes in all) of the file system at ``shm_dir``; None when it cannot be asked."""
+    try:
+        st = os.statvfs(shm_dir)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
 
 class Arena:
     """One session's shared-memory region, mapped in the daemon."""
@@ -90,14 +123,21 @@ class Arena:
             os.posix_fallocate(fd, 0, size)
             self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _populate(),
                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
+        except BaseException as e:
             os.close(fd)
             self.path.unlink(missing_ok=True)
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise self.no_room(size) from e
             raise
         # The descriptor stays open: the memory tier hands it to a reader once the name is gone.
         self.fd = fd
         self.view = memoryview(self.map)
         self._unlinked = False
+
+    def no_room(self, size: int) -> SharedMemoryFull:
+        """What a save hears when the file system holds no arena of ``size`` bytes (filled in by the session)."""
+        free, total = shm_space(self.path.parent) or (0, 0)
+        return SharedMemoryFull(size, free, total, 0, 0, str(self.path.parent))
 
     def unlink(self) -> None:
         """Removes the name once the client has mapped it (or gave up on it)."""

@@ -397,6 +397,8 @@ class ArenaConfig:
     min_session_bytes: int = field(default=64 << 20, metadata=_kind(_size(4096, MAX_ARENA_BYTES)))
     # A session whose client has not opened its Attach stream after this long is closed (the client died).
     attach_timeout_s: float = field(default=30.0, metadata=_kind(_seconds(0.5, 3600)))
+    # The shared-memory file system the arenas are files in; max_bytes is capped at start to what it has free.
+    dir: Path = field(default=Path("/dev/shm"), metadata=_kind(_PATH))
 
     def __post_init__(self) -> None:
         if self.min_session_bytes > self.max_bytes:

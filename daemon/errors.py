@@ -55,6 +55,21 @@ class ArenaFull(DaemonError):
         self.wanted, self.free, self.budget, self.chunk = wanted, free, budget, chunk
 
 
+class SharedMemoryFull(ArenaFull):
+    """The budget allows an arena but the shared-memory file system it is carved from has no room for it."""
+
+    def __init__(self, wanted: int, free: int, fs_bytes: int, budget: int, chunk: int, where: str) -> None:
+        DaemonError.__init__(
+            self,
+            f"no shared memory for an arena of {wanted} bytes: {where} has {free} bytes free of {fs_bytes} "
+            f"(arena.max_bytes allows {budget}; a save needs at least one chunk of {chunk}); free space in {where}, "
+            "enlarge that mount (docker run --shm-size, a Kubernetes emptyDir with medium: Memory) or set [arena] "
+            "dir to a larger tmpfs, or lower arena.max_bytes to what the mount holds",
+        )
+        self.wanted, self.free, self.budget, self.chunk = wanted, free, budget, chunk
+        self.fs_bytes, self.where = fs_bytes, where
+
+
 class SaveFailed(DaemonError):
     """A save could not be committed on a tier; the message says why."""
 

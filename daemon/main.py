@@ -120,7 +120,7 @@ class Daemon:
         shared = self.node.tiers.get(TierName.SHARED)
         log.info("ckptstaged %s serving on %s (local %s, shared %s, arena budget %d bytes)", VERSION,
                  self.config.socket, self.config.local.dir, shared.location if shared is not None else "disabled",
-                 self.config.arena.max_bytes)
+                 self.node.budget.total)
         if self.notifier.heartbeat_s is not None:
             self.rpc.start_heartbeat(self.notifier.heartbeat_s, self.notifier.heartbeat)
         self.notifier.ready()

@@ -119,7 +119,7 @@ class Node:
         self.metrics = metrics or Metrics()
         self.clock = clock
         self.started = time.monotonic()
-        self.budget = arena_mod.Budget(config.arena.max_bytes)
+        self.budget = arena_mod.Budget(config.arena.max_bytes, shm_dir=config.arena.dir)
         self.memory = MemoryTier(self.budget, config.memory.enabled, config.memory.keep_s, self._committed_digest,
                                  self._newest_complete)
         self.budget.reclaim = self.memory.reclaim  # kept copies make way for sessions that need the room
@@ -203,7 +203,8 @@ class Node:
         local.prepare()
         local.recover_staged()  # before the temporaries go
         removed = local.clean_temporaries()
-        stale = arena_mod.sweep_stale()
+        stale = arena_mod.sweep_stale(self.budget.shm_dir)
+        self.budget.fit_to_dir()  # what the file system holds, once the stale arenas are gone
         n_local = self.catalog.load_tier(TierName.LOCAL, local)
         self.quarantine.load_tier(TierName.LOCAL)
         self.catalog.prune_drained()

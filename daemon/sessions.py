@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptstage.daemon.arena import Arena, Budget, arena_name
-from ckptstage.daemon.errors import ArenaFull, InvalidRequest, SessionNotFound
+from ckptstage.daemon.errors import ArenaFull, InvalidRequest, SessionNotFound, SharedMemoryFull
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.memtier import Resident
 from ckptstage.daemon.persister import Save
@@ -130,17 +130,39 @@ class Session:
                 self._budget.release(size)
                 return current
             try:
-                self._generation += 1
-                arena = Arena(arena_name(self._daemon_pid, self.id, self._generation), size, self._generation)
+                arena = self._allocate(size)
+            except SharedMemoryFull as e:
+                self._budget.release(size)
+                if current is not None:
+                    return current  # the file system has no room to grow it: the save streams through this one
+                raise SharedMemoryFull(e.wanted, e.free, e.fs_bytes, self._budget.total, self.chunk_bytes,
+                                       e.where) from None
             except BaseException:
                 self._budget.release(size)
                 raise
+            if arena.size < size:
+                self._budget.release(size - arena.size)
             if current is not None:
                 self._free(current)
             self.arena = arena
             # A new arena starts a new stream: align the next save to a chunk.
             self._stream_end = 0
             return arena
+
+    def _allocate(self, size: int) -> Arena:
+        """A new arena of ``size`` bytes, or of what the file system still holds (whole chunks; a save streams
+        through a smaller arena) when something outside the budget took its room since the daemon started."""
+        self._generation += 1
+        name = arena_name(self._daemon_pid, self.id, self._generation)
+        try:
+            return Arena(name, size, self._generation, self._budget.shm_dir)
+        except SharedMemoryFull as e:
+            fits = e.free // self.chunk_bytes * self.chunk_bytes
+            if not self.chunk_bytes <= fits < size:
+                raise
+            log.warning("session %s: %s holds no arena of %d bytes (%d free): granting %d", self.id, e.where, size,
+                        e.free, fits, extra=fields(job=self.info.job, rank=self.info.rank, session=self.id))
+            return Arena(name, fits, self._generation, self._budget.shm_dir)
 
     def stream_base_for_next_save(self, proposed: int | None = None) -> int:
         """Chunk-aligned start of the next save in the arena stream.
