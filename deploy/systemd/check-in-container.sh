@@ -7,8 +7,10 @@
 #
 #   sudo deploy/systemd/check-in-container.sh
 #
-# Prints one PASS/FAIL line per check; exits 1 if any failed, 77 (with one SKIP line) where this
-# machine cannot boot a container (not root, no systemd-nspawn or debootstrap), 2 on a set-up error.
+# Prints one PASS/FAIL line per check; exits 1 if any failed, 2 on an error in the set-up of this
+# check itself, and 77 with one SKIP line where this machine cannot run it: not root, no
+# systemd-nspawn or debootstrap, no Debian mirror or package index, no overlay mount, or a container
+# that does not boot here (e.g. inside a container without the privileges to start another).
 # The Debian root and the trainer's torch environment are cached in $CKPTSTAGE_NSPAWN_CACHE
 # (default /var/cache/ckptstage-nspawn); each run boots a throw-away overlay of it.
 # Needs the network once for debootstrap and the wheels (the container itself has none).
@@ -54,7 +56,7 @@ if [ ! -d "$BASE" ]; then
     t=$(date +%s)
     rm -rf "$BASE.tmp" && mkdir -p "$BASE.tmp"
     timeout 900 debootstrap --variant=minbase --include="$PACKAGES" bookworm "$BASE.tmp" "$MIRROR" \
-        >"$CACHE/debootstrap.log" 2>&1 || die "debootstrap failed: see $CACHE/debootstrap.log"
+        >"$CACHE/debootstrap.log" 2>&1 || skip "debootstrap failed: $(tail -1 "$CACHE/debootstrap.log")"
     rm -rf "$BASE.tmp/var/cache/apt/archives/"*.deb
     say "  debootstrap: $(( $(date +%s) - t )) s"
     # torch and its dependencies, fetched once through this machine's pip configuration (its
@@ -62,12 +64,12 @@ if [ ! -d "$BASE" ]; then
     t=$(date +%s)
     rm -rf "$TORCH_WHEELS" && mkdir -p "$TORCH_WHEELS"
     timeout 900 "$PY" -m pip download -q -d "$TORCH_WHEELS" "$TORCH_PIN" tqdm >"$CACHE/pip.log" 2>&1 \
-        || die "pip download $TORCH_PIN failed: see $CACHE/pip.log"
+        || skip "pip download $TORCH_PIN failed: $(tail -1 "$CACHE/pip.log")"
     timeout 900 systemd-nspawn -q -D "$BASE.tmp" --register=no --keep-unit --private-network \
         --bind-ro="$TORCH_WHEELS":/srv/torch-wheels /bin/sh -ec \
         "python3 -m venv /opt/trainer
          /opt/trainer/bin/pip install -q --no-index --find-links /srv/torch-wheels '$TORCH_PIN' tqdm" \
-        >>"$CACHE/pip.log" 2>&1 || die "the trainer's environment failed: see $CACHE/pip.log"
+        >>"$CACHE/pip.log" 2>&1 || skip "the trainer's environment failed: $(tail -1 "$CACHE/pip.log")"
     say "  trainer environment ($TORCH_PIN): $(( $(date +%s) - t )) s"
     mv "$BASE.tmp" "$BASE"
 fi
@@ -85,6 +87,7 @@ NSPAWN_PID=
 cleanup() {
     trap - ERR
     set +e
+    local t=$(date +%s)
     if [ -n "$NSPAWN_PID" ] && kill -0 "$NSPAWN_PID" 2>/dev/null; then
         kill -TERM "$NSPAWN_PID"            # nspawn asks the container's systemd to halt
         for _ in $(seq 1 40); do kill -0 "$NSPAWN_PID" 2>/dev/null || break; sleep 0.5; done
@@ -94,6 +97,7 @@ cleanup() {
     ip link del "$HOST_IF" 2>/dev/null
     mountpoint -q "$WORK/root" && { umount "$WORK/root" || umount -l "$WORK/root"; }
     rm -rf "$WORK"
+    [ -n "$NSPAWN_PID" ] && say "container torn down in $(( $(date +%s) - t )) s; $(( $(date +%s) - T0 )) s in all"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -113,13 +117,14 @@ timeout 300 "$PY" -m pip wheel -q --no-deps -w "$WORK/wheels" "$WORK/src" >"$WOR
     || { cat "$WORK/pip.log"; die "pip wheel failed"; }
 WHEEL=$(ls "$WORK"/wheels/ckptstage-*.whl)
 timeout 300 "$PY" -m pip download -q -d "$CACHE/dep-wheels" "$WHEEL" >>"$WORK/pip.log" 2>&1 \
-    || { cat "$WORK/pip.log"; die "pip download of the dependencies failed"; }
+    || skip "pip download of the dependencies failed: $(tail -1 "$WORK/pip.log")"
 rm -f "$CACHE"/dep-wheels/ckptstage-*.whl   # pip download copies the wheel itself there too
 cp -l "$CACHE"/dep-wheels/*.whl "$WORK/wheels/" 2>/dev/null || cp "$CACHE"/dep-wheels/*.whl "$WORK/wheels/"
 say "wheels: $(basename "$WHEEL") and $(ls "$CACHE"/dep-wheels | wc -l) dependencies ($(( $(date +%s) - t )) s)"
 
 mkdir -p "$WORK/root" "$WORK/upper" "$WORK/ovl"
-mount -t overlay overlay -o "lowerdir=$BASE,upperdir=$WORK/upper,workdir=$WORK/ovl" "$WORK/root"
+mount -t overlay overlay -o "lowerdir=$BASE,upperdir=$WORK/upper,workdir=$WORK/ovl" "$WORK/root" 2>"$WORK/mount.log" \
+    || skip "cannot mount an overlay: $(cat "$WORK/mount.log")"
 mkdir -p "$WORK/root/root/ckptstage" "$WORK/root/srv/ckptstage/wheels"
 echo "$MACHINE" >"$WORK/root/etc/hostname"
 
@@ -139,13 +144,13 @@ LEADER=
 for _ in $(seq 1 60); do
     LEADER=$(pgrep -P "$NSPAWN_PID" | head -1 || true)
     [ -n "$LEADER" ] && [ "$(cat /proc/"$LEADER"/comm 2>/dev/null)" = systemd ] && break
-    kill -0 "$NSPAWN_PID" 2>/dev/null || { cat "$WORK/console.log"; die "systemd-nspawn exited"; }
+    kill -0 "$NSPAWN_PID" 2>/dev/null || skip "systemd-nspawn exited: $(grep -v '^$' "$WORK/console.log" | tail -1)"
     sleep 0.5
 done
-[ -n "$LEADER" ] || die "no container after 30 s"
+[ -n "$LEADER" ] || skip "no container after 30 s: $(grep -v '^$' "$WORK/console.log" | tail -1)"
 ct() { timeout "${CT_TIMEOUT:-120}" nsenter -t "$LEADER" -a -- "$@"; }
 state=$(CT_TIMEOUT=90 ct systemctl is-system-running --wait 2>/dev/null || true)
-case "$state" in running|degraded) ;; *) tail -30 "$WORK/console.log"; die "container boot: '$state'";; esac
+case "$state" in running|degraded) ;; *) skip "the container did not boot: '$state'";; esac
 say "container $MACHINE booted: $state ($(( $(date +%s) - T0 )) s since start)"
 
 # --- checks -----------------------------------------------------------------------------------------
