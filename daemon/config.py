@@ -465,11 +465,11 @@ class SharedConfig:
     # A failed drain is retried after retry_initial_s, the delay doubling up to retry_max_s.
     retry_initial_s: float = field(default=1.0, metadata=_kind(_seconds(0.01, 3600)))
     retry_max_s: float = field(default=60.0, metadata=_kind(_seconds(0.1, 86400)))
-
-    def __post_init__(self) -> None:
     # On SIGTERM, after in-flight saves commit: at most this long draining the newest complete step of
     # each job that the shared tier lacks (off the drain_every cadence too) before exiting. 0: off.
     drain_on_stop_s: float = field(default=20.0, metadata=_kind(_seconds(0, 3600)))
+
+    def __post_init__(self) -> None:
         if self.retry_max_s < self.retry_initial_s:
             raise ConfigError(
                 "shared.retry_max_s",

@@ -242,11 +242,11 @@ class Node:
             if not self._wait_settled(save, max(0.0, deadline - time.monotonic())):
                 self.persister.fail(save, "daemon shutdown timed out before the save committed")
         self.persister.shutdown(wait=True)
-        if self.drainer is not None:
         if self.drainer is not None and drain_s > 0:
             outcome = stopdrain.drain_newest(self.catalog, self.drainer, drain_s)
             stopdrain.log_outcome(outcome, drain_s, "stopping")
             deadline = max(deadline, time.monotonic() + 1.0)  # the drainer's threads still get to stop
+        if self.drainer is not None:
             self.drainer.stop(max(0.0, deadline - time.monotonic()))  # copies under way stop: fetches too
         if self.fetcher is not None:
             self.fetcher.close()
