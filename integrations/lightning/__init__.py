@@ -254,7 +254,7 @@ class PreemptionCheckpoint(OnExceptionCheckpoint):
     """
 
     def __init__(self, dirpath: str | os.PathLike[str], filename: str = "preempted") -> None:
-        super().__init__(dirpath, filename)
+        super().__init__(os.fspath(dirpath), filename)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if isinstance(exception, SIGTERMException):
