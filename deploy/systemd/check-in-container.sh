@@ -122,6 +122,8 @@ rm -f "$CACHE"/dep-wheels/ckptstage-*.whl   # pip download copies the wheel itse
 cp -l "$CACHE"/dep-wheels/*.whl "$WORK/wheels/" 2>/dev/null || cp "$CACHE"/dep-wheels/*.whl "$WORK/wheels/"
 say "wheels: $(basename "$WHEEL") and $(ls "$CACHE"/dep-wheels | wc -l) dependencies ($(( $(date +%s) - t )) s)"
 
+# The operator's edit the systemd README asks for: the scraper's network in the drop-in.
+sed -i "s|^IPAddressAllow=.*|IPAddressAllow=198.18.$SUBNET.0/24|" "$WORK/src/deploy/systemd/metrics.conf"
 mkdir -p "$WORK/root" "$WORK/upper" "$WORK/ovl"
 mount -t overlay overlay -o "lowerdir=$BASE,upperdir=$WORK/upper,workdir=$WORK/ovl" "$WORK/root" 2>"$WORK/mount.log" \
     || skip "cannot mount an overlay: $(cat "$WORK/mount.log")"
@@ -175,23 +177,32 @@ with Client(job="container-check") as c:
     print(sys.argv[1], "ok: step", c.latest(), "tier", c.last_load_tier)'
 trainer() { as_user /opt/trainer/bin/python -c "$CLIENT" "$1" 2>&1 | tail -3; }
 
-# 1. Install as deploy/systemd/README.md says: its Install block, run as written (the user exists first).
-INSTALL=$(awk '/^## Install/{f=1} f && /^```sh$/{b=1; next} b && /^```$/{exit} b' "$REPO/deploy/systemd/README.md")
+# 1. The docs' shell blocks, run as written in the checkout (the site's user exists first): the systemd
+# README's Install and Configure, README.md's "Operating the daemon" (it starts the unit and drains;
+# stopped again here), and the systemd README's metrics drop-in with IPAddressAllow= edited to the
+# scraper's network, as it says, and the config listening on every address, as OPERATIONS says.
+block() {  # the first ```sh block after the heading that starts with $2, in $1
+    awk -v h="$2" 'index($0, h) == 1 {f=1} f && /^```sh$/ {b=1; next} b && /^```$/ {exit} b' "$1"
+}
+run_block() {  # check name, file, heading
+    local code out
+    code=$(block "$2" "$3")
+    if [ -z "$code" ]; then fail "$1" "no shell block under '$3' in ${2#"$REPO"/}"; return; fi
+    if out=$(ct /bin/bash -euo pipefail -c "cd /root/ckptstage && $code" 2>&1); then
+        pass "$1" "${2#"$REPO"/} '$3': $(grep -cv '^[[:space:]]*\(#\|$\)' <<<"$code") lines ran as written"
+    else
+        fail "$1" "${2#"$REPO"/} '$3': $(tail -3 <<<"$out" | tr '\n' ' ')"
+    fi
+}
 ct useradd --create-home "$USER_NAME"
-if out=$(ct /bin/bash -euo pipefail -c "cd /root/ckptstage && $INSTALL" 2>&1); then
-    pass install "the README's Install lines ran ($(printf '%s\n' "$INSTALL" | grep -cv '^\s*\(#\|$\)') commands)"
-else
-    fail install "$(printf '%s' "$out" | tail -5 | tr '\n' ' ')"
-fi
+run_block install "$REPO/deploy/systemd/README.md" "## Install"
+run_block configure "$REPO/deploy/systemd/README.md" "## Configure"
+run_block readme-operating "$REPO/README.md" "## Operating the daemon"
+ct systemctl stop "$UNIT_NAME"
 ct /opt/trainer/bin/pip install -q --no-index --find-links /srv/ckptstage/wheels 'ckptstage[client]' >/dev/null 2>&1 \
     || fail trainer-env "pip install ckptstage[client] into the trainer's environment failed"
-
-# The metrics drop-in as OPERATIONS ("Scraping") says: listen on every address, the scraper's network allowed.
 ct sed -i "s/^listen = \"127.0.0.1:$PORT\"/listen = \"0.0.0.0:$PORT\"/" /etc/ckptstage/$USER_NAME.toml
-ct install -d -m 0755 /etc/systemd/system/ckptstaged@.service.d
-sed "s|^IPAddressAllow=.*|IPAddressAllow=198.18.$SUBNET.0/24|" "$REPO/deploy/systemd/metrics.conf" \
-    | ct tee /etc/systemd/system/ckptstaged@.service.d/metrics.conf >/dev/null
-ct systemctl daemon-reload
+run_block metrics-drop-in-install "$REPO/deploy/systemd/README.md" "## Metrics from another machine"
 ip addr add "$ALLOWED_HOST/24" dev "$HOST_IF" && ip addr add "$OTHER_HOST/24" dev "$HOST_IF" && ip link set "$HOST_IF" up
 nsenter -t "$LEADER" -n sh -c "ip addr add $ALLOWED_CT/24 dev scrape0 && ip addr add $OTHER_CT/24 dev scrape0 \
     && ip link set scrape0 up"
