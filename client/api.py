@@ -539,7 +539,8 @@ class Client:
                     raise errors.CheckpointNotFound(f"{self.job} step {step} was kept in memory only, and the "
                                                     "daemon no longer holds it")
                 continue
-            state, moved = self._load_part(step, tree_rank, located.parts[tree_rank], into, located.commit)
+            state, moved = self._load_part(step, tree_rank, located.parts[tree_rank], into, located.commit,
+                                           located.digests)
             if not moved:
                 return state
         raise errors.CheckpointNotFound(f"{self.job} step {step} was removed or replaced each of the {tries} times "
@@ -590,7 +591,7 @@ class Client:
         return False, None
 
     def _load_part(self, step: int, rank: int, locations: Sequence[tuple[pb.Tier, Path]], into: Any,
-                   commit: str = "") -> tuple[Any, bool]:
+                   commit: str = "", digests: Mapping[Path, str] | None = None) -> tuple[Any, bool]:
         """One rank's whole part, from its first copy that verifies; (state, whether a copy vanished or the
         step was replaced meanwhile: then the caller asks the daemon again)."""
         failures, moved = [], False
@@ -599,7 +600,7 @@ class Client:
             tier = pb.Tier.Name(tier_code).lower()
             ino = _inode(part)
             try:
-                _, state = read_part(part, into)
+                _, state = read_part(part, into, committed=(digests or {}).get(part, ""))
                 self.last_load_tier = tier
                 return state, False
             except (layout.ManifestError, OSError, MemoryError) as e:

@@ -23,7 +23,7 @@ import logging
 import math
 import threading
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,11 +58,13 @@ class PartReader:
     next read.
     """
 
-    def __init__(self, rank: int, dirs: list[Path], report: Report | None = None) -> None:
+    def __init__(self, rank: int, dirs: list[Path], report: Report | None = None,
+                 committed: Mapping[Path, str] | None = None) -> None:
         if not dirs:
             raise layout.ManifestError(f"rank {rank}: no copy of this part to read")
         self.rank = rank
         self.dirs = dirs
+        self._committed = committed or {}
         self._report = report
         self._lock = threading.Lock()
         self._copy = -1
@@ -83,7 +85,7 @@ class PartReader:
                 self._exhausted = failure or layout.ManifestError(f"rank {self.rank}: no copy to read")
                 raise self._exhausted
             try:
-                manifest = layout.read_manifest(self.dirs[self._copy])
+                manifest = layout.read_manifest(self.dirs[self._copy], self._committed.get(self.dirs[self._copy], ""))
                 entry = layout.manifest_files(manifest)[layout.DATA_FILE]
                 extents = chunks.extents(self.dirs[self._copy], manifest)
             except (layout.ManifestError, KeyError) as e:
@@ -220,11 +222,14 @@ class StepView:
     _names: dict[int, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = field(default_factory=dict)
 
     @classmethod
-    def open(cls, locations: dict[int, list[Path]], report: Report | None = None) -> StepView:
+    def open(cls, locations: dict[int, list[Path]], report: Report | None = None,
+             committed: Mapping[Path, str] | None = None) -> StepView:
+        """Opens every rank's part; ``committed``: each part directory's manifest digest as the commit record
+        names it (a copy whose manifest differs is a corrupt copy)."""
         view = cls({})
         try:
             for rank, dirs in sorted(locations.items()):
-                view.readers[rank] = PartReader(rank, dirs, report)
+                view.readers[rank] = PartReader(rank, dirs, report, committed or {})
         except BaseException:
             view.close()
             raise

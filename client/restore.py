@@ -111,10 +111,12 @@ class Stats:
 last_stats = Stats()  # the most recent read_part's, for benchmarks and tests
 
 
-def read_part(part: Path, into: Any = None, policy: Policy | None = None) -> tuple[dict[str, Any], Any]:
-    """Returns (manifest, state) of one part; raises :class:`layout.ManifestError` on any mismatch."""
+def read_part(part: Path, into: Any = None, policy: Policy | None = None,
+              committed: str = "") -> tuple[dict[str, Any], Any]:
+    """Returns (manifest, state) of one part; raises :class:`layout.ManifestError` on any mismatch.
+    ``committed``: the manifest's digest as the step's commit record names it (Locate says it)."""
     global last_stats
-    manifest = layout.read_manifest(part)
+    manifest = layout.read_manifest(part, committed)
     entry = layout.manifest_files(manifest).get(layout.DATA_FILE)
     if entry is None:
         raise layout.ManifestError(f"{part}: manifest lists no {layout.DATA_FILE}")

@@ -34,6 +34,8 @@ class LocatedStep:
     parts: dict[int, list[tuple[pb.Tier, Path]]]  # rank -> [(tier, part dir)]: the copies on disk
     commit: str = ""  # the commit the answer comes from: another value later means the step was replaced
     memory: dict[int, Path] = field(default_factory=dict)  # rank -> handoff socket of its memory-tier copy
+    # part dir -> the digest of its manifest.json that the commit record names ("" where not said)
+    digests: dict[Path, str] = field(default_factory=dict)
 
     def tree_rank(self, rank: int, world_size: int) -> int:
         """Whose plain values a reader gets: its own rank's at the saving world size, else rank 0's."""
@@ -65,7 +67,9 @@ def locate(conn: Connection, job: str, step: int | None, rank: int = 0, all_rank
         by_rank[rank] = resp.locations
     parts = {r: [(loc.tier, Path(loc.dir)) for loc in locs if loc.tier != pb.MEMORY] for r, locs in by_rank.items()}
     kept = {r: Path(loc.dir) for r, locs in by_rank.items() for loc in locs if loc.tier == pb.MEMORY}
-    return LocatedStep(job, int(resp.step), int(resp.world_size), resp.attempt, parts, resp.commit, kept)
+    digests = {Path(loc.dir): loc.manifest_digest for locs in by_rank.values() for loc in locs
+               if loc.tier != pb.MEMORY}
+    return LocatedStep(job, int(resp.step), int(resp.world_size), resp.attempt, parts, resp.commit, kept, digests)
 
 
 class OpenStep:
@@ -75,7 +79,7 @@ class OpenStep:
         self.located = located
         self._conn = conn
         self.view = reshard.StepView.open({r: [d for _, d in locs] for r, locs in located.parts.items()},
-                                          self._report)
+                                          self._report, located.digests)
 
     def _report(self, rank: int, copy: int, detail: str) -> None:
         """A copy failed verification: the daemon re-reads it and quarantines it only if its own read fails."""

@@ -742,7 +742,11 @@ class Drainer:
         straggler of a run that did not complete it).
         """
         source, dest = self.tiers[part.tier], self.tiers[tier]
-        manifest = source.read_manifest(part.path)[0]
+        manifest, digest = source.read_manifest(part.path)
+        try:
+            layout.check_committed_manifest(part.path, digest, part.digest)  # never spread a rewritten manifest
+        except layout.ChecksumMismatch as e:
+            raise CorruptSource(f"{source.name_of(e.path)}: {e.detail}") from None
         attempt = layout.manifest_attempt(manifest)
         final = final or dest.part_location(part.job, part.step, part.rank)
         committed = _record_on(dest, final.parent)

@@ -52,6 +52,7 @@ class Location:
 
     tier: TierName
     dir: str | None
+    digest: str = ""  # of its manifest.json, as the commit record names it
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def locations(parts: Sequence[Part], in_memory: bool, tiers: Mapping[TierName, T
     """One rank's copies, best first: the memory tier's (when it holds the committed part), then the
     directories where a reader on this node opens the local and shared tiers' copies (a copy of a tier
     that cannot be read directly is left out: see :meth:`Tier.readable_path`)."""
-    out = [Location(p.tier, str(path)) for p in parts if p.tier in tiers
+    out = [Location(p.tier, str(path), p.digest) for p in parts if p.tier in tiers
            for path in [tiers[p.tier].readable_path(p.path)] if path is not None]
     return [Location(TierName.MEMORY, None)] + out if parts and in_memory else out
 

@@ -123,6 +123,8 @@ class Quarantine:
             raise FileNotFoundError(f"{self._name(part)} is gone (deleted by retention meanwhile?)")
         try:
             (self._verify or storage.verify_part)(part.path)
+            # The copy may verify by itself and still not be the one committed: a manifest rewritten whole.
+            layout.check_committed_manifest(part.path, storage.read_manifest(part.path)[1], part.digest)
         except layout.ManifestError as e:
             if not layout.is_verification_failure(e):
                 assert isinstance(e.__cause__, OSError)

@@ -340,7 +340,8 @@ def _checkpoint_info(c: CheckpointEntry) -> pb.CheckpointInfo:
 def _located(found: Located, handoff: str) -> pb.LocateResponse:
     """The wire form of a Locate answer: a memory-tier copy is fetched through the daemon's handoff socket."""
     def where(locations: list[Location]) -> list[pb.PartLocation]:
-        return [pb.PartLocation(tier=_TIER_PB[loc.tier], dir=handoff if loc.dir is None else loc.dir)
+        return [pb.PartLocation(tier=_TIER_PB[loc.tier], dir=handoff if loc.dir is None else loc.dir,
+                                manifest_digest=loc.digest)
                 for loc in locations]
 
     return pb.LocateResponse(step=found.step, world_size=found.world_size, locations=where(found.locations),

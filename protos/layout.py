@@ -498,13 +498,26 @@ def decode_manifest(raw: bytes, where: str) -> Any:
         raise ManifestError(f"{where}: manifest is not valid JSON: {e}") from None
 
 
-def read_manifest(part: Path) -> dict[str, Any]:
+def read_manifest(part: Path, committed: str = "") -> dict[str, Any]:
     """Reads, verifies and sanity-checks a part's manifest; raises :class:`ManifestError`.
 
     The digest trailer is checked before anything is parsed, so a changed
     byte anywhere in the file is an error, never a different checkpoint.
+    ``committed``: the manifest's digest as the step's commit record names it
+    (:func:`check_committed_manifest`); "" checks the file by itself only.
     """
-    return read_manifest_and_digest(part)[0]
+    manifest, digest = read_manifest_and_digest(part)
+    check_committed_manifest(part, digest, committed)
+    return manifest
+
+
+def check_committed_manifest(part: Path, digest: str, committed: str) -> None:
+    """Raises :class:`ChecksumMismatch` when the part's ``manifest.json`` (xxh3-64 ``digest``) is not the one
+    the step's commit record names (``committed``; "" for none known): a manifest rewritten whole after
+    the commit verifies by itself, and would read as another checkpoint."""
+    if committed and digest != committed:
+        raise ChecksumMismatch(part / MANIFEST_FILE, f"manifest digest {digest} is not the {committed} the step's "
+                                                     "commit record names: the manifest changed after the commit")
 
 
 def read_manifest_and_digest(part: Path) -> tuple[dict[str, Any], str]:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from ckptstage.client import Client
 from ckptstage.client import restore
+from ckptstage.client.errors import CkptStageError
 from ckptstage.protos import layout
 from support import wait_until
 
@@ -70,6 +71,28 @@ def test_a_changed_local_manifest_loads_the_shared_copy_and_is_quarantined(daemo
         assert same(c.load(7), state_of(7))  # the shared copy, verified
         wait_until(lambda: not path.parent.exists(), 20, "the daemon to quarantine the changed local copy")
         assert list(path.parent.parent.glob(".corrupt-rank-00000-*"))
+
+
+def test_a_manifest_rewritten_whole_is_not_the_committed_one(daemon: Any) -> None:
+    """Step 6's local part replaced by another part that verifies by itself (step 8's manifest and data,
+    trailer and checksums all good): the commit record names step 6's manifest, so the reader takes the
+    shared copy, and the daemon's own check agrees and quarantines the local one; where no copy is the
+    committed one, the load fails naming it, never returning step 8's values."""
+    with Client(JOB, socket=daemon.socket) as c:
+        for step in (6, 8):
+            c.save(step, state_of(step)).wait("shared", timeout=30)
+        six, eight = (layout.part_dir(daemon.local, JOB, s, 0) for s in (6, 8))
+        for name in (layout.MANIFEST_FILE, layout.DATA_FILE):
+            shutil.copyfile(eight / name, six / name)
+        restore.read_part(six)  # the rewritten part verifies by itself
+        assert same(c.load(6), state_of(6))
+        wait_until(lambda: not six.exists(), 20, "the daemon to quarantine the rewritten local copy")
+        assert c.last_load_tier == "shared"
+        shared_six = layout.part_dir(daemon.shared, JOB, 6, 0)
+        for name in (layout.MANIFEST_FILE, layout.DATA_FILE):
+            shutil.copyfile(layout.part_dir(daemon.shared, JOB, 8, 0) / name, shared_six / name)
+        with pytest.raises(CkptStageError, match=r"manifest digest .* is not the .* the step's commit record names"):
+            c.load(6)
 
 
 @pytest.mark.parametrize("body", [b"[" * 100_000 + b"]" * 100_000, b"{" * 5000])

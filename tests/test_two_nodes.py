@@ -85,8 +85,11 @@ def test_two_nodes_commit_each_step_once_and_every_node_agrees(daemon_factory: A
         t0 = time.monotonic()
         resp = wait_until(lambda: (r := latest(c)).step == 20 and r, STALENESS_S, "the new node to see step 20")
         assert time.monotonic() - t0 < STALENESS_S
+        committed = layout.read_commit_record(layout.step_dir(a.shared, JOB, 20))
+        assert committed is not None
         assert [list(p.locations) for p in resp.parts] == [
-            [pb.PartLocation(tier=pb.SHARED, dir=str(layout.part_dir(a.shared, JOB, 20, r)))] for r in range(WORLD)]
+            [pb.PartLocation(tier=pb.SHARED, dir=str(layout.part_dir(a.shared, JOB, 20, r)),
+                             manifest_digest=committed.parts[r].manifest_digest)] for r in range(WORLD)]
         with c.connection() as conn:
             listed = {i.step: i for i in conn.call("ListCheckpoints", pb.ListRequest(job=JOB)).checkpoints}
             assert [(s, i.committed_shared, i.committed_local, i.attempt) for s, i in sorted(listed.items())] == \

@@ -315,12 +315,14 @@ class RankParts(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[PartLocation, _Mapping]]] = ...) -> None: ...
 
 class PartLocation(_message.Message):
-    __slots__ = ("tier", "dir")
+    __slots__ = ("tier", "dir", "manifest_digest")
     TIER_FIELD_NUMBER: _ClassVar[int]
     DIR_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     dir: str
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., dir: _Optional[str] = ...) -> None: ...
+    manifest_digest: str
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., dir: _Optional[str] = ..., manifest_digest: _Optional[str] = ...) -> None: ...
 
 class LocateResponse(_message.Message):
     __slots__ = ("step", "world_size", "locations", "attempt", "parts", "commit", "fetch_ranks", "fetch_bytes")
