@@ -212,6 +212,17 @@ def unit_directives(text: str, section: str) -> dict[str, list[str]]:
     return found
 
 
+def mount(*args: str) -> None:
+    """``mount ARGS``; raises CalledProcessError where it fails (not root, no permission in a container)."""
+    subprocess.run(["mount", *args], check=True, capture_output=True, timeout=30)
+
+
+def umount(path: Path) -> None:
+    """Unmounts ``path``; a busy mount is detached now and freed by the kernel once idle."""
+    if subprocess.run(["umount", str(path)], capture_output=True, check=False, timeout=30).returncode:
+        subprocess.run(["umount", "--lazy", str(path)], check=True, capture_output=True, timeout=30)
+
+
 @contextlib.contextmanager
 def read_only_mount(path: Path) -> Iterator[Callable[[], None]]:
     """``path`` made read-only, for root too: a bind mount of it over itself, remounted read-only.
@@ -219,11 +230,8 @@ def read_only_mount(path: Path) -> Iterator[Callable[[], None]]:
     Skips the test where mounting is not permitted. Yields a function that
     makes ``path`` writable again early; the mount is undone at exit anyway.
     """
-    def run(*args: str) -> None:
-        subprocess.run(args, check=True, capture_output=True, timeout=30)
-
     try:
-        run("mount", "--bind", str(path), str(path))
+        mount("--bind", str(path), str(path))
     except (OSError, subprocess.CalledProcessError) as e:
         pytest.skip(f"cannot bind-mount {path} here: {e}")
     mounted = True
@@ -231,12 +239,28 @@ def read_only_mount(path: Path) -> Iterator[Callable[[], None]]:
     def writable() -> None:
         nonlocal mounted
         if mounted:
-            if subprocess.run(["umount", str(path)], capture_output=True, check=False, timeout=30).returncode:
-                run("umount", "--lazy", str(path))  # busy: detach it now, the kernel frees it when idle
+            umount(path)
             mounted = False
 
     try:
-        run("mount", "-o", "remount,bind,ro", str(path))
+        mount("-o", "remount,bind,ro", str(path))
+        with pytest.raises(OSError):  # read-only for root too, or the test would prove nothing
+            (path / ".read-only-probe").touch()
         yield writable
     finally:
         writable()
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str | int, mode: str = "1777") -> Iterator[Path]:
+    """A tmpfs of ``size`` bytes (or "24m") mounted at ``path`` (created); skips where mounting is not
+    permitted."""
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        mount("-t", "tmpfs", "-o", f"size={size},mode={mode}", "tmpfs", str(path))
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"cannot mount a tmpfs here: {e}")
+    try:
+        yield path
+    finally:
+        umount(path)

@@ -8,15 +8,12 @@ machine does not allow it (not root, or no mount namespace rights).
 
 from __future__ import annotations
 
-import contextlib
 import filecmp
 import os
 import re
 import shutil
 import signal
-import subprocess
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +23,7 @@ from ckptstage.client import Client
 from ckptstage.client.errors import SaveFailed
 from ckptstage.daemon.drainer import RateLimiter
 from ckptstage.protos import chunks, layout
-from support import drain, free_port, metric, scrape, wait_metric, wait_until
+from support import drain, free_port, metric, read_only_mount, scrape, small_tmpfs, wait_metric, wait_until
 
 MiB = 1 << 20
 JOB = "drainjob"
@@ -72,56 +69,6 @@ def assert_no_torn_parts(shared: Path) -> None:
         for rank_dir in job_dir.glob("step-*/rank-*"):
             assert (rank_dir / layout.MANIFEST_FILE).is_file(), f"torn part without manifest: {rank_dir}"
             chunks.verify_part(rank_dir)
-
-
-def _mount(*args: str) -> None:
-    subprocess.run(["mount", *args], check=True, capture_output=True)
-
-
-def _umount(path: Path) -> None:
-    if subprocess.run(["umount", str(path)], capture_output=True, check=False).returncode:
-        subprocess.run(["umount", "-l", str(path)], check=True, capture_output=True)
-
-
-@contextlib.contextmanager
-def read_only(path: Path) -> Iterator[Callable[[], None]]:
-    """Makes ``path`` read-only, even for root (a read-only bind mount over itself).
-
-    Yields a function that makes it writable again early; the mount is
-    undone at exit in any case.
-    """
-    try:
-        _mount("--bind", str(path), str(path))
-    except (OSError, subprocess.CalledProcessError) as e:
-        pytest.skip(f"cannot bind-mount here: {e}")
-    mounted = True
-
-    def writable() -> None:
-        nonlocal mounted
-        if mounted:
-            _umount(path)
-            mounted = False
-
-    try:
-        _mount("-o", "remount,ro,bind", str(path))
-        with pytest.raises(OSError):
-            (path / "probe").touch()
-        yield writable
-    finally:
-        writable()
-
-
-@contextlib.contextmanager
-def small_tmpfs(path: Path, size: str) -> Iterator[None]:
-    path.mkdir(parents=True, exist_ok=True)
-    try:
-        _mount("-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path))
-    except (OSError, subprocess.CalledProcessError) as e:
-        pytest.skip(f"cannot mount a tmpfs here: {e}")
-    try:
-        yield
-    finally:
-        _umount(path)
 
 
 def fill(path: Path) -> Path:
@@ -190,7 +137,7 @@ def test_unwritable_shared_dir_retries_keeps_local_and_catches_up(daemon_factory
     port = free_port()
     d = daemon_factory(**{"metrics.listen": f"127.0.0.1:{port}", "local.keep_last": 2}).start()
     assert d.shared is not None and d.shared.is_dir()
-    with read_only(d.shared) as writable, Client(JOB, socket=d.socket) as c:
+    with read_only_mount(d.shared) as writable, Client(JOB, socket=d.socket) as c:
         save_all(c, range(1, 6))  # local saves keep working
         wait_until(lambda: metric(scrape(port), "ckptstage_drain_retries_total") >= 3, 20, "drain retries")
         text = scrape(port)
@@ -245,7 +192,7 @@ def test_small_local_tier_evicts_oldest_drained_never_undrained(daemon_factory: 
     d = daemon_factory(**{"metrics.listen": f"127.0.0.1:{port}", "local.keep_last": 10,
                           "local.max_bytes": int(2.5 * part), "shared.keep_last": 10}).start()
     assert d.shared is not None
-    with read_only(d.shared) as writable, Client(JOB, socket=d.socket) as c:
+    with read_only_mount(d.shared) as writable, Client(JOB, socket=d.socket) as c:
         save_all(c, range(1, 6), nbytes=part)
         wait_until(lambda: metric(scrape(port), "ckptstage_drain_retries_total") >= 1, 20, "drain retries")
         # Five parts on a tier capped at 2.5: all stay, since none is drained yet.

@@ -51,11 +51,16 @@ def _assert_resumes_at_17(daemon, job: str) -> None:
         assert torch.equal(state["model"][key], value), f"{key} is not the weights after {STOP_AT} steps"
 
 
-def test_sigterm_with_no_handler_of_the_trainers(daemon, tmp_path):
-    proc = _run_trainer(daemon, tmp_path, "pre-default", "default")
-    assert proc.returncode == -signal.SIGTERM, proc.stderr_text  # type: ignore[attr-defined]
-    assert "step 17 is with the daemon" in proc.stderr_text  # type: ignore[attr-defined]
-    _assert_resumes_at_17(daemon, "pre-default")
+@pytest.mark.parametrize("mode, sig, said", [
+    ("default", signal.SIGTERM, "step 17 is with the daemon"),  # no handler of the trainer's
+    ("watchdog", signal.SIGTERM, "from the watchdog thread"),  # no safe point comes: the watchdog snapshots
+    ("check", signal.SIGUSR1, ""),  # SIGUSR1, an explicit check() in a loop without a torch optimizer
+])
+def test_the_process_dies_by_its_signal_after_the_snapshot(daemon, tmp_path, mode, sig, said):
+    proc = _run_trainer(daemon, tmp_path, f"pre-{mode}", mode, sig=sig)
+    assert proc.returncode == -sig, proc.stderr_text  # type: ignore[attr-defined]
+    assert said in proc.stderr_text  # type: ignore[attr-defined]
+    _assert_resumes_at_17(daemon, f"pre-{mode}")
 
 
 def test_the_trainers_own_handler_runs_after_the_snapshot(daemon, tmp_path):
@@ -74,22 +79,6 @@ def test_an_ignored_sigterm_stays_ignored(daemon, tmp_path):
         steps = [i.step for i in c.list() if i.complete]
         assert steps == [10, STOP_AT, 20], steps
         assert c.load(STOP_AT)["step"] == STOP_AT
-
-
-def test_the_watchdog_snapshots_when_no_safe_point_comes(daemon, tmp_path):
-    proc = _run_trainer(daemon, tmp_path, "pre-watchdog", "watchdog")
-    assert proc.returncode == -signal.SIGTERM, proc.stderr_text  # type: ignore[attr-defined]
-    assert "from the watchdog thread" in proc.stderr_text  # type: ignore[attr-defined]
-    _assert_resumes_at_17(daemon, "pre-watchdog")
-
-
-def test_sigusr1_and_an_explicit_check_in_a_loop_without_an_optimizer(daemon, tmp_path):
-    proc = _run_trainer(daemon, tmp_path, "pre-check", "check", sig=signal.SIGUSR1)
-    assert proc.returncode == -signal.SIGUSR1, proc.stderr_text  # type: ignore[attr-defined]
-    _assert_resumes_at_17(daemon, "pre-check")
-
-
-# --- in this process: installing, replacing, restoring ------------------------------------
 
 
 def test_close_restores_the_previous_handlers_and_a_second_call_replaces_the_first(daemon):

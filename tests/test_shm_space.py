@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 from ckptstage.client import ArenaFull, Client
+from support import small_tmpfs
 
 MiB = 1 << 20
 SHM_BYTES = 24 * MiB
@@ -32,16 +33,8 @@ SHM_BYTES = 24 * MiB
 @pytest.fixture
 def small_shm(tmp_path: Path) -> Iterator[Path]:
     """A 24 MiB tmpfs of the test's own."""
-    where = tmp_path / "shm"
-    where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SHM_BYTES},mode=1777", "tmpfs", str(where)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "shm", SHM_BYTES) as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def status_json(daemon: Any) -> dict[str, Any]:
