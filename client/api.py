@@ -61,6 +61,9 @@ _DELETE_TIMEOUT_S = 120.0
 _THREAD_EXIT_S = 5.0
 # A wait at exit longer than this is logged as a warning (the script should have waited for its saves).
 _WAIT_NOTED_S = 1.0
+# How long a reader whose copy failed verification asks whether the step was replaced meanwhile, before it
+# takes the copy for corrupt (the daemon indexes a replacement's commit just after putting its parts in place).
+_REPLACED_SETTLE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -556,16 +559,25 @@ class Client:
         return steps.open_step(self._conn, self.job, step, self.rank)
 
     def _replaced(self, step: int, commit: str) -> bool:
-        """Whether ``step`` is another commit than ``commit`` when the daemon is asked again.
+        """Whether ``step`` is another commit than ``commit`` when the daemon is asked again, within
+        :data:`_REPLACED_SETTLE_S`: a replacement (save with overwrite) puts its parts in place a moment
+        before the daemon's index names its commit, and a reader that read in between must not take the
+        new part, which is not the commit it was told of, for a corrupt one.
 
         A step that is gone is not replaced: the daemon may just have
         quarantined the copy this reader (or another) reported corrupt; a
         copy deleted under the reader shows as its files vanishing instead.
         """
-        try:
-            return steps.locate(self._conn, self.job, step, self.rank, all_ranks=False).commit != commit
-        except errors.CheckpointNotFound:
-            return False
+        deadline = time.monotonic() + _REPLACED_SETTLE_S
+        while True:
+            try:
+                if steps.locate(self._conn, self.job, step, self.rank, all_ranks=False).commit != commit:
+                    return True
+            except errors.CheckpointNotFound:
+                return False
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
     def _read_memory(self, socket: Path, step: int, rank: int, into: Any) -> tuple[bool, Any]:
         """(True, state) from the memory tier's copy of the part; (False, None) when it cannot be had there
