@@ -525,7 +525,7 @@ class Client:
             except layout.ManifestError as e:
                 if not layout.is_verification_failure(e):
                     raise  # this process's own trouble (see above): nothing is known about the copies
-                if attempt < tries and self._replaced(step, located.commit):
+                if attempt < tries and self._replaced(step, located.commit, _settle(e)):
                     continue
                 raise errors.CorruptCheckpoint(f"no copy of {self.job} step {step} verifies: {e}") from e
             except FileNotFoundError:
@@ -558,17 +558,15 @@ class Client:
         """
         return steps.open_step(self._conn, self.job, step, self.rank)
 
-    def _replaced(self, step: int, commit: str) -> bool:
-        """Whether ``step`` is another commit than ``commit`` when the daemon is asked again, within
-        :data:`_REPLACED_SETTLE_S`: a replacement (save with overwrite) puts its parts in place a moment
-        before the daemon's index names its commit, and a reader that read in between must not take the
-        new part, which is not the commit it was told of, for a corrupt one.
+    def _replaced(self, step: int, commit: str, settle_s: float = 0.0) -> bool:
+        """Whether ``step`` is another commit than ``commit`` when the daemon is asked again, asking for up
+        to ``settle_s`` (see :func:`_settle`).
 
         A step that is gone is not replaced: the daemon may just have
         quarantined the copy this reader (or another) reported corrupt; a
         copy deleted under the reader shows as its files vanishing instead.
         """
-        deadline = time.monotonic() + _REPLACED_SETTLE_S
+        deadline = time.monotonic() + settle_s
         while True:
             try:
                 if steps.locate(self._conn, self.job, step, self.rank, all_ranks=False).commit != commit:
@@ -627,7 +625,7 @@ class Client:
                 # The manifest and the data read from two versions of the part: a replacement swapped
                 # the directory between the two reads (the daemon may not have indexed it yet).
                 if layout.is_verification_failure(e) and (_inode(part) != ino or
-                                                          commit and self._replaced(step, commit)):
+                                                          commit and self._replaced(step, commit, _settle(e))):
                     log.info("checkpoint %s step %d was replaced while it was read; reading it again", self.job,
                              step)
                     return None, True
@@ -954,6 +952,13 @@ class _Once(Generic[_T]):
 
 # Attributes through which known wrappers reach the optimizer they forward ``step`` to.
 _WRAPPED_OPTIMIZER_ATTRS = ("optimizer", "_optimizer", "optim", "_optim")
+
+
+def _settle(error: BaseException) -> float:
+    """How long to ask whether a step was replaced after a read failed with ``error``: a replacement (save with
+    overwrite) puts its parts in place a moment before the daemon's index names its commit, so a reader in
+    between finds a part that verifies but is not the commit it was told of; no other failure needs a wait."""
+    return _REPLACED_SETTLE_S if isinstance(error, layout.ManifestNotCommitted) else 0.0
 
 
 def _inode(path: Path) -> int | None:

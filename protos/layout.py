@@ -511,12 +511,17 @@ def read_manifest(part: Path, committed: str = "") -> dict[str, Any]:
     return manifest
 
 
+class ManifestNotCommitted(ChecksumMismatch):
+    """A part whose manifest verifies by itself but is not the one the step's commit record names: rewritten
+    after the commit, or (for a reader) a replacement put in place since the daemon answered."""
+
+
 def check_committed_manifest(part: Path, digest: str, committed: str) -> None:
-    """Raises :class:`ChecksumMismatch` when the part's ``manifest.json`` (xxh3-64 ``digest``) is not the one
+    """Raises :class:`ManifestNotCommitted` when the part's ``manifest.json`` (xxh3-64 ``digest``) is not the one
     the step's commit record names (``committed``; "" for none known): a manifest rewritten whole after
     the commit verifies by itself, and would read as another checkpoint."""
     if committed and digest != committed:
-        raise ChecksumMismatch(part / MANIFEST_FILE, f"manifest digest {digest} is not the {committed} the step's "
+        raise ManifestNotCommitted(part / MANIFEST_FILE, f"manifest digest {digest} is not the {committed} the step's "
                                                      "commit record names: the manifest changed after the commit")
 
 
