@@ -13,9 +13,12 @@ from ckptstage.client.rpc import Connection
 from ckptstage.daemon.launcher import DaemonProcess
 
 
-# What every test daemon runs with unless a test says otherwise: small chunks, fast drain retries.
+# What every test daemon runs with unless a test says otherwise: small chunks, fast drain retries, and no
+# drain of the newest steps on stop (20 s by default: a test that stops a daemon whose shared tier it broke
+# would wait it out; test_stop_drain sets it).
 DEFAULTS: dict[str, Any] = {"arena.max_bytes": "512MiB", "persist.chunk_bytes": "1MiB",
-                            "arena.min_session_bytes": "1MiB", "shared.retry_initial_s": 0.2, "shared.retry_max_s": 1.0}
+                            "arena.min_session_bytes": "1MiB", "shared.retry_initial_s": 0.2, "shared.retry_max_s": 1.0,
+                            "shared.drain_on_stop_s": 0}
 if os.environ.get("CKPTSTAGE_TEST_INCREMENTAL") == "1":
     DEFAULTS["persist.incremental"] = True  # the whole suite, every part written incrementally
 

@@ -72,7 +72,7 @@ def test_sigterm_drains_the_newest_step_first_within_its_time(daemon_factory: An
 
 def test_sigterm_drains_a_step_the_cadence_keeps_off_the_shared_tier(daemon_factory: Any) -> None:
     nbytes = 256 << 10
-    d = daemon_factory("node", **{"shared.drain_every": 10}).start()
+    d = daemon_factory("node", **{"shared.drain_every": 10, "shared.drain_on_stop_s": 20}).start()
     save_local(d, range(10, 14), nbytes)  # 10 drains by the cadence; 11-13 live on this node's SSD only
     with Client(JOB, socket=d.socket) as c:
         c.wait_step(10, "shared", timeout=60)
@@ -121,7 +121,8 @@ def test_a_job_killed_with_notice_resumes_from_its_step_on_another_node(daemon_f
     node with an empty SSD resumes from step 17."""
     from preemption_trainer import STOP_AT, model_and_data, train
 
-    d = daemon_factory("node", **{"shared.drain_every": 10, "shared.max_bandwidth": "1MiB/s"}).start()
+    d = daemon_factory("node", **{"shared.drain_every": 10, "shared.max_bandwidth": "1MiB/s",
+                                  "shared.drain_on_stop_s": 20}).start()
     trainer = subprocess.Popen([sys.executable, str(Path(__file__).parent / "preemption_trainer.py"), str(d.socket),
                                 JOB, "default", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)

@@ -123,7 +123,7 @@ def run_daemon() -> Iterator[Any]:
 
 def test_ready_only_once_recovered_and_serving_then_stopping_on_sigterm(
         daemon_factory: Any, run_daemon: Any, notify_socket: NotifySocket) -> None:
-    d = daemon_factory("sd")
+    d = daemon_factory("sd", **{"shared.drain_on_stop_s": 20})
     leftover = layout.tmp_root(d.local, node_name(d.local)) / "crashed-save"
     leftover.mkdir(parents=True)
     (leftover / "data").write_bytes(b"x" * 4096)
