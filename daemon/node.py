@@ -550,7 +550,7 @@ class Node:
         with self._pins_lock:
             # A pin left on a step that is gone may still be lifted; any other unknown step is an error
             # (a typo'd step must not look done to a script).
-            if not known and not (not pinned and self.catalog.is_pinned(job, step)):
+            if not known and (pinned or not self.catalog.is_pinned(job, step)):
                 raise CheckpointNotFound(job, step)
             if self.catalog.is_pinned(job, step) == pinned:
                 return False
@@ -659,9 +659,10 @@ class Node:
             return 0, 0
         if job:
             layout.check_job(job)
-        deadline = time.monotonic() + (timeout if wait else 0.0)
+        budget = timeout if wait else 0.0
+        deadline = time.monotonic() + budget
         if newest:
-            outcome = stopdrain.drain_newest(self.catalog, self.drainer, timeout if wait else 0.0, job)
+            outcome = stopdrain.drain_newest(self.catalog, self.drainer, budget, job)
             if wait:
                 stopdrain.log_outcome(outcome, timeout, "drain requested")
         return self.drainer.wait_idle(job or None, max(0.0, deadline - time.monotonic()))
