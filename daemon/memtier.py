@@ -367,18 +367,28 @@ def _fields(r: Resident, bytes: int | None = None, error: object = None, **more:
     return fields(job=r.job, step=r.step, rank=r.rank, tier="memory", bytes=bytes, error=error, **more)
 
 
+def data_entry(r: Resident, manifest: bytes) -> layout.FileEntry:
+    """The manifest's entry for the data file whose image ``r`` is, checked to describe exactly that image;
+    raises :class:`layout.ManifestError` saying why not."""
+    try:
+        entry = layout.manifest_files(layout.parse_manifest_file(manifest, r.where / layout.MANIFEST_FILE))[
+            layout.DATA_FILE]
+    except KeyError as e:
+        raise layout.ManifestError(f"{r.where / layout.MANIFEST_FILE}: no entry for {e}") from None
+    if entry.size != r.size:
+        raise layout.ManifestError(f"the image is {r.size} bytes, the part {entry.size}")
+    if len(entry.digests) != layout.chunk_count(entry.size, entry.chunk_bytes):
+        raise layout.ManifestError("the manifest's block list does not cover the image")
+    return entry
+
+
 def _image_matches(copy: MemoryCopy) -> tuple[bool, str]:
     """Whether the arena still holds exactly the committed data file (every digest block)."""
     r = copy.resident
     try:
-        manifest = layout.parse_manifest_file(copy.manifest, r.where / layout.MANIFEST_FILE)
-        entry = layout.manifest_files(manifest)[layout.DATA_FILE]
-    except (layout.ManifestError, KeyError) as e:
+        entry = data_entry(r, copy.manifest)
+    except layout.ManifestError as e:
         return False, f"manifest: {e}"
-    if entry.size != r.size:
-        return False, f"the image is {r.size} bytes, the part {entry.size}"
-    if len(entry.digests) != layout.chunk_count(entry.size, entry.chunk_bytes):
-        return False, "the manifest's block list does not cover the image"
     block, path = entry.chunk_bytes, r.where / layout.DATA_FILE
     with r.arena.view[r.offset:r.offset + r.size] as image:
         for i in range(len(entry.digests)):

@@ -41,7 +41,7 @@ from ckptstage.daemon.errors import (
 )
 from ckptstage.daemon.incomplete import IncompleteSteps, why_incomplete
 from ckptstage.daemon.janitor import Deleted, GcAction, Janitor
-from ckptstage.daemon import listing, stopdrain
+from ckptstage.daemon import listing, memflush, stopdrain
 from ckptstage.daemon import jobs as jobs_mod
 from ckptstage.daemon.jobs import JobSummary
 from ckptstage.daemon.job_rules import JobRetention, JobRules
@@ -228,12 +228,15 @@ class Node:
 
     def shutdown(self, timeout: float, drain_s: float = 0.0) -> None:
         """Stops taking saves, lets finished ones commit (bounded by ``timeout``), drains the newest step of
-        each job the shared tier lacks (bounded by ``drain_s``: see :mod:`ckptstage.daemon.stopdrain`),
-        then stops the drainer."""
+        each job the shared tier lacks, on SSD or kept in memory only (bounded by ``drain_s``: see
+        :mod:`ckptstage.daemon.stopdrain` and :mod:`ckptstage.daemon.memflush`), then stops the drainer."""
         self._stopping.set()
         self.commits.wake()  # step waits end (they check _stopping)
         self._shared_wake.set()  # the shared-tier thread sleeps on it
         deadline = time.monotonic() + timeout
+        flushed_s = 0.0  # of drain_s: writing memory-only steps to local SSD for the drain below
+        if self.drainer is not None and drain_s > 0:
+            flushed_s = self._persist_memory_steps(deadline, drain_s)
         self.memory.shutdown()  # first: the sessions closed below free their arenas instead of handing them over
         for session in self.sessions.all():
             for save in session.close(wait_writer_s=0):
@@ -243,7 +246,7 @@ class Node:
                 self.persister.fail(save, "daemon shutdown timed out before the save committed")
         self.persister.shutdown(wait=True)
         if self.drainer is not None and drain_s > 0:
-            outcome = stopdrain.drain_newest(self.catalog, self.drainer, drain_s)
+            outcome = stopdrain.drain_newest(self.catalog, self.drainer, max(0.0, drain_s - flushed_s))
             stopdrain.log_outcome(outcome, drain_s, "stopping")
             deadline = max(deadline, time.monotonic() + 1.0)  # the drainer's threads still get to stop
         if self.drainer is not None:
@@ -257,6 +260,21 @@ class Node:
         self.quarantine.shutdown()
         for thread in self._threads:  # a thread stuck on a hung shared tier is a daemon thread: not waited for
             thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _persist_memory_steps(self, commit_deadline: float, within_s: float) -> float:
+        """Lets saves whose bytes are all here commit (until ``commit_deadline``), then writes each job's newest
+        step kept in memory only to local SSD, for at most ``within_s`` (see :mod:`ckptstage.daemon.memflush`);
+        returns the seconds the writing took."""
+        for save in self._live_saves():
+            if save.finished:
+                self._wait_settled(save, max(0.0, commit_deadline - time.monotonic()))
+        began = time.monotonic()
+        images = [c.resident for c in self.memory.copies() if c.memory_only]
+        images += [s.resident for s in self.sessions.all() if s.resident is not None]
+        outcome = memflush.persist_newest(images, self.catalog, self.tiers[TierName.LOCAL], self.commits,
+                                          began + within_s)
+        memflush.log_outcome(outcome, "stopping")
+        return time.monotonic() - began
 
     # --- sessions -----------------------------------------------------------------
 

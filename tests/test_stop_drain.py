@@ -8,6 +8,7 @@ the queue cannot empty by itself before the node goes.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from ckptstage.client import Client
 from ckptstage.protos import layout
@@ -143,3 +145,30 @@ def test_a_job_killed_with_notice_resumes_from_its_step_on_another_node(daemon_f
         assert c.latest() == STOP_AT
         got = c.load()
     assert all(torch.equal(got["model"][k], v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize("trainer", ["alive", "exited"])
+def test_sigterm_drains_the_newest_step_kept_in_memory_only(daemon_factory: Any, trainer: str) -> None:
+    """``[local] persist_every = 10``: steps 11-13 are in the daemon's shared memory only, in the trainer's
+    arena (its trainer alive) or in the memory tier (its trainer gone). On SIGTERM step 13 is written to the
+    SSD, drained, and a replacement node loads it."""
+    nbytes = 256 << 10
+    d = daemon_factory("node", **{"local.persist_every": 10, "shared.drain_every": 10,
+                                  "shared.drain_on_stop_s": 20}).start()
+    c = Client(JOB, socket=d.socket)
+    try:
+        for step in range(10, 14):
+            c.save(step, state(step, nbytes)).wait("memory" if step % 10 else "shared", timeout=60)
+        if trainer == "exited":
+            c.close()
+        assert not on_shared(d.shared, 13) and not layout.commit_path(d.local, JOB, 13).exists()
+        code, _ = stop_by_sigterm(d)
+    finally:
+        with contextlib.suppress(Exception):  # the daemon is gone: the session cannot be closed politely
+            c.close()
+    assert code == 0
+    assert on_shared(d.shared, 13) and not on_shared(d.shared, 12), d.log_tail()
+    log = d.log.read_text()
+    assert f"stopping: wrote {JOB} step 13 (kept in memory only) to local SSD: ranks 0" in log
+    assert f"stopping: drained {JOB} step 13 to the shared tier" in log
+    restore_elsewhere(daemon_factory, d.shared, 13, nbytes)
