@@ -7,9 +7,15 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv demo test protos check-protos bench lint clean
+.PHONY: venv demo test protos check-protos bench lint clean FORCE
 
-venv: $(STAMP)
+# The strict editable install links each module into build/: a module added, moved or removed since needs
+# a re-link, which MODULES (the list of the package's files, rewritten only when it changes) triggers.
+MODULES := $(VENV)/.modules
+INSTALLED := $(VENV)/.linked
+PACKAGE_DIRS := client daemon dcp integrations protos
+
+venv: $(INSTALLED)
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,20 +24,30 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -e '.[dev,lightning,hf,s3]' -c constraints.txt --config-settings editable_mode=strict
 	touch $(STAMP)
 
-demo: $(STAMP)
+$(MODULES): FORCE | $(STAMP)
+	@find $(PACKAGE_DIRS) -type f \( -name '*.py' -o -name '*.toml' -o -name '*.proto' -o -name '*.pyi' \) | sort > $@.new
+	@if cmp -s $@.new $@; then rm $@.new; else mv $@.new $@; fi
+
+$(INSTALLED): $(STAMP) $(MODULES)
+	$(PY) -m pip install --quiet --no-deps -e . --config-settings editable_mode=strict
+	touch $(INSTALLED)
+
+FORCE:
+
+demo: $(INSTALLED)
 	$(VENV)/bin/ckptstage demo
 
-test: $(STAMP)
+test: $(INSTALLED)
 	$(PY) tools/typecheck.py
 	$(PY) -m pytest -q
 
-protos: $(STAMP)
+protos: $(INSTALLED)
 	$(PY) tools/gen_protos.py
 
-bench: $(STAMP)
+bench: $(INSTALLED)
 	$(PY) bench/bench_save.py
 
-lint: $(STAMP)
+lint: $(INSTALLED)
 	$(PY) tools/typecheck.py
 
 clean:

@@ -189,7 +189,7 @@ def files_under(path: Path, skip: str = "") -> dict[Path, int]:
 
 def chunk_files(tier: Path, job: str) -> dict[str, int]:
     """The chunks in a job's store on a tier (name -> bytes); the sweep's condemned ones excluded."""
-    from ckptstage.daemon.chunkstore import CONDEMNED_DIR
+    from ckptstage.daemon.catalog.chunkstore import CONDEMNED_DIR
     from ckptstage.protos import chunks
 
     return {p.name: n for p, n in files_under(chunks.store_dir(tier, job), skip=CONDEMNED_DIR).items()

@@ -102,7 +102,7 @@ class Restore:
         import torch
 
         from ckptstage.client import Client
-        from ckptstage.daemon.s3io import READ_PIECE_BYTES
+        from ckptstage.daemon.tiers.s3.io import READ_PIECE_BYTES
         from ckptstage.protos import layout
 
         self.args, self.work, self.droot, self.server, self.state = args, work, droot, server, state

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
-from ckptstage.daemon.retention import KeepBest  # the one keep_best rule; re-exported for the config's users
+from ckptstage.daemon.retention.planner import KeepBest  # the one keep_best rule; re-exported for the config's users
 from ckptstage.protos.paths import default_data_dir, default_socket_path  # noqa: F401 - re-exported
 
 # Linux's sockaddr_un.sun_path holds 108 bytes including the terminating NUL;

@@ -163,7 +163,7 @@ class PartWriter:
         """``replace(final)``, when given, is asked at commit whether a part already at ``final`` may be
         replaced (a part of an earlier, incomplete attempt): it is then moved aside first (:func:`remove_part`).
         ``final`` overrides where the part is published (a replacement's staging area, see
-        :mod:`ckptstage.daemon.overwrite`)."""
+        :mod:`ckptstage.daemon.catalog.overwrite`)."""
         self.tier_dir = tier_dir
         self.owner = owner
         self.final = final or layout.part_dir(tier_dir, job, step, rank)

@@ -57,7 +57,7 @@ def fields(job: str | None = None, step: int | None = None, rank: int | None = N
            **more: object) -> dict[str, Any]:
     """The ``extra=`` mapping of a log call that carries these fields; None values are left out.
 
-    ``tier`` may be a :class:`~ckptstage.daemon.catalog.TierName` (its value is logged), ``error``
+    ``tier`` may be a :class:`~ckptstage.daemon.catalog.index.TierName` (its value is logged), ``error``
     an exception (its ``str``); ``more`` adds fields of the call site's own (lower-case names).
     """
     given: dict[str, object] = {"job": job, "step": step, "rank": rank, "tier": tier, "bytes": bytes,
@@ -109,7 +109,7 @@ def _with_fields(line: str, record: logging.LogRecord) -> str:
 
 
 class TextFormatter(logging.Formatter):
-    """``2025-05-01 12:00:00,123 WARNING ckptstage.daemon.drainer: drain failed job=a step=3 error="..."``."""
+    """``2025-05-01 12:00:00,123 WARNING ckptstage.daemon.drain.drainer: drain failed job=a step=3 error="..."``."""
 
     def __init__(self, timestamps: bool = True) -> None:
         fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s" if timestamps else "%(name)s: %(message)s"

@@ -18,12 +18,12 @@ from typing import IO, Any
 
 from ckptstage.daemon import fsutil, logs, tierpath
 from ckptstage.daemon.config import Config, ConfigError, format_size, load_config
-from ckptstage.daemon.handoff import HandoffServer
-from ckptstage.daemon.node import STATE_DIR, VERSION, Node
-from ckptstage.daemon.notify import Notifier
-from ckptstage.daemon.status import OK
-from ckptstage.daemon.tier import TierName
-from ckptstage.daemon.server import RpcServer
+from ckptstage.daemon.serve.handoff import HandoffServer
+from ckptstage.daemon.node.node import STATE_DIR, VERSION, Node
+from ckptstage.daemon.serve.notify import Notifier
+from ckptstage.daemon.node.status import OK
+from ckptstage.daemon.tiers.interface import TierName
+from ckptstage.daemon.serve.server import RpcServer
 from ckptstage.protos.handoff import socket_path as handoff_socket
 
 log = logging.getLogger("ckptstaged")

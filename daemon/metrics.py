@@ -18,10 +18,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ckptstage.daemon.retention import DELETE_REASONS
+from ckptstage.daemon.retention.planner import DELETE_REASONS
 
 if TYPE_CHECKING:
-    from ckptstage.daemon.jobs import JobSummary
+    from ckptstage.daemon.node.jobs import JobSummary
 
 _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 150, 300, 900)
 

@@ -1,4 +1,4 @@
-"""The memory tier's descriptor handoff: the wire format both sides share (see daemon/handoff.py)."""
+"""The memory tier's descriptor handoff: the wire format both sides share (see daemon/serve/handoff.py)."""
 
 from __future__ import annotations
 

@@ -256,11 +256,11 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
 
 
 def open_tier(server: S3Server, owner: str, prefix: str | None = None) -> Any:
-    """An :class:`ckptstage.daemon.s3tier.S3Tier` on a fresh prefix of :data:`BUCKET` (empty), as ``owner``."""
+    """An :class:`ckptstage.daemon.tiers.s3.tier.S3Tier` on a fresh prefix of :data:`BUCKET` (empty), as ``owner``."""
     import uuid
 
-    from ckptstage.daemon.s3client import Location, open_connection
-    from ckptstage.daemon.s3tier import S3Tier
+    from ckptstage.daemon.tiers.s3.client import Location, open_connection
+    from ckptstage.daemon.tiers.s3.tier import S3Tier
 
     conn = open_connection(Location(BUCKET, prefix or f"t-{uuid.uuid4().hex[:12]}"), server.endpoint, REGION,
                            access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY)

@@ -26,7 +26,7 @@ from ckptstage.client import (
     DaemonUnavailable,
     InvalidRequest,
 )
-from ckptstage.daemon import manifest_check
+from ckptstage.daemon.save import manifest_check
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 from conftest import DaemonProc

@@ -6,9 +6,9 @@ import shutil
 import threading
 from pathlib import Path
 
-from ckptstage.daemon.catalog import Catalog, Part, TierName
-from ckptstage.daemon.commits import Commits
-from ckptstage.daemon.fstier import FsTier
+from ckptstage.daemon.catalog.index import Catalog, Part, TierName
+from ckptstage.daemon.catalog.commits import Commits
+from ckptstage.daemon.tiers.fs import FsTier
 from ckptstage.protos.layout import scan_tier
 from ckptstage.daemon.fsutil import PartWriter
 from ckptstage.protos import layout

@@ -21,7 +21,7 @@ import torch
 from ckptstage.client import Client, SaveFailed
 from ckptstage.daemon import fsutil, tierpath
 from ckptstage.daemon.main import EXIT_CONFIG
-from ckptstage.daemon.node import node_name
+from ckptstage.daemon.node.node import node_name
 from ckptstage.protos import layout
 from hangfs import hang
 

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from ckptstage.daemon.config import NODE_NAME_ENV, Config, load_config, parse_size
-from ckptstage.daemon.node import node_name
+from ckptstage.daemon.node.node import node_name
 from ckptstage.protos import layout
 from ckptstage.daemon.launcher import DaemonProcess
 from support import free_port, scrape, wait_until

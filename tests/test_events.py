@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from ckptstage.daemon import persister as persister_mod
-from ckptstage.daemon.arena import Arena
+from ckptstage.daemon.save import persister as persister_mod
+from ckptstage.daemon.save.arena import Arena
 from ckptstage.daemon.events import Bus
-from ckptstage.daemon.fstier import FsTier
-from ckptstage.daemon.manifest_check import parse_manifest
-from ckptstage.daemon.persister import Persister, Save
+from ckptstage.daemon.tiers.fs import FsTier
+from ckptstage.daemon.save.manifest_check import parse_manifest
+from ckptstage.daemon.save.persister import Persister, Save
 from ckptstage.protos import layout
 
 JOB = "eventjob"

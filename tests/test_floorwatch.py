@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from ckptstage.daemon.floorwatch import FloorWatch
+from ckptstage.daemon.retention.floorwatch import FloorWatch
 
 GiB = 1 << 30
 
@@ -14,7 +14,7 @@ GiB = 1 << 30
 def test_one_warning_per_episode_and_the_status_warning_while_it_lasts(caplog: pytest.LogCaptureFixture) -> None:
     free = [40 * GiB]
     watch = FloorWatch(100 * GiB, "/ssd/ckptstage", lambda: free[0])
-    caplog.set_level(logging.INFO, logger="ckptstage.daemon.floorwatch")
+    caplog.set_level(logging.INFO, logger="ckptstage.daemon.retention.floorwatch")
     for _ in range(3):  # three commits, each evicting all it may
         watch.after_pass(evicted=2)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]

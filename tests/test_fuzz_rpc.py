@@ -21,7 +21,7 @@ import torch
 from ckptstage.client import Client
 from ckptstage.client.rpc import Connection
 from ckptstage.client import tree
-from ckptstage.daemon import manifest_check
+from ckptstage.daemon.save import manifest_check
 from ckptstage.daemon.errors import InvalidRequest
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb

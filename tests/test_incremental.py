@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 from ckptstage.client import Client
-from ckptstage.daemon.chunkstore import CONDEMNED_DIR, ChunkStore
-from ckptstage.daemon.fstier import FsTier
+from ckptstage.daemon.catalog.chunkstore import CONDEMNED_DIR, ChunkStore
+from ckptstage.daemon.tiers.fs import FsTier
 from ckptstage.protos import chunks, layout
 
 from support import wait_until
@@ -272,7 +272,7 @@ def test_a_sweep_on_another_node_never_tears_a_step_this_node_drains(daemon_fact
 
 
 def test_stored_bytes_counts_each_chunk_once_with_the_newest_step_that_names_it():
-    from ckptstage.daemon.chunkstore import stored_bytes
+    from ckptstage.daemon.catalog.chunkstore import stored_bytes
 
     got = stored_bytes([(1, 999, [("a", 10), ("b", 5)]), (2, 999, [("a", 10), ("c", 7)]), (3, 100, None),
                         (2, 999, [("d", 1)])])
@@ -304,7 +304,7 @@ def _manifest_naming(part: Path, names: list[str]) -> None:
 
 
 def test_a_mark_rereads_a_manifest_replaced_since_the_last_one(tmp_path):
-    from ckptstage.daemon.chunkstore import referenced
+    from ckptstage.daemon.catalog.chunkstore import referenced
 
     part = layout.part_dir(tmp_path, JOB, 1, 0)
     part.mkdir(parents=True)

@@ -16,8 +16,8 @@ import pytest
 import torch
 from ckptstage.client import Client
 from ckptstage.client.errors import CheckpointNotFound, SaveFailed
-from ckptstage.daemon.jobs import TierHealth
-from ckptstage.daemon.status import tier_state
+from ckptstage.daemon.drain.health import TierHealth
+from ckptstage.daemon.node.status import tier_state
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 from support import drain, wait_until

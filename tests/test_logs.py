@@ -17,7 +17,7 @@ import pytest
 from support import wait_until
 
 from ckptstage.daemon import logs
-from ckptstage.daemon.catalog import TierName
+from ckptstage.daemon.catalog.index import TierName
 from ckptstage.daemon.main import parse_args
 
 

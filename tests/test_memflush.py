@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ckptstage.daemon.arena import Arena
-from ckptstage.daemon.catalog import Catalog, Part, TierName
-from ckptstage.daemon.commits import Commits
-from ckptstage.daemon.fstier import FsTier
-from ckptstage.daemon.memflush import newest_steps, persist_newest
-from ckptstage.daemon.memtier import Resident
+from ckptstage.daemon.save.arena import Arena
+from ckptstage.daemon.catalog.index import Catalog, Part, TierName
+from ckptstage.daemon.catalog.commits import Commits
+from ckptstage.daemon.tiers.fs import FsTier
+from ckptstage.daemon.save.memflush import newest_steps, persist_newest
+from ckptstage.daemon.save.memtier import Resident
 from ckptstage.protos import layout
 
 JOB = "flush"

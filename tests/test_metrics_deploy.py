@@ -27,7 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ckptstage.client import Client
 from conftest import DaemonProc
-from ckptstage.daemon.jobs import DrainHealth, JobSummary
+from ckptstage.daemon.drain.health import DrainHealth
+from ckptstage.daemon.node.jobs import JobSummary
 from ckptstage.daemon.metrics import JOB_LABEL, MAX_JOB_SERIES, OTHER_JOB, Metrics, StateProbe, package_version
 from support import drain, free_port, metric, scrape, wait_until
 

@@ -14,7 +14,7 @@ from support import drain, two_ranks, wait_until
 from ckptstage.client import AlreadyCommitted, Client, InvalidRequest
 from ckptstage.client.restore import read_part
 from ckptstage.daemon import fsutil
-from ckptstage.daemon.fstier import FsTier
+from ckptstage.daemon.tiers.fs import FsTier
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 

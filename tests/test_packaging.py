@@ -66,8 +66,8 @@ def test_daemon_never_imports_torch_even_while_serving(tmp_path):
     """, cwd=tmp_path)
     result = json.loads(out.splitlines()[-1])
     assert result["torch"] == []
-    for expected in ("ckptstage.daemon.main", "ckptstage.daemon.node", "ckptstage.daemon.servicer",
-                     "ckptstage.daemon.persister", "ckptstage.daemon.arena", "ckptstage.protos.layout",
+    for expected in ("ckptstage.daemon.main", "ckptstage.daemon.node.node", "ckptstage.daemon.serve.servicer",
+                     "ckptstage.daemon.save.persister", "ckptstage.daemon.save.arena", "ckptstage.protos.layout",
                      "ckptstage.protos.v1.ckptstage_pb2_grpc"):
         assert expected in result["modules"]
     assert result["arena"] == 1 << 20 and result["sessions"] == 1  # it really served
@@ -99,8 +99,8 @@ def test_client_never_imports_the_daemon(tmp_path):
     out = run_python("""
         import importlib, pkgutil, sys
         import ckptstage.client
-        for m in pkgutil.iter_modules(ckptstage.client.__path__):
-            importlib.import_module(f"ckptstage.client.{m.name}")
+        for m in pkgutil.walk_packages(ckptstage.client.__path__, "ckptstage.client."):
+            importlib.import_module(m.name)
         print(sorted(n for n in sys.modules if n.startswith("ckptstage.daemon")))
     """, cwd=tmp_path)
     assert out.strip() == "[]"
@@ -113,8 +113,8 @@ def test_the_core_never_imports_an_integration_or_its_framework(tmp_path):
         import importlib, pkgutil, sys
         import ckptstage.client, ckptstage.daemon, ckptstage.dcp
         for pkg in (ckptstage.client, ckptstage.daemon, ckptstage.dcp):
-            for m in pkgutil.iter_modules(pkg.__path__):
-                importlib.import_module(f"{pkg.__name__}.{m.name}")
+            for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+                importlib.import_module(m.name)
         ckptstage.client.Client
         banned = ("lightning", "pytorch_lightning", "transformers", "accelerate")
         print(sorted(n for n in sys.modules if n.split(".")[0] in banned or n in ("ckptstage.lightning", "ckptstage.hf")))
@@ -174,3 +174,26 @@ def test_console_scripts_are_installed():
                           check=False)
     assert proc.returncode == 0 and proc.stdout.startswith("ckptstaged "), proc.stderr
     assert (bindir / "ckptstage").exists()
+
+
+def test_the_wheel_holds_every_module_of_the_source_tree(tmp_path):
+    """pyproject lists every package: a wheel built from the tree, installed on its own, imports each module
+    the repository has (a subpackage left out of ``packages`` would be missing from every install)."""
+    from test_layers import modules
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(REPO)], check=True, capture_output=True, timeout=300)
+    [wheel] = (tmp_path / "dist").glob("ckptstage-*.whl")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(tmp_path / "site"),
+                    str(wheel)], check=True, capture_output=True, timeout=300)
+    expected = sorted(name for name, _ in modules())
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import importlib, json, sys
+        sys.path.insert(0, {str(tmp_path / "site")!r})
+        for name in {expected!r}:
+            module = importlib.import_module(name)
+            assert module.__file__.startswith({str(tmp_path / "site")!r}), (name, module.__file__)
+        print(json.dumps(len({expected!r})))
+    """)], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == len(expected) > 90

@@ -403,7 +403,7 @@ def test_every_eviction_rule_and_retention_trigger_starts_at_zero() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     from ckptstage.daemon.metrics import Metrics
-    from ckptstage.daemon.retention import DELETE_REASONS
+    from ckptstage.daemon.retention.planner import DELETE_REASONS
 
     text = generate_latest(Metrics(CollectorRegistry()).registry).decode()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value

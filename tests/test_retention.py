@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from ckptstage.daemon.retention import (
+from ckptstage.daemon.retention.planner import (
     DELETE_REASONS,
     KEEP_REASONS,
     KeepBest,
@@ -586,7 +586,7 @@ def test_random_extra_rule_sets_only_keep_more(seed: int) -> None:
 
 def test_a_jobs_keep_best_override_is_the_operators_rule_with_its_n_capped() -> None:
     from ckptstage.daemon.errors import InvalidRequest
-    from ckptstage.daemon.job_rules import JobRetention
+    from ckptstage.daemon.retention.job_rules import JobRetention
 
     wide = JobRetention.parse({"keep_best_metric": "loss", "keep_best_mode": "max", "keep_best_n": 50})
     assert wide.keep_best(cap=8) == KeepBest("loss", "max", 8)

@@ -245,6 +245,6 @@ def test_a_profile_that_does_not_exist_stops_the_start_naming_it(s3_server: S3Se
 
 
 def test_the_installed_sdk_sends_every_conditional_request_the_tier_needs(s3_server: S3Server) -> None:
-    from ckptstage.daemon.s3client import check_sdk
+    from ckptstage.daemon.tiers.s3.client import check_sdk
 
     check_sdk(open_tier(s3_server, "probe").connection.client)  # the pinned boto3 floor is met here

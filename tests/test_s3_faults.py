@@ -29,8 +29,8 @@ torch = pytest.importorskip("torch")
 from ckptstage.client import Client  # noqa: E402
 from ckptstage.client.rpc import Connection  # noqa: E402
 from ckptstage.daemon.launcher import DaemonProcess  # noqa: E402
-from ckptstage.daemon.s3client import Location, open_connection  # noqa: E402
-from ckptstage.daemon.s3tier import S3Tier  # noqa: E402
+from ckptstage.daemon.tiers.s3.client import Location, open_connection  # noqa: E402
+from ckptstage.daemon.tiers.s3.tier import S3Tier  # noqa: E402
 from ckptstage.protos import chunks, layout  # noqa: E402
 from ckptstage.protos.v1 import ckptstage_pb2 as pb  # noqa: E402
 from conftest import DEFAULTS  # noqa: E402

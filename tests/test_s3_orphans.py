@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 
 from ckptstage.client import Client  # noqa: E402
 from ckptstage.daemon.launcher import DaemonProcess  # noqa: E402
-from ckptstage.daemon.s3tier import S3Tier  # noqa: E402
+from ckptstage.daemon.tiers.s3.tier import S3Tier  # noqa: E402
 from ckptstage.protos import layout  # noqa: E402
 from conftest import DEFAULTS  # noqa: E402
 from s3server import BUCKET, S3Server, open_tier, s3_server  # noqa: E402

@@ -1,4 +1,4 @@
-"""The shared tier on an S3-compatible object store (daemon/s3tier.py), against a real SeaweedFS.
+"""The shared tier on an S3-compatible object store (daemon/tiers/s3/tier.py), against a real SeaweedFS.
 
 The tier contract itself runs on the object store from tests/test_tier_interface.py (its ``tier``
 fixture) and, here, tests/test_tier_replacing.py's; these are what only an object store has:
@@ -23,12 +23,12 @@ import pytest
 
 pytest.importorskip("boto3", reason="the s3 extra (boto3) is not installed")
 
-from ckptstage.daemon.catalog import Catalog  # noqa: E402
+from ckptstage.daemon.catalog.index import Catalog  # noqa: E402
 from ckptstage.daemon.config import ConfigError, load_config  # noqa: E402
-from ckptstage.daemon.s3client import Location, open_connection  # noqa: E402
-from ckptstage.daemon.s3tier import S3Tier  # noqa: E402
-from ckptstage.daemon.tier import Tier, TierName, Usage  # noqa: E402
-from ckptstage.daemon.tiers import open_tiers  # noqa: E402
+from ckptstage.daemon.tiers.s3.client import Location, open_connection  # noqa: E402
+from ckptstage.daemon.tiers.s3.tier import S3Tier  # noqa: E402
+from ckptstage.daemon.tiers.interface import Tier, TierName, Usage  # noqa: E402
+from ckptstage.daemon.tiers.kinds import open_tiers  # noqa: E402
 from ckptstage.protos import chunks, layout  # noqa: E402
 from s3server import (ACCESS_KEY, BUCKET, REGION, SECRET_KEY, S3Server, object_bytes, open_tier,  # noqa: E402
                       s3_server)
@@ -147,8 +147,8 @@ def test_a_large_file_goes_up_in_pieces_written_out_of_order_and_a_flipped_byte_
 _KILLED_WRITER = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {tests!r})
-    from ckptstage.daemon.s3client import Location, open_connection
-    from ckptstage.daemon.s3tier import S3Tier
+    from ckptstage.daemon.tiers.s3.client import Location, open_connection
+    from ckptstage.daemon.tiers.s3.tier import S3Tier
     from ckptstage.protos import layout
     conn = open_connection(Location({bucket!r}, {prefix!r}), {endpoint!r}, {region!r},
                            access_key_id={key!r}, secret_access_key={secret!r})
@@ -194,8 +194,8 @@ def test_a_writer_killed_mid_upload_leaves_nothing_visible_and_its_orphans_go_at
 
 _CLAIM_HOLDER = textwrap.dedent("""
     import sys, time
-    from ckptstage.daemon.s3client import Location, open_connection
-    from ckptstage.daemon.s3tier import S3Tier
+    from ckptstage.daemon.tiers.s3.client import Location, open_connection
+    from ckptstage.daemon.tiers.s3.tier import S3Tier
     from ckptstage.protos import layout
     conn = open_connection(Location({bucket!r}, {prefix!r}), {endpoint!r}, {region!r},
                            access_key_id={key!r}, secret_access_key={secret!r})
@@ -469,7 +469,7 @@ def test_an_object_is_read_whole_through_odd_reads_and_seeks_with_gets_kept_in_f
     anywhere give the object's bytes."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ckptstage.daemon.s3io import READ_AHEAD, READ_PIECE_BYTES, ObjectReader
+    from ckptstage.daemon.tiers.s3.io import READ_AHEAD, READ_PIECE_BYTES, ObjectReader
 
     from support import wait_until
     from test_s3_faults import FaultProxy

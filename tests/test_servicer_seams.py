@@ -14,8 +14,8 @@ import grpc
 import pytest
 from ckptstage.client import errors
 from ckptstage.client.rpc import Connection
-from ckptstage.daemon import servicer
-from ckptstage.daemon.node import Node
+from ckptstage.daemon.serve import servicer
+from ckptstage.daemon.node.node import Node
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 from support import begin_raw_save
 

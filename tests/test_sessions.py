@@ -6,9 +6,9 @@ import os
 from typing import Any
 
 import pytest
-from ckptstage.daemon.arena import Budget
+from ckptstage.daemon.save.arena import Budget
 from ckptstage.daemon.errors import InvalidRequest, SessionNotFound
-from ckptstage.daemon.sessions import Session, SessionInfo
+from ckptstage.daemon.save.sessions import Session, SessionInfo
 
 CHUNK = 1 << 20
 

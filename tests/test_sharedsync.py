@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckptstage.daemon.catalog import Catalog
-from ckptstage.daemon.fstier import FsTier
-from ckptstage.daemon.sharedsync import SharedSync
+from ckptstage.daemon.catalog.index import Catalog
+from ckptstage.daemon.tiers.fs import FsTier
+from ckptstage.daemon.drain.sharedsync import SharedSync
 
 
 def test_step_rereads_are_forgotten_once_the_whole_job_is_reread(tmp_path: Path) -> None:

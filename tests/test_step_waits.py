@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckptstage.daemon import commits as commits_mod
-from ckptstage.daemon.catalog import Catalog, Checkpoint, Part, TierName
-from ckptstage.daemon.commits import Commits
-from ckptstage.daemon.fstier import FsTier
+from ckptstage.daemon.catalog import commits as commits_mod
+from ckptstage.daemon.catalog.index import Catalog, Checkpoint, Part, TierName
+from ckptstage.daemon.catalog.commits import Commits
+from ckptstage.daemon.tiers.fs import FsTier
 from ckptstage.protos import layout
 
 JOB = "waitjob"

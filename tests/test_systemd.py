@@ -27,9 +27,9 @@ from support import free_port, scrape, unit_directives, wait_until
 
 from ckptstage.client import Client
 from ckptstage.client.rpc import Connection
-from ckptstage.daemon.node import node_name
-from ckptstage.daemon.notify import watchdog_interval_s
-from ckptstage.daemon.server import LOOP_THREAD
+from ckptstage.daemon.node.node import node_name
+from ckptstage.daemon.serve.notify import watchdog_interval_s
+from ckptstage.daemon.serve.server import LOOP_THREAD
 from ckptstage.protos import layout
 
 UNIT = Path(__file__).resolve().parent.parent / "deploy" / "systemd" / "ckptstaged@.service"

@@ -1,4 +1,4 @@
-"""The storage tier interface (daemon/tier.py) and its file-system implementation (daemon/fstier.py).
+"""The storage tier interface (daemon/tiers/interface.py) and its file-system implementation (daemon/tiers/fs.py).
 
 The contract tests take a tier from the ``tier`` fixture and use only the
 interface, so that a new kind of tier (an object store) runs the same ones by
@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-from ckptstage.daemon import tier as tier_mod
-from ckptstage.daemon.catalog import Catalog
-from ckptstage.daemon.chunkstore import ChunkStore, referenced
-from ckptstage.daemon.commits import Commits
-from ckptstage.daemon.fstier import FsTier
-from ckptstage.daemon.tier import Tier, TierName
+from ckptstage.daemon.tiers import interface as tier_mod
+from ckptstage.daemon.catalog.index import Catalog
+from ckptstage.daemon.catalog.chunkstore import ChunkStore, referenced
+from ckptstage.daemon.catalog.commits import Commits
+from ckptstage.daemon.tiers.fs import FsTier
+from ckptstage.daemon.tiers.interface import Tier, TierName
 from ckptstage.protos import chunks, layout
 from s3server import object_bytes, open_tier, s3_server  # noqa: F401 - s3_server: the fixture
 from support import RecordingTier

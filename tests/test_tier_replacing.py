@@ -1,4 +1,4 @@
-"""Replacing a committed step as tier operations (daemon/tier.py ``Replacing``), on every implementation.
+"""Replacing a committed step as tier operations (daemon/tiers/interface.py ``Replacing``), on every implementation.
 
 The contract: a replacement's parts are published out of sight, the whole
 step is swapped in with its new commit record, and the old step is gone;
@@ -14,12 +14,13 @@ from typing import Any
 
 import pytest
 
-from ckptstage.daemon import fstier, overwrite
-from ckptstage.daemon import tier as tier_mod
-from ckptstage.daemon.catalog import Catalog, TierName
-from ckptstage.daemon.commits import Commits, complete_attempt
-from ckptstage.daemon.fstier import FsTier
-from ckptstage.daemon.tier import Tier
+from ckptstage.daemon.catalog import overwrite
+from ckptstage.daemon.tiers import fs as fstier
+from ckptstage.daemon.tiers import interface as tier_mod
+from ckptstage.daemon.catalog.index import Catalog, TierName
+from ckptstage.daemon.catalog.commits import Commits, complete_attempt
+from ckptstage.daemon.tiers.fs import FsTier
+from ckptstage.daemon.tiers.interface import Tier
 from ckptstage.protos import layout
 from support import RecordingTier
 

@@ -11,10 +11,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from support import free_port, scrape, wait_until
 
-from ckptstage.daemon.fstier import FsTier
+from ckptstage.daemon.tiers.fs import FsTier
 from ckptstage.daemon.metrics import Metrics, StateProbe
-from ckptstage.daemon.tier import Usage
-from ckptstage.daemon.tierprobe import TierProbe
+from ckptstage.daemon.tiers.interface import Usage
+from ckptstage.daemon.tiers.probe import TierProbe
 
 
 class _Measured(FsTier):

@@ -2,7 +2,7 @@
 
 The sources live in directories named for their part (``daemon/``, ``client/``, ...), mapped to
 ``ckptstage.*`` by pyproject's ``package-dir``. Run on those directories, mypy cannot resolve
-``from ckptstage.daemon.tier import Tier`` to ``daemon/tier.py`` and types every such name as
+``from ckptstage.daemon.tiers.interface import Tier`` to ``daemon/tiers/interface.py`` and types every such name as
 ``Any``: calls between modules go unchecked. This builds ``build/typed/ckptstage/`` from the same
 mapping (one symbolic link per top-level package) and runs mypy there, on every package.
 """

@@ -1,0 +1,276 @@
+"""The chunk stores of one tier: which chunks a save reuses, how new ones land, what a sweep removes.
+
+Incremental parts (:mod:`ckptstage.protos.chunks`) keep their bytes in the
+job's chunk store, shared by every step that has them. A chunk may go only
+when no part on the tier refers to it; this module decides that with a mark
+and sweep that is safe against the savers and drains running meanwhile, in
+this daemon and in other nodes' daemons on a shared tier:
+
+* a writer *leases* every chunk it reuses or adds until its part's manifest
+  is in the step directory, and *touches* a chunk it reuses (its mtime is the
+  last time anyone relied on it);
+* a sweep marks the chunks that the manifests of the job's parts (committed
+  or not, staged replacements included) refer to, then *condemns* (renames
+  into ``chunks/.condemned/``) each unmarked chunk that nobody here leases and
+  nobody touched within the grace period; it then marks again, puts back
+  every condemned chunk that a part published meanwhile refers to, and only
+  then deletes the rest;
+* a writer on another node, which no lease of ours can see, checks after
+  publishing its part that every chunk it refers to is still in place, and
+  writes back any that a sweep took (:meth:`Tier.missing_chunks`), and no commit
+  record is written for a step while a chunk of one of its parts is missing.
+
+A SIGKILL at any point leaves chunks in place or condemned, never a
+published part without its chunks: the next sweep (any node's) finishes the
+condemned ones the same way, putting back those a part refers to.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptstage.daemon.logs import fields
+from ckptstage.daemon.tiers.interface import ChunkBatch, PartWriter, Tier
+from ckptstage.protos import chunks, layout
+
+log = logging.getLogger(__name__)
+
+CONDEMNED_DIR = chunks.CONDEMNED_DIR
+
+
+class MarkFailed(OSError):
+    """A manifest could not be read for a reason other than its own corruption: nothing is swept."""
+
+
+@dataclass(frozen=True)
+class Swept:
+    """What one sweep of one job's store did."""
+
+    removed: int = 0
+    freed: int = 0
+    restored: int = 0
+
+
+_Seen = dict[Path, tuple[tuple[int, ...], frozenset[str]]]
+
+
+def referenced(storage: Tier, job: str, seen: _Seen | None = None) -> set[str]:
+    """The chunks every part of ``job`` on the tier refers to: committed or not, staged replacements too.
+
+    A manifest that fails its own checks names nothing (that part is unreadable
+    anyway, and quarantine removes it); one that cannot be read at all (EIO, a
+    permission) raises :class:`MarkFailed`, since its chunks may be live.
+    ``seen`` (updated in place) remembers each manifest's names under its
+    version (:meth:`Tier.manifest_version`), so that a mark reads only the
+    manifests that are new since the last one.
+    """
+    names: set[str] = set()
+    known = dict(seen or {})
+    if seen is not None:
+        seen.clear()
+    for part in storage.list_manifests(job):
+        path = part / layout.MANIFEST_FILE
+        try:
+            key = storage.manifest_version(part)
+            if path in known and known[path][0] == key:
+                found = known[path][1]
+            else:
+                found = frozenset(chunks.referenced(storage.read_manifest(part)[0]))
+        except FileNotFoundError:
+            continue  # gone since the walk: its chunks are not its anymore
+        except OSError as e:
+            raise MarkFailed(f"cannot read {path}: {e}") from e
+        except layout.ManifestError as e:
+            if isinstance(e.__cause__, OSError) and not isinstance(e.__cause__, FileNotFoundError):
+                raise MarkFailed(f"cannot read {path}: {e.__cause__}") from e
+            continue  # corrupt: it names nothing we can trust
+        names |= found
+        if seen is not None:
+            seen[path] = (key, found)
+    return names
+
+
+def stored_bytes(parts: Iterable[tuple[int, int, Sequence[tuple[str, int]] | None]]) -> dict[int, int]:
+    """Per step, the bytes its deletion frees when steps are deleted oldest first.
+
+    ``parts`` are ``(step, bytes, chunks)``: a part stored whole counts its
+    bytes; an incremental one (``chunks``: its ``(name, length)`` list) counts
+    each chunk that no newer step names (a chunk shared with newer steps goes
+    with the newest of them). Summed over the steps, that is what the job's
+    parts hold on the tier, each chunk once.
+    """
+    whole: dict[int, int] = {}
+    newest: dict[str, tuple[int, int]] = {}
+    for step, nbytes, listed in parts:
+        whole.setdefault(step, 0)
+        if listed is None:
+            whole[step] += nbytes
+            continue
+        for name, length in listed:
+            if name not in newest or newest[name][0] < step:
+                newest[name] = (step, length)
+    for step, length in newest.values():
+        whole[step] += length
+    return whole
+
+
+class ChunkStore:
+    """The chunk stores (one per job) of one tier, as this daemon uses them: leases, and the sweep."""
+
+    def __init__(self, tier: Tier, grace_s: float) -> None:
+        self.tier = tier
+        self.grace_s = grace_s
+        self._lock = threading.Lock()
+        self._leases: Counter[tuple[str, str]] = Counter()
+        self._sweeping: Counter[str] = Counter()
+        self._released: dict[str, set[str]] = {}  # per job being swept: leases let go during the sweep
+        self._seen: dict[str, _Seen] = {}  # per job: what each manifest named at the last mark
+
+    # ------------------------------------------------------------------ writers
+
+    def path(self, job: str, name: str) -> Path:
+        return self.tier.chunk_location(job, name)
+
+    def reuse(self, job: str, name: str) -> bool:
+        """Leases ``name`` for a part being written; True when the store holds it (it is touched then).
+
+        Either way the lease holds until :meth:`release`: a chunk that is not
+        there yet is written into a :meth:`new_chunks` batch under it.
+        """
+        with self._lock:
+            self._leases[(job, name)] += 1
+            return self.tier.touch_chunk(job, name)
+
+    def new_chunks(self, job: str, part: PartWriter | None = None) -> ChunkBatch:
+        """A batch of new chunks (leased by :meth:`reuse`), published into the store durably and together."""
+        return self.tier.new_chunks(job, part)
+
+    def release(self, job: str, names: Iterable[str]) -> None:
+        """Ends the leases taken by :meth:`reuse`: the part is published (or failed)."""
+        with self._lock:
+            released = self._released.get(job)
+            for name in names:
+                key = (job, name)
+                self._leases[key] -= 1
+                if self._leases[key] <= 0:
+                    del self._leases[key]
+                if released is not None:
+                    released.add(name)
+
+    # ------------------------------------------------------------------ the sweep
+
+    def sweep(self, job: str, mark: Callable[[], set[str]] | None = None) -> Swept:
+        """Removes the chunks of ``job`` that no part refers to (see the module docstring)."""
+        if not self.tier.has_chunk_store(job):
+            return Swept()
+        mark = mark or (lambda: referenced(self.tier, job, self._seen.setdefault(job, {})))
+        with self._lock:
+            self._sweeping[job] += 1
+            self._released.setdefault(job, set())
+        try:
+            marked = mark()
+            cutoff = time.time() - self.grace_s
+            for name in self.tier.list_chunks(job):
+                if name not in marked:
+                    self._condemn(job, name, cutoff)
+            return self._finish(job, mark())
+        finally:
+            with self._lock:
+                self._sweeping[job] -= 1
+                if not self._sweeping[job]:
+                    del self._sweeping[job]
+                    self._released.pop(job, None)
+
+    def _busy(self, job: str, name: str) -> bool:
+        return (job, name) in self._leases or name in self._released.get(job, ())
+
+    def _condemn(self, job: str, name: str, cutoff: float) -> None:
+        with self._lock:  # against reuse(): a chunk leased here is never condemned
+            if not self._busy(job, name):
+                self.tier.condemn_chunk(job, name, cutoff)
+
+    def _finish(self, job: str, marked: set[str]) -> Swept:
+        """Puts back the condemned chunks referred to now (or leased), deletes the others.
+
+        Empty fan-out directories stay: a writer on another node may be about to rename a chunk into one."""
+        removed = freed = restored = 0
+        for name in self.tier.condemned_chunks(job):
+            with self._lock:
+                keep = name in marked or self._busy(job, name)
+            try:
+                if keep:
+                    self.tier.restore_chunk(job, name)
+                    restored += 1
+                else:
+                    freed += self.tier.delete_condemned_chunk(job, name)
+                    removed += 1
+            except FileNotFoundError:
+                pass  # another node's sweep finished it
+        if removed or restored:
+            log.info("swept the chunks of %s on %s: %d removed (%d bytes), %d put back", job, self.tier.location,
+                     removed, freed, restored, extra=fields(job=job, bytes=freed, path=self.tier.location))
+        return Swept(removed, freed, restored)
+
+
+class PartChunks:
+    """The chunks of one part being written to a tier: those it reuses and those it adds.
+
+    The data file is cut with :func:`chunks.cut` (``every`` is the unit the
+    bytes arrive in: no chunk straddles two). Each piece is hashed as its
+    unit arrives; one the store already holds is leased and touched, a new one
+    is written into a batch staged with ``part`` (the part's writer). At
+    :meth:`publish` the batch goes into the store, before the manifest that
+    refers to it is written; :meth:`release` (always, after the part is
+    published or failed) ends the leases.
+    """
+
+    def __init__(self, store: ChunkStore, job: str, size: int, tensors: Iterable[tuple[int, int]], every: int,
+                 part: PartWriter, direct_io: bool) -> None:
+        self.store = store
+        self.job = job
+        self.every = every
+        self.direct_io = direct_io
+        self._cuts = chunks.cut(size, tensors, every)
+        self._by_unit: dict[int, list[tuple[int, int]]] = {}
+        for lo, hi in self._cuts:
+            self._by_unit.setdefault(lo // every, []).append((lo, hi))
+        self._lock = threading.Lock()
+        self._names: dict[int, str] = {}   # chunk start -> name
+        self._leased: set[str] = set()
+        self.reused_bytes = 0
+        self._new = store.new_chunks(job, part)  # written here, not yet in the store
+
+    def write(self, unit: int, data: memoryview, start: int) -> None:
+        """Hashes (and stores, when new) every chunk of arriving unit ``unit``: ``data`` is bytes from ``start``."""
+        for lo, hi in self._by_unit.get(unit, ()):
+            piece = data[lo - start:hi - start]
+            name = chunks.digest(piece)
+            with self._lock:
+                self._names[lo] = name
+                first = name not in self._leased
+                self._leased.add(name)
+            if not first:
+                with self._lock:
+                    self.reused_bytes += hi - lo  # the same bytes twice in one part (zeroed optimizer state)
+                continue
+            if self.store.reuse(self.job, name):
+                with self._lock:
+                    self.reused_bytes += hi - lo
+                continue
+            self._new.write(name, piece, self.direct_io)
+
+    def publish(self) -> list[list[object]]:
+        """Moves the new chunks into the store (durably); returns the manifest's chunk list."""
+        self._new.publish()  # the part's directory holds its manifest only
+        return [[self._names[lo], hi - lo] for lo, hi in self._cuts]
+
+    def release(self) -> None:
+        with self._lock:
+            leased, self._leased = self._leased, set()
+        self.store.release(self.job, leased)

@@ -1,0 +1,168 @@
+"""Quarantine: a copy is hidden only when the daemon's own read proves it corrupt.
+
+A reader (a trainer's ``load()``, the drainer, a prefetch) that finds a copy
+failing verification reports it; the report is a reason to look, never a
+verdict. A worker thread re-reads the copy with the daemon's own descriptors
+and checks every size and checksum against the verified manifest. Only a
+mismatch moves the copy aside (``.corrupt-<rank dir>-<random>`` beside it, kept
+for forensics) and drops it from the index; a copy that verifies stays, and a
+read that itself fails (EIO, EMFILE, a permission) hides nothing. Either way
+the verdict is logged and counted (``ckptstage_corrupt_reports_total{tier,verdict}``).
+Reports are handled one at a time and deduplicated per copy, so a burst of
+reports costs one read.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptstage.daemon.catalog.index import Catalog, Part
+from ckptstage.daemon.logs import fields
+from ckptstage.daemon.metrics import Metrics
+from ckptstage.daemon.tiers.interface import Tier, TierName
+from ckptstage.protos import layout
+
+log = logging.getLogger(__name__)
+
+CORRUPT_PREFIX = layout.CORRUPT_PREFIX
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """A copy moved aside: which, where it lies now, and why."""
+
+    job: str
+    step: int
+    rank: int
+    tier: str
+    where: str  # the copy now, as messages name it (a path, or an s3:// URL)
+    detail: str
+
+
+class Quarantine:
+    def __init__(self, catalog: Catalog, metrics: Metrics, tiers: Mapping[TierName, Tier],
+                 verify: Callable[[Path], None] | None = None) -> None:
+        """``tiers``: each disk tier's storage. ``verify(part)`` replaces the tier's own verification."""
+        self._catalog = catalog
+        self._metrics = metrics
+        self._verify = verify
+        self._tiers = dict(tiers)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="quarantine")
+        self._lock = threading.Lock()
+        self._pending: set[Path] = set()
+        self._moved: list[Quarantined] = []
+
+    def report(self, part: Part, detail: str) -> None:
+        """Schedules a re-verification of ``part`` (returns at once)."""
+        with self._lock:
+            if part.path in self._pending:
+                return
+            self._pending.add(part.path)
+        log.warning("%s copy of %s step %d rank %d reported corrupt (%s); re-verifying it", part.tier.value,
+                    part.job, part.step, part.rank, detail, extra=_fields(part, error=detail))
+        self._pool.submit(self._check, part, detail)
+
+    def moved(self, job: str) -> list[Quarantined]:
+        """The copies of ``job`` quarantined in this daemon's life, or found quarantined on the local tier."""
+        with self._lock:
+            return [q for q in self._moved if q.job == job]
+
+    def load_tier(self, tier: TierName) -> int:
+        """Finds copies quarantined on ``tier`` before a restart (``<tier>/<job>/step-*/.corrupt-*``); returns
+        how many."""
+        storage = self._tiers[tier]
+        found = storage.list_quarantined()
+        with self._lock:
+            self._moved += [Quarantined(q.job, q.step, q.rank, tier.value, storage.name_of(q.location),
+                                        "found at start") for q in found]
+        return len(found)
+
+    def _storage(self, part: Part) -> Tier:
+        return self._tiers[part.tier]
+
+    def _name(self, part: Part) -> str:
+        return self._storage(part).name_of(part.path)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _check(self, part: Part, detail: str) -> None:
+        tier = part.tier.value
+        try:
+            verdict = self._own_verdict(part)
+        except OSError as e:
+            self._metrics.corrupt_reports.labels(tier, "unreadable").inc()
+            log.error("cannot re-verify %s (%s): nothing is hidden", self._name(part), e,
+                      extra=_fields(part, error=e))
+            return
+        finally:
+            with self._lock:
+                self._pending.discard(part.path)
+        if verdict is None:
+            self._metrics.corrupt_reports.labels(tier, "intact").inc()
+            log.warning("%s verifies: the report (%s) was wrong, the copy stays", self._name(part), detail,
+                        extra=_fields(part))
+            return
+        self._move_aside(part, verdict)
+        # Counted once the copy is out of sight: whoever sees the count sees the quarantine done.
+        self._metrics.corrupt_reports.labels(tier, "corrupt").inc()
+        self._metrics.corrupt.labels(tier).inc()
+
+    def _own_verdict(self, part: Part) -> layout.ManifestError | None:
+        """None if the copy verifies; the failure, if the daemon's own read proves it corrupt.
+
+        Raises OSError when the read itself failed: then nothing is known.
+        """
+        storage = self._storage(part)
+        if not storage.has_part(part.path):
+            raise FileNotFoundError(f"{self._name(part)} is gone (deleted by retention meanwhile?)")
+        try:
+            (self._verify or storage.verify_part)(part.path)
+            # The copy may verify by itself and still not be the one committed: a manifest rewritten whole.
+            # Unless it is another part than the one indexed (a replacement put in place meanwhile).
+            if not part.ino or storage.part_version(part.path) == part.ino:
+                layout.check_committed_manifest(part.path, storage.read_manifest(part.path)[1], part.digest)
+        except layout.ManifestError as e:
+            if not layout.is_verification_failure(e):
+                assert isinstance(e.__cause__, OSError)
+                raise e.__cause__ from e
+            return e
+        return None
+
+    def _move_aside(self, part: Part, failure: layout.ManifestError) -> None:
+        storage = self._storage(part)
+        why = f"{storage.name_of(failure.path)}: {failure.detail}" if isinstance(failure, layout.ChecksumMismatch) \
+            else str(failure)
+        if isinstance(failure, layout.ChecksumMismatch):
+            # A corrupt chunk of an incremental part leaves its store: no later save may reuse it, and the
+            # next that has its bytes writes them again. A part's own file goes with the part.
+            try:
+                moved = storage.quarantine_chunk(failure.path)
+                if moved is not None:
+                    log.error("quarantined the corrupt chunk %s as %s", storage.name_of(failure.path),
+                              storage.name_of(moved),
+                              extra=_fields(part, error=why))
+            except OSError as e:
+                log.error("cannot quarantine the chunk %s: %s", storage.name_of(failure.path), e,
+                          extra=_fields(part, error=e))
+        self._catalog.remove(part)
+        try:
+            target = storage.quarantine_part(part.path)
+        except OSError as e:
+            log.error("cannot quarantine %s: %s (it is no longer indexed)", storage.name_of(part.path), e,
+                      extra=_fields(part, error=e))
+            return
+        with self._lock:
+            self._moved.append(Quarantined(part.job, part.step, part.rank, part.tier.value, storage.name_of(target),
+                                           why))
+        log.error("quarantined the %s copy of %s step %d rank %d as %s: %s", part.tier.value, part.job,
+                  part.step, part.rank, storage.name_of(target), why, extra=_fields(part, error=why))
+
+
+def _fields(part: Part, error: object = None) -> dict[str, object]:
+    return fields(job=part.job, step=part.step, rank=part.rank, tier=part.tier, bytes=part.nbytes, error=error)

@@ -1,0 +1,117 @@
+"""What readers are told about a job's checkpoints: the listing (``ListCheckpoints``) and where a step's
+parts lie (``Locate``). Plain records and the pure functions that build them from the catalogue's views and
+the memory tier's; the node gathers the inputs, the servicer puts the records on the wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ckptstage.daemon.catalog.index import Checkpoint, Part, TierName
+from ckptstage.daemon.errors import CheckpointNotFound
+from ckptstage.daemon.save.memtier import MemoryStep
+from ckptstage.daemon.catalog.quarantine import Quarantined
+from ckptstage.daemon.tiers.interface import Tier
+
+MEMORY_ONLY = "memory-only"  # the drain state of a step only the memory tier holds
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    """One step of a job as ``ckptstage ls`` and ``Client.list`` show it."""
+
+    job: str
+    step: int
+    world_size: int
+    ranks_local: list[int]
+    ranks_shared: list[int]
+    ranks_memory: list[int]
+    ranks_missing: list[int]
+    nbytes: int
+    created: float
+    complete: bool
+    committed_local: bool
+    committed_shared: bool
+    pinned: bool
+    drain_state: str
+    metrics: dict[str, float]
+    attempt: str
+
+
+@dataclass(frozen=True)
+class Listing:
+    checkpoints: list[CheckpointEntry]
+    quarantined: list[Quarantined]
+
+
+@dataclass(frozen=True)
+class Location:
+    """A copy of a part: a committed directory on a disk tier, or the memory tier (``dir`` None: the
+    reader fetches it through the daemon's handoff socket, which only the server knows)."""
+
+    tier: TierName
+    dir: str | None
+    digest: str = ""  # of its manifest.json, as the commit record names it
+
+
+@dataclass(frozen=True)
+class Located:
+    step: int
+    world_size: int
+    attempt: str
+    commit: str                  # the fingerprint of the commit the answer comes from
+    locations: list[Location]    # the asked rank's copies, best first
+    parts: dict[int, list[Location]] = field(default_factory=dict)  # with all_ranks: every rank's
+    # The asked parts that no reader can open where they are (only an object store holds them): rank -> bytes.
+    fetch: dict[int, int] = field(default_factory=dict)
+
+
+def entry(ckpt: Checkpoint, drain_state: str, ranks_memory: list[int]) -> CheckpointEntry:
+    return CheckpointEntry(
+        job=ckpt.job, step=ckpt.step, world_size=ckpt.world_size, ranks_local=ckpt.ranks_on(TierName.LOCAL),
+        ranks_shared=ckpt.ranks_on(TierName.SHARED), ranks_memory=ranks_memory, ranks_missing=ckpt.ranks_missing(),
+        nbytes=ckpt.nbytes(), created=ckpt.created, complete=ckpt.complete,
+        committed_local=ckpt.complete_on(TierName.LOCAL), committed_shared=ckpt.complete_on(TierName.SHARED),
+        pinned=ckpt.pinned, drain_state=drain_state, metrics=ckpt.metrics, attempt=ckpt.attempt)
+
+
+def memory_entry(kept: MemoryStep) -> CheckpointEntry:
+    """A step kept whole in memory only ([local] persist_every above 1): every rank's part in the memory tier."""
+    ranks = list(range(kept.world_size))
+    return CheckpointEntry(
+        job=kept.job, step=kept.step, world_size=kept.world_size, ranks_local=[], ranks_shared=[],
+        ranks_memory=ranks, ranks_missing=[], nbytes=kept.nbytes, created=kept.created, complete=True,
+        committed_local=False, committed_shared=False, pinned=False, drain_state=MEMORY_ONLY, metrics={},
+        attempt=kept.attempt)
+
+
+def locations(parts: Sequence[Part], in_memory: bool, tiers: Mapping[TierName, Tier]) -> list[Location]:
+    """One rank's copies, best first: the memory tier's (when it holds the committed part), then the
+    directories where a reader on this node opens the local and shared tiers' copies (a copy of a tier
+    that cannot be read directly is left out: see :meth:`Tier.readable_path`)."""
+    out = [Location(p.tier, str(path), p.digest) for p in parts if p.tier in tiers
+           for path in [tiers[p.tier].readable_path(p.path)] if path is not None]
+    return [Location(TierName.MEMORY, None)] + out if parts and in_memory else out
+
+
+def located(ckpt: Checkpoint, rank: int, all_ranks: bool, in_memory: Callable[[int], bool],
+            tiers: Mapping[TierName, Tier]) -> Located:
+    """Where the committed step's parts are; ``in_memory(rank)``: whether the memory tier serves that rank's;
+    ``tiers``: the storage of each disk tier, which says where its parts are read. A part committed only
+    where no reader can open it is named in :attr:`Located.fetch`."""
+    committed = {r: ckpt.committed(r) for r in (range(ckpt.world_size) if all_ranks else [rank])}
+    found = {r: locations(parts, in_memory(r), tiers) for r, parts in committed.items()}
+    fetch = {r: parts[0].nbytes for r, parts in committed.items() if parts and not found[r]}
+    record = ckpt.record
+    return Located(ckpt.step, ckpt.world_size, ckpt.attempt, record.fingerprint() if record else "",
+                   found.get(rank, []), found if all_ranks else {}, fetch)
+
+
+def memory_located(kept: MemoryStep, rank: int, all_ranks: bool) -> Located:
+    """Where the parts of a step kept in memory only are: in the memory tier, every rank's."""
+    if not all_ranks and rank >= kept.world_size:
+        raise CheckpointNotFound(kept.job, kept.step, f"no part for rank {rank} (world size {kept.world_size})")
+    here = [Location(TierName.MEMORY, None)]
+    every = {r: here for r in range(kept.world_size)} if all_ranks else {}
+    return Located(kept.step, kept.world_size, kept.attempt, f"memory:{kept.attempt}", here, every)

@@ -1,0 +1,1 @@
+"""What is kept: the pure retention planner, per-job rules, the janitor that applies them, the free-space floor."""

@@ -1,0 +1,360 @@
+"""Retention, applied: catalogue -> records -> the pure rules of retention.py -> deletions, logged and counted."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptstage.daemon.catalog import chunkstore
+from ckptstage.daemon.retention import planner as retention
+from ckptstage.daemon.catalog.index import Catalog, Checkpoint, Part, TierName
+from ckptstage.daemon.catalog.chunkstore import ChunkStore
+from ckptstage.daemon.config import Config
+from ckptstage.daemon.drain.drainer import Drainer
+from ckptstage.daemon.retention.floorwatch import FloorWatch
+from ckptstage.daemon.retention.job_rules import JobRetention, JobRules
+from ckptstage.daemon.logs import fields
+from ckptstage.daemon.metrics import Metrics
+from ckptstage.daemon.tiers.interface import Tier
+from ckptstage.protos import chunks, layout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Deleted:
+    """What deleting a step removed."""
+
+    parts: int
+    nbytes: int
+    tiers: tuple[TierName, ...]
+
+
+@dataclass(frozen=True)
+class GcAction:
+    job: str
+    step: int
+    tier: TierName
+    reason: str
+    nbytes: int
+
+
+class Janitor:
+    """Applies the tiers' rules to one job at a time.
+
+    Passes come from several threads (commits, drains, timers, ``gc``) and are
+    serialized per tier, never across tiers: a pass that waits on a slow or
+    hung shared file system must not hold up the local passes that every
+    commit runs.
+    """
+
+    def __init__(self, config: Config, catalog: Catalog, metrics: Metrics, drainer: Drainer | None,
+                 job_rules: JobRules, in_flight: Callable[[str, int, int], bool],
+                 chunk_stores: dict[TierName, ChunkStore] | None = None, *,
+                 tiers: Mapping[TierName, Tier]) -> None:
+        """``tiers``: each disk tier's storage (no shared tier: no entry)."""
+        self.config = config
+        self.tiers = dict(tiers)
+        self.catalog = catalog
+        self.metrics = metrics
+        self.drainer = drainer
+        self.job_rules = job_rules
+        self._in_flight = in_flight
+        self.chunk_stores = chunk_stores or {}
+        # Per (job, tier), per part (path, inode): its chunks, from its manifest (None: stored whole).
+        self._chunk_lists: dict[tuple[str, TierName], dict[tuple[Path, int], tuple[tuple[str, int], ...] | None]] = {}
+        self._cache_lock = threading.Lock()
+        self._swept_at: dict[tuple[str, TierName], float] = {}  # monotonic time of each job's last sweep
+        self._locks = {TierName.LOCAL: threading.Lock(), TierName.SHARED: threading.Lock()}
+        self.floor = FloorWatch(config.local.min_free_bytes, str(config.local.dir),
+                                lambda: self._free_bytes(TierName.LOCAL))
+
+    def apply(self, job: str, dry_run: bool = False, trigger: str = "gc", local: bool = True,
+              shared: bool = True) -> list[GcAction]:
+        """Runs the tiers' rules for one job; deletes (unless dry_run) and returns what goes.
+
+        ``trigger`` (commit, drain, timer, start, gc) labels the pass in metrics.
+        ``shared=False`` plans the local tier only: a local commit changes
+        nothing the shared rules look at, and the persister thread that runs
+        that pass must never wait on the shared file system; ``local=False``
+        is the shared-tier thread's pass.
+        """
+        actions: list[GcAction] = []
+        # The shared tier first: what it deletes can change what the local rules decide (a step sealed
+        # there, then deleted there, is drained), and a local pass must see that deletion whole. Run the
+        # other way round, the pass after a job's last drain could find a shared step mid-deletion (its
+        # record dropped, its part not yet) and keep the local copy until the timer came round.
+        tiers = [t for t, on in ((TierName.SHARED, shared and self.drainer is not None), (TierName.LOCAL, local))
+                 if on]
+        for tier in tiers:
+            with self._locks[tier]:
+                planned = self._plan(job, tier)
+                if not dry_run:
+                    removed = self._remove_stragglers(job, tier)
+                    for action in planned:
+                        self._delete(action)
+                    self._sweep(job, tier, deleted=bool(planned or removed), trigger=trigger)
+                    if tier == TierName.LOCAL:
+                        self.floor.after_pass(len(planned))
+            actions = planned + actions if tier == TierName.LOCAL else actions + planned  # reported local first
+        if not dry_run and tiers:
+            self.metrics.retention_passes.labels(trigger).inc()
+        return actions
+
+    def delete_step(self, job: str, step: int, busy_wait_s: float = 30.0) -> Deleted:
+        """Deletes a step from the local tier, then from the shared tier (a user's request, not a rule).
+
+        Per tier as retention deletes: out of the index first, parts, then the
+        commit record, so a deletion cut short never reads as complete. A local
+        part still being copied to the shared tier is waited for (up to
+        ``busy_wait_s``) so that its copy cannot land after the deletion.
+        Raises OSError naming what could not be deleted (the rest is gone).
+        """
+        parts = nbytes = 0
+        tiers = []
+        for tier in (TierName.LOCAL, TierName.SHARED):
+            if tier == TierName.SHARED and self.drainer is None:
+                continue
+            ckpt = self.catalog.get(job, step)
+            if ckpt is None or not (ckpt.on_tier(tier) or tier in ckpt.records):
+                continue
+            with self._locks[tier]:
+                self.catalog.drop_record(tier, job, step)
+                kept = []
+                for part in ckpt.on_tier(tier):
+                    if self._delete_requested(part, tier, time.monotonic() + busy_wait_s):
+                        parts, nbytes = parts + 1, nbytes + part.nbytes
+                    else:
+                        kept.append(part)
+                if kept:
+                    raise OSError(f"could not delete {', '.join(str(p.path) for p in kept)} (see the daemon's log); "
+                                  f"{job} step {step} is no longer listed on the {tier.value} tier")
+                if tier in ckpt.records:
+                    self._delete_record(job, step, tier, retention.REQUESTED)
+            tiers.append(tier)
+        self._drop_staged(job, step)
+        log.info("deleted %s step %d on request: %d parts, %d bytes, from %s", job, step, parts, nbytes,
+                 " and ".join(t.value for t in tiers) or "nowhere", extra=fields(job=job, step=step, bytes=nbytes))
+        return Deleted(parts, nbytes, tuple(tiers))
+
+    def _drop_staged(self, job: str, step: int) -> None:
+        """Removes a replacement of the deleted step still being assembled here (a save with overwrite
+        waiting for its other ranks' parts): it must not take the place of a step that is gone."""
+        for tier in (TierName.LOCAL, TierName.SHARED):
+            if tier == TierName.SHARED and self.drainer is None:
+                continue
+            storage = self.tiers[tier]
+            if storage.discard_staged(job, step):
+                log.info("deleted the replacement of %s step %d being assembled on the %s tier", job, step,
+                         tier.value, extra=fields(job=job, step=step, tier=tier))
+        if self.drainer is not None:
+            self.drainer.forget_step(job, step)
+
+    def _delete_requested(self, part: Part, tier: TierName, deadline: float) -> bool:
+        """Deletes a part on a user's request; a local part being copied to the shared tier is waited for
+        (until ``deadline``), also when a drain worker takes it between the wait and the deletion."""
+        while True:
+            while tier == TierName.LOCAL and self.drainer is not None and self.drainer.busy_with(part) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self._delete_part(part, tier, retention.REQUESTED):
+                return True
+            if tier != TierName.LOCAL or self.drainer is None or not self.drainer.busy_with(part) or \
+                    time.monotonic() >= deadline:
+                return False
+
+    def gc(self, dry_run: bool) -> list[GcAction]:
+        return [a for job in self.catalog.jobs() for a in self.apply(job, dry_run, trigger="gc")]
+
+    def _plan(self, job: str, tier: TierName) -> list[GcAction]:
+        records = []
+        d = self.drainer
+        ckpts = self.catalog.checkpoints(job)
+        stored = self._stored_bytes(job, tier, ckpts)
+        for c in ckpts:
+            ranks = sorted(p.rank for p in c.on_tier(tier))
+            if not ranks:
+                continue
+            if tier == TierName.LOCAL:
+                # Drained: committed on the shared tier, even if the shared rules deleted it since.
+                # A step the cadence keeps off the shared tier ([shared] drain_every) needs no shared copy.
+                drained = d is None or not self.config.shared.drains(c.step) or \
+                    all(d.drained(job, c.step, r) for r in ranks)
+                if drained and d is not None and c.complete_on(TierName.LOCAL) and \
+                        not c.complete_on(TierName.SHARED) and \
+                        all(TierName.SHARED in c.parts.get(r, {}) for r in range(c.world_size)):
+                    drained = False  # every part is there but not yet its record: this is still the only commit
+                records.append(retention.Record(c.step, stored.get(c.step, c.nbytes(tier)), drained=drained,
+                                                pinned=c.pinned, complete=c.complete, metrics=c.metrics))
+            else:
+                records.append(retention.Record(c.step, stored.get(c.step, c.nbytes(tier)), pinned=c.pinned,
+                                                complete=c.complete_on(tier), metrics=c.metrics))
+        if tier == TierName.LOCAL:
+            # The job's rules as its sessions here set them: the local pass never reads the shared tier.
+            plan = retention.plan_local(records, self._local_rules(self.job_rules.for_job(job, read_shared=False)),
+                                        self._free_bytes(TierName.LOCAL))
+        else:
+            plan = retention.plan_shared(records, self._shared_rules(),
+                                         *self._job_shared_rules(self.job_rules.for_job(job)))
+        return [GcAction(job, s, tier, why, _nbytes(records, s)) for s, why in sorted(plan.delete.items())]
+
+    def _stored_bytes(self, job: str, tier: TierName, ckpts: list[Checkpoint]) -> dict[int, int]:
+        """What each step of a job holds on ``tier`` when some of it is incremental (see
+        :func:`chunkstore.stored_bytes`); empty when the job has no chunk store there (every part counts
+        its own bytes). A part's chunk list is read from its manifest once (parts never change)."""
+        storage = self.tiers[tier]
+        if not storage.has_chunk_store(job):
+            return {}
+        with self._cache_lock:
+            known = self._chunk_lists.get((job, tier), {})
+        seen: dict[tuple[Path, int], tuple[tuple[str, int], ...] | None] = {}
+        rows: list[tuple[int, int, tuple[tuple[str, int], ...] | None]] = []
+        for c in ckpts:
+            for part in c.on_tier(tier):
+                key = (part.path, part.ino)
+                if key in known:
+                    seen[key] = known[key]
+                else:
+                    try:
+                        listed = chunks.manifest_chunks(storage.read_manifest(part.path)[0])
+                    except layout.ManifestError:
+                        rows.append((c.step, part.nbytes, None))  # unreadable now: counted whole, read next pass
+                        continue
+                    seen[key] = None if listed is None else tuple((x.name, x.nbytes) for x in listed)
+                rows.append((c.step, part.nbytes, seen[key]))
+        with self._cache_lock:
+            self._chunk_lists[(job, tier)] = seen  # parts gone since the last pass leave the cache
+        return chunkstore.stored_bytes(rows)
+
+    def _local_rules(self, job: JobRetention) -> retention.LocalRules:
+        c = self.config.local
+        keep_last = c.keep_last
+        if job.local_keep_last:
+            keep_last = max(keep_last, min(job.local_keep_last, self.config.retention.max_job_keep_last))
+        return retention.LocalRules(keep_last=keep_last, max_bytes=c.max_bytes, min_free_bytes=c.min_free_bytes)
+
+    def _job_shared_rules(self, job: JobRetention) -> list[retention.SharedRules]:
+        """The job's own shared rules, kept in addition to the operator's (see :class:`JobRetention`)."""
+        cap = self.config.retention.max_job_keep_last
+        rules = retention.SharedRules(keep_last=min(job.shared_keep_last, cap) or None,
+                                      keep_every=job.shared_keep_every or None, keep_best=job.keep_best(cap))
+        # A rule set with no rules would keep everything: only pass one that has some.
+        return [rules] if rules != retention.SharedRules() else []
+
+    def _shared_rules(self) -> retention.SharedRules:
+        c = self.config.shared
+        return retention.SharedRules(keep_last=c.keep_last, keep_every=c.keep_every, keep_best=c.keep_best)
+
+    def _free_bytes(self, tier: TierName) -> int | None:
+        try:
+            usage = self.tiers[tier].usage()
+        except OSError:
+            return None
+        return None if usage.unbounded else usage.free_bytes
+
+    def _remove_stragglers(self, job: str, tier: TierName) -> int:
+        """Removes what no reader will ever use on ``tier``: parts of a complete step that its commit
+        record does not name (an earlier attempt's, left by a crashed run), and records whose parts
+        are all gone (a deletion cut short). Returns how many parts went."""
+        removed = 0
+        for ckpt in self.catalog.checkpoints(job):
+            if tier in ckpt.records and not ckpt.on_tier(tier):
+                self._delete_record(job, ckpt.step, tier, "its parts are gone")
+            for part in ckpt.stragglers():
+                if part.tier == tier:
+                    removed += self._delete_part(part, tier, "straggler")
+        return removed
+
+    def _sweep(self, job: str, tier: TierName, deleted: bool, trigger: str) -> None:
+        """Removes the job's chunks that no part on ``tier`` refers to any more (incremental parts).
+
+        After a pass that deleted parts, and at start and on request; on the timer (what is left: a failed
+        save's or drain's chunks) at most once per ``[persist] chunk_grace_s``, since none is older."""
+        store = self.chunk_stores.get(tier)
+        if store is None:
+            return
+        now = time.monotonic()
+        last = self._swept_at.get((job, tier))
+        if not deleted and (trigger == "commit" or
+                            trigger == "timer" and last is not None and now - last < store.grace_s):
+            return
+        self._swept_at[(job, tier)] = now
+        try:
+            swept = store.sweep(job)
+        except OSError as e:
+            log.error("retention could not sweep the chunks of %s on %s: %s", job, tier.value, e,
+                      extra=fields(job=job, tier=tier, error=e))
+            return
+        self.metrics.chunks_swept.labels(tier.value).inc(swept.removed)
+        self.metrics.chunk_bytes_swept.labels(tier.value).inc(swept.freed)
+
+    def _delete_record(self, job: str, step: int, tier: TierName, why: str) -> None:
+        """Deletes a step's commit record (after its parts: a half-deleted step never reads complete)."""
+        storage = self.tiers[tier]
+        where = storage.step_location(job, step)
+        self.catalog.drop_record(tier, job, step)
+        try:
+            storage.remove_commit_record(where)
+        except FileNotFoundError:
+            return  # another node's daemon deleted it
+        except OSError as e:
+            log.error("retention could not delete %s: %s", where / layout.COMMIT_FILE, e,
+                      extra=fields(job=job, step=step, tier=tier, error=e))
+            return
+        log.info("retention: deleted the commit record of %s step %d on %s (%s)", job, step, tier.value, why,
+                 extra=fields(job=job, step=step, tier=tier, reason=why))
+
+    def _delete(self, action: GcAction) -> None:
+        ckpt = self.catalog.get(action.job, action.step)
+        if ckpt is None:
+            return
+        # Out of the index first, so that no reader takes the step for complete while its parts go; on disk
+        # the record goes last, so that a deletion cut short never leaves a record naming absent parts valid.
+        self.catalog.drop_record(action.tier, action.job, action.step)
+        kept = 0
+        for part in ckpt.on_tier(action.tier):
+            if not self._delete_part(part, action.tier, action.reason):
+                kept += 1
+        if not kept and action.tier in ckpt.records:
+            self._delete_record(action.job, action.step, action.tier, action.reason)
+
+    def _delete_part(self, part: Part, tier: TierName, reason: str) -> bool:
+        """Deletes one part from ``tier``; False when it stays (in use, or the deletion failed)."""
+        if self._in_flight(part.job, part.step, part.rank) and tier == TierName.SHARED:
+            return False
+        # A part that reached the shared tier is no failure when it goes, even while the drainer still
+        # holds it (its step's record could not be sealed because the shared tier's retention had
+        # already removed the step as superseded there).
+        drained = self.catalog.was_drained(part.job, part.step, part.rank)
+        failure = None if reason == retention.REQUESTED or drained else \
+            "deleted before it drained: the step is committed by another attempt"
+        if self.drainer is not None and tier == TierName.LOCAL and not self.drainer.drop(part, failure):
+            return False  # being read by the drainer right now; the next pass gets it
+        try:
+            self.tiers[tier].remove_part(part.path)
+        except FileNotFoundError:
+            # Gone already: another node's daemon applied the same rule to this step.
+            self.catalog.remove(part)
+            log.debug("retention: %s was already deleted", part.path, extra=_fields(part))
+            return True
+        except OSError as e:
+            log.error("retention could not delete %s: %s", part.path, e, extra=_fields(part, error=e))
+            return False
+        self.catalog.remove(part)
+        self.metrics.evictions.labels(tier.value, retention.rule_name(reason)).inc()
+        log.info("retention: deleted %s step %d rank %d from %s (%s, %d bytes; attempt %r)", part.job, part.step,
+                 part.rank, tier.value, reason, part.nbytes, part.attempt, extra=_fields(part, reason=reason))
+        return True
+
+
+def _fields(part: Part, error: object = None, reason: str | None = None) -> dict[str, object]:
+    return fields(job=part.job, step=part.step, rank=part.rank, tier=part.tier, bytes=part.nbytes, error=error,
+                  reason=reason)
+
+
+def _nbytes(records: list[retention.Record], step: int) -> int:
+    return next((r.nbytes for r in records if r.step == step), 0)

@@ -1,0 +1,1 @@
+"""The wire: the gRPC server and servicer, the memory handoff socket, service notification. Nothing decides here."""
