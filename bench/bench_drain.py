@@ -151,7 +151,7 @@ def bench_uncapped(state: Any, nbytes: int, work: Path, droot: Path, args: argpa
 
 
 def bench_capped(cap: str, gib: float, work: Path, droot: Path, settle: float, out: Callable[[str], None]) -> dict[str, Any]:
-    from ckptstage.daemon.config import parse_rate
+    from ckptstage.daemon.configvalues import parse_rate
 
     rate = parse_rate(cap, "--cap")
     state = h.make_state(int(gib * h.GiB))

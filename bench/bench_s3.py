@@ -122,7 +122,7 @@ class Peers:
 
 def bench(args: argparse.Namespace, work: Path, droot: Path, out: Any) -> dict[str, Any]:
     from ckptstage.client import Client
-    from ckptstage.daemon.config import parse_size
+    from ckptstage.daemon.configvalues import parse_size
     from ckptstage.protos import layout
 
     s3 = s3server()

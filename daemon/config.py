@@ -20,19 +20,41 @@ typo is never silently ignored.
 
 from __future__ import annotations
 
-import difflib
-import math
 import os
-import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from fractions import Fraction
 from importlib import resources
 from pathlib import Path
-from typing import Any, NamedTuple
-from urllib.parse import urlsplit
+from typing import Any
 
+from ckptstage.daemon.configvalues import (
+    BOOL,
+    ENDPOINT,
+    KEEP_BEST,
+    LISTEN,
+    MAX_ARENA_BYTES,
+    MAX_KEEP,
+    MAX_KEEP_EVERY,
+    MAX_TIER_BYTES,
+    NODE_NAME,
+    NODE_NAME_ENV,
+    OPTIONAL_PATH,
+    PATH,
+    PROFILE,
+    REGION,
+    S3_URL,
+    SECRET,
+    ConfigError,
+    format_size,
+    int_between,
+    kind,
+    rate_between,
+    reject_unknown,
+    seconds_between,
+    size_between,
+    split_host_port,
+)
 from ckptstage.daemon.retention.planner import KeepBest  # the one keep_best rule; re-exported for the config's users
 from ckptstage.protos.paths import default_data_dir, default_socket_path  # noqa: F401 - re-exported
 
@@ -43,346 +65,6 @@ OVERRIDE_ORIGIN = "command-line override"
 ENV_ORIGIN = "default from the environment"
 DEFAULTS_ORIGIN = "built-in defaults"
 
-# Upper bounds of numeric keys: far above any real use, low enough that a typo or a unit slip
-# ("16TB" for "16GB", 1000 threads) is refused at load rather than exhausting the node.
-MAX_ARENA_BYTES = 4 << 40  # all of a large node's memory
-MAX_TIER_BYTES = 1 << 50  # 1 PiB: far above any node-local disk
-MAX_KEEP = 10_000  # checkpoints kept per job by one rule
-MAX_KEEP_EVERY = 1_000_000_000  # steps
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot be used.
-
-    ``key`` is the dotted key (``"shared.keep_last"``), or None for a problem
-    with the whole file; ``source`` says where the value came from: the config
-    file's path or a phrase such as ``"command-line override"``.
-    """
-
-    def __init__(self, key: str | None, problem: str, source: Path | str | None = None) -> None:
-        self.key = key
-        self.problem = problem
-        self.source = source
-        parts = [str(p) for p in (source, key) if p is not None]
-        super().__init__(": ".join([*parts, problem]))
-
-    def with_source(self, source: Path | str) -> ConfigError:
-        """The same error, now saying where the bad value came from."""
-        return ConfigError(self.key, self.problem, source)
-
-
-# ---------------------------------------------------------------- sizes, rates
-
-
-def _size_units() -> dict[str, int]:
-    """Lower-case unit -> bytes: "k" and "kib" are binary, "kb" decimal (as disks are sold)."""
-    units = {"": 1, "b": 1}
-    for power, prefix in enumerate("kmgt", start=1):
-        units[prefix] = units[prefix + "ib"] = 1024**power
-        units[prefix + "b"] = 1000**power
-    return units
-
-
-_UNITS = _size_units()
-_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]*)", re.IGNORECASE)
-_FORMAT_UNITS = [("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)]
-
-
-def parse_size(value: object, key: str) -> int:
-    """Bytes from an int or a string such as ``"64MiB"``, ``"1.5 GiB"``, ``"500MB"``, ``"4096"``.
-
-    KiB/MiB/GiB/TiB and the bare K/M/G/T are binary; KB/MB/GB/TB are decimal.
-    Units are case-insensitive; a fractional result is rounded down to whole bytes.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(key, f'expected a size such as "64MiB" or an int of bytes, got {value!r}')
-    if isinstance(value, int):
-        n = value
-    else:
-        match = _SIZE_RE.fullmatch(value.strip())
-        unit = _UNITS.get(match.group(2).lower()) if match else None
-        if match is None or unit is None:
-            raise ConfigError(
-                key, f'invalid size {value!r}: expected e.g. "4096", "64MiB", "1.5GiB" or "500MB"'
-            )
-        n = int(Fraction(match.group(1)) * unit)
-    if n < 0:
-        raise ConfigError(key, f"a size cannot be negative, got {value!r}")
-    return n
-
-
-def parse_rate(value: object, key: str) -> int:
-    """Bytes per second from an int or a string such as ``"2GiB/s"`` or ``"500 MB/s"``; must be > 0."""
-    if isinstance(value, str):
-        if not value.strip().lower().endswith("/s"):
-            raise ConfigError(key, f'invalid rate {value!r}: expected a size per second such as "2GiB/s"')
-        rate = parse_size(value.strip()[:-2], key)
-    else:
-        rate = parse_size(value, key)
-    if rate <= 0:
-        raise ConfigError(key, f"a rate must be positive, got {value!r}")
-    return rate
-
-
-def format_size(n: int) -> str:
-    """A size for people: ``1610612736`` -> ``"1.5 GiB"``, ``512`` -> ``"512 B"``."""
-    for name, unit in _FORMAT_UNITS:
-        if abs(n) >= unit:
-            number = f"{n / unit:.2f}".rstrip("0").rstrip(".")
-            return f"{number} {name}"
-    return f"{n} B"
-
-
-# ------------------------------------------------------- kinds of config value
-
-
-class _Kind(NamedTuple):
-    """How one key is read from TOML and written back to it."""
-
-    parse: Callable[[Any, str], Any]
-    dump: Callable[[Any], str]
-    # The documented range of a numeric key ("1 to 64"), as default.toml writes it; "" if not numeric.
-    bounds: str = ""
-
-
-def _exact_size(n: int) -> str:
-    """``n`` in the largest binary unit that keeps it exact (``"4GiB"``), so a dump round-trips."""
-    for name, unit in _FORMAT_UNITS:
-        if n and n % unit == 0:
-            return f"{n // unit}{name}"
-    return str(n)
-
-
-def _dump_size(n: int) -> str:
-    text = _exact_size(n)
-    return text if text.isdigit() else f'"{text}"'
-
-
-def _dump_rate(n: int) -> str:
-    return f'"{_exact_size(n)}/s"'
-
-
-def _dump_str(text: str) -> str:
-    """A TOML basic string: escape quotes, backslashes and control characters."""
-    escaped = "".join(
-        "\\" + ch if ch in '"\\' else f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch
-        for ch in text
-    )
-    return f'"{escaped}"'
-
-
-def _size_bound(n: int) -> str:
-    """A bound as default.toml writes it: ``"4KiB"``, ``"1PiB"``, ``"0"``, ``"1B"``."""
-    text = _exact_size(n)
-    return text + "B" if text.isdigit() and n else text
-
-
-def _size(minimum: int, maximum: int, multiple_of: int = 1) -> _Kind:
-    """Bytes from ``minimum`` to ``maximum`` (a typo such as "16TB" for "16GB" is refused)."""
-    bounds = f"{_size_bound(minimum)} to {_size_bound(maximum)}"
-
-    def parse(value: Any, key: str) -> int:
-        n = parse_size(value, key)
-        if not minimum <= n <= maximum:
-            raise ConfigError(key, f"must be a size from {bounds}, got {value!r}")
-        if n % multiple_of:
-            raise ConfigError(key, f"must be a multiple of {multiple_of} bytes, got {value!r}")
-        return n
-
-    return _Kind(parse, _dump_size, bounds)
-
-
-def _rate(minimum: int, maximum: int) -> _Kind:
-    """Bytes per second from ``minimum`` to ``maximum``."""
-    bounds = f"{_size_bound(minimum)}/s to {_size_bound(maximum)}/s"
-
-    def parse(value: Any, key: str) -> int:
-        rate = parse_rate(value, key)
-        if not minimum <= rate <= maximum:
-            raise ConfigError(key, f"must be a rate from {bounds}, got {value!r}")
-        return rate
-
-    return _Kind(parse, _dump_rate, bounds)
-
-
-def _check_int(value: Any, key: str, minimum: int, maximum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
-        raise ConfigError(key, f"must be an integer from {minimum} to {maximum}, got {value!r}")
-    return value
-
-
-def _int(minimum: int, maximum: int) -> _Kind:
-    """An integer from ``minimum`` to ``maximum``."""
-    def parse(value: Any, key: str) -> int:
-        return _check_int(value, key, minimum, maximum)
-
-    return _Kind(parse, str, f"{minimum} to {maximum}")
-
-
-def _parse_seconds(value: Any, key: str, zero: bool = False) -> float:
-    """A number of seconds; 0 only where ``zero`` (a key whose 0 turns something off)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value if zero else 0 < value) \
-            or value == math.inf:
-        raise ConfigError(key, f"must be a {'non-negative' if zero else 'positive'} number of seconds, got {value!r}")
-    return float(value)
-
-
-def _parse_bool(value: Any, key: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(key, f"must be true or false, got {value!r}")
-    return value
-
-
-def _parse_path(value: Any, key: str) -> Path:
-    """A path as written; :func:`_absolute` expands ``~`` and anchors it later."""
-    if not isinstance(value, (str, os.PathLike)) or not str(value):
-        raise ConfigError(key, f"must be a non-empty path string, got {value!r}")
-    return Path(value)
-
-
-def _parse_optional_path(value: Any, key: str) -> Path | None:
-    """A path, or None for "" (how a config or a flag turns a tier off)."""
-    return None if value == "" else _parse_path(value, key)
-
-
-def split_host_port(value: str) -> tuple[str, int]:
-    """``("::1", 9464)`` from ``"[::1]:9464"``, ``("127.0.0.1", 9464)`` from ``"127.0.0.1:9464"``.
-
-    The host loses IPv6 brackets. Raises ValueError unless ``value`` is a non-empty host, a colon and
-    a port from 1 to 65535.
-    """
-    host, _, port = value.rpartition(":")
-    host = host.strip("[]")
-    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f'expected "HOST:PORT" with a port from 1 to 65535, got {value!r}')
-    return host, int(port)
-
-
-def _parse_listen(value: Any, key: str) -> str | None:
-    """``"HOST:PORT"`` (``"[::1]:9464"`` for IPv6), or None for "" = no metrics endpoint."""
-    if value == "":
-        return None
-    if not isinstance(value, str):
-        raise ConfigError(key, f'expected "HOST:PORT", got {value!r}')
-    try:
-        split_host_port(value)
-    except ValueError as e:
-        raise ConfigError(key, str(e)) from None
-    return value
-
-
-def _parse_keep_best(value: Any, key: str) -> KeepBest:
-    if not isinstance(value, Mapping):
-        raise ConfigError(
-            key, f'expected a table such as {{metric = "val_loss", mode = "min", n = 3}}, got {value!r}'
-        )
-    _reject_unknown(value, {"metric", "mode", "n"}, key + ".")
-    metric, mode = value.get("metric"), value.get("mode")
-    if not isinstance(metric, str) or not metric:
-        raise ConfigError(key + ".metric", f"must be a non-empty metric name, got {metric!r}")
-    if mode not in ("min", "max"):
-        raise ConfigError(key + ".mode", f'must be "min" or "max", got {mode!r}')
-    n = _check_int(value.get("n", 1), key + ".n", 1, MAX_KEEP)
-    return KeepBest(metric, mode, n)
-
-
-def _dump_keep_best(best: KeepBest) -> str:
-    return f"{{ metric = {_dump_str(best.metric)}, mode = {_dump_str(best.mode)}, n = {best.n} }}"
-
-
-
-
-def _seconds(minimum: float, maximum: float) -> _Kind:
-    """Seconds within documented bounds: a value outside them is a mistake (a 1 µs timer burns a core)."""
-    bounds = f"{minimum:g} to {maximum:g} s"
-
-    def parse(value: Any, key: str) -> float:
-        seconds = _parse_seconds(value, key, zero=minimum == 0)
-        if not minimum <= seconds <= maximum:
-            raise ConfigError(key, f"must be a number of seconds from {bounds}, got {value!r}")
-        return seconds
-
-    return _Kind(parse, repr, bounds)
-
-
-_S3_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-_REGION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_PROFILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,127}")
-_NODE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
-NODE_NAME_ENV = "CKPTSTAGE_NODE_NAME"
-
-
-def _parse_s3_url(value: Any, key: str) -> str | None:
-    """``"s3://bucket/prefix"`` (the prefix optional, no trailing slash kept), or None for "" = no such tier."""
-    if value == "":
-        return None
-    if not isinstance(value, str) or not value.startswith("s3://"):
-        raise ConfigError(key, f'must be an S3 URL such as "s3://bucket/prefix", got {value!r}')
-    bucket, _, prefix = value[len("s3://"):].partition("/")
-    if not _S3_BUCKET_RE.fullmatch(bucket) or ".." in bucket:
-        raise ConfigError(key, f"{bucket!r} is not a valid bucket name (3 to 63 lower-case letters, digits, dots "
-                               f"and hyphens, starting and ending with a letter or digit), got {value!r}")
-    prefix = prefix.rstrip("/")
-    for seg in prefix.split("/") if prefix else []:
-        if not seg or seg.startswith(".") or any(ord(c) < 0x20 or ord(c) == 0x7F for c in seg):
-            raise ConfigError(key, f"the prefix may not hold an empty, dot-led or control-character segment "
-                                   f"({seg!r}), got {value!r}")
-    return f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
-
-
-def _parse_endpoint(value: Any, key: str) -> str | None:
-    """``"http(s)://host[:port]"`` of an S3-compatible server, or None for "" = the AWS endpoint of the region."""
-    if value == "":
-        return None
-    parts = urlsplit(value) if isinstance(value, str) else None
-    try:
-        port_ok = parts is not None and (parts.port is None or 1 <= parts.port <= 65535)
-    except ValueError:
-        port_ok = False
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or not port_ok \
-            or parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
-        raise ConfigError(key, f'must be an http:// or https:// URL such as "http://127.0.0.1:8333" (host and '
-                               f"port only), got {value!r}")
-    return value.rstrip("/")
-
-
-def _name(pattern: re.Pattern[str], what: str) -> Callable[[Any, str], str | None]:
-    """A name matching ``pattern`` (``what`` says which), or None for ""."""
-    def parse(value: Any, key: str) -> str | None:
-        if value == "":
-            return None
-        if not isinstance(value, str) or not pattern.fullmatch(value):
-            raise ConfigError(key, f"must be {what}, got {value!r}")
-        return value
-
-    return parse
-
-
-def _parse_secret(value: Any, key: str) -> str | None:
-    """A credential written in the file; an error never repeats it."""
-    if value == "":
-        return None
-    if not isinstance(value, str) or not value.strip() or any(ord(c) < 0x21 for c in value):
-        raise ConfigError(key, "must be a non-empty string without spaces (the value is not shown)")
-    return value
-
-
-_BOOL = _Kind(_parse_bool, lambda b: "true" if b else "false")
-_PATH = _Kind(_parse_path, lambda p: _dump_str(str(p)))
-_OPTIONAL_PATH = _Kind(_parse_optional_path, lambda p: _dump_str(str(p)))
-_LISTEN = _Kind(_parse_listen, _dump_str)
-_KEEP_BEST = _Kind(_parse_keep_best, _dump_keep_best)
-_S3_URL = _Kind(_parse_s3_url, _dump_str)
-_ENDPOINT = _Kind(_parse_endpoint, _dump_str)
-_REGION = _Kind(_name(_REGION_RE, 'a region name such as "us-east-1"'), _dump_str)
-_NODE_NAME = _Kind(_name(_NODE_NAME_RE, "a name of letters, digits, '.', '_' and '-' (at most 100)"), _dump_str)
-_PROFILE = _Kind(_name(_PROFILE_RE, "a profile name of the shared credentials file"), _dump_str)
-_SECRET = _Kind(_parse_secret, _dump_str)
-
-
-def _kind(kind: _Kind) -> dict[str, _Kind]:
-    """Field metadata: how the field is read from TOML and written back."""
-    return {"kind": kind}
 
 
 # ------------------------------------------------------------------- sections
@@ -392,13 +74,13 @@ def _kind(kind: _Kind) -> dict[str, _Kind]:
 class ArenaConfig:
     """Shared memory the daemon hands to trainers, across all sessions."""
 
-    max_bytes: int = field(default=4 << 30, metadata=_kind(_size(1 << 20, MAX_ARENA_BYTES)))
+    max_bytes: int = field(default=4 << 30, metadata=kind(size_between(1 << 20, MAX_ARENA_BYTES)))
     # The smallest arena granted; a state larger than its arena streams through it.
-    min_session_bytes: int = field(default=64 << 20, metadata=_kind(_size(4096, MAX_ARENA_BYTES)))
+    min_session_bytes: int = field(default=64 << 20, metadata=kind(size_between(4096, MAX_ARENA_BYTES)))
     # A session whose client has not opened its Attach stream after this long is closed (the client died).
-    attach_timeout_s: float = field(default=30.0, metadata=_kind(_seconds(0.5, 3600)))
+    attach_timeout_s: float = field(default=30.0, metadata=kind(seconds_between(0.5, 3600)))
     # The shared-memory file system the arenas are files in; max_bytes is capped at start to what it has free.
-    dir: Path = field(default=Path("/dev/shm"), metadata=_kind(_PATH))
+    dir: Path = field(default=Path("/dev/shm"), metadata=kind(PATH))
 
     def __post_init__(self) -> None:
         if self.min_session_bytes > self.max_bytes:
@@ -414,16 +96,16 @@ class LocalConfig:
     """The node-local tier (an SSD): where checkpoints are first committed."""
 
     # Default <data_dir>/local, filled in by load_config because it depends on the environment.
-    dir: Path = field(metadata=_kind(_PATH))
+    dir: Path = field(metadata=kind(PATH))
     # Committed checkpoints kept per job (never the ones not yet drained).
-    keep_last: int = field(default=2, metadata=_kind(_int(1, MAX_KEEP)))
+    keep_last: int = field(default=2, metadata=kind(int_between(1, MAX_KEEP)))
     # Evict the oldest drained checkpoints while the tier holds more than max_bytes
     # or the disk has less than min_free_bytes free. None: no such limit.
-    max_bytes: int | None = field(default=None, metadata=_kind(_size(1, MAX_TIER_BYTES)))
-    min_free_bytes: int | None = field(default=None, metadata=_kind(_size(0, MAX_TIER_BYTES)))
+    max_bytes: int | None = field(default=None, metadata=kind(size_between(1, MAX_TIER_BYTES)))
+    min_free_bytes: int | None = field(default=None, metadata=kind(size_between(0, MAX_TIER_BYTES)))
     # Only steps whose number is a multiple of this are written to local SSD; the others are kept in
     # memory only (the memory tier), for a restart of the trainer on this node.
-    persist_every: int = field(default=1, metadata=_kind(_int(1, MAX_KEEP_EVERY)))
+    persist_every: int = field(default=1, metadata=kind(int_between(1, MAX_KEEP_EVERY)))
 
     def persists(self, step: int) -> bool:
         """Whether ``step`` is written to local SSD (``persist_every``); every node of a job decides alike."""
@@ -435,39 +117,39 @@ class SharedConfig:
     """The shared tier, drained to behind the local one: a directory of a (parallel) file system, or an
     S3-compatible object store (``url``)."""
 
-    dir: Path | None = field(default=None, metadata=_kind(_OPTIONAL_PATH))  # None: no shared tier (or a url)
+    dir: Path | None = field(default=None, metadata=kind(OPTIONAL_PATH))  # None: no shared tier (or a url)
     # "s3://bucket/prefix": the shared tier on an object store instead of a directory.
-    url: str | None = field(default=None, metadata=_kind(_S3_URL))
+    url: str | None = field(default=None, metadata=kind(S3_URL))
     # The object store's endpoint, for a server other than AWS S3 ("http://127.0.0.1:8333").
-    endpoint: str | None = field(default=None, metadata=_kind(_ENDPOINT))
-    region: str | None = field(default=None, metadata=_kind(_REGION))
+    endpoint: str | None = field(default=None, metadata=kind(ENDPOINT))
+    region: str | None = field(default=None, metadata=kind(REGION))
     # A profile of the shared credentials and config files (~/.aws/credentials); None: the SDK's chain.
-    profile: str | None = field(default=None, metadata=_kind(_PROFILE))
+    profile: str | None = field(default=None, metadata=kind(PROFILE))
     # Keys in the config file: refused unless allow_inline_credentials (prefer the environment or a role).
-    access_key_id: str | None = field(default=None, metadata=_kind(_SECRET))
-    secret_access_key: str | None = field(default=None, metadata=_kind(_SECRET))
-    allow_inline_credentials: bool = field(default=False, metadata=_kind(_BOOL))
+    access_key_id: str | None = field(default=None, metadata=kind(SECRET))
+    secret_access_key: str | None = field(default=None, metadata=kind(SECRET))
+    allow_inline_credentials: bool = field(default=False, metadata=kind(BOOL))
     # An object store's files go up as multipart uploads in pieces of this size (S3 allows 5 MiB to 5 GiB;
     # a file of more than 10,000 pieces gets larger ones), this many pieces of one file at once.
-    multipart_bytes: int = field(default=64 << 20, metadata=_kind(_size(5 << 20, 5 << 30)))
-    multipart_concurrency: int = field(default=8, metadata=_kind(_int(1, 64)))
-    keep_last: int = field(default=5, metadata=_kind(_int(1, MAX_KEEP)))
+    multipart_bytes: int = field(default=64 << 20, metadata=kind(size_between(5 << 20, 5 << 30)))
+    multipart_concurrency: int = field(default=8, metadata=kind(int_between(1, 64)))
+    keep_last: int = field(default=5, metadata=kind(int_between(1, MAX_KEEP)))
     # Also keep every step divisible by this.
-    keep_every: int | None = field(default=None, metadata=_kind(_int(1, MAX_KEEP_EVERY)))
+    keep_every: int | None = field(default=None, metadata=kind(int_between(1, MAX_KEEP_EVERY)))
     # Only steps whose number is a multiple of this go to the shared tier; the others stay on local SSD
     # (and the memory tier), where local retention treats them as needing no shared copy.
-    drain_every: int = field(default=1, metadata=_kind(_int(1, MAX_KEEP_EVERY)))
-    keep_best: KeepBest | None = field(default=None, metadata=_kind(_KEEP_BEST))
+    drain_every: int = field(default=1, metadata=kind(int_between(1, MAX_KEEP_EVERY)))
+    keep_best: KeepBest | None = field(default=None, metadata=kind(KEEP_BEST))
     # Drain rate cap in bytes/second; None: uncapped.
-    max_bandwidth: int | None = field(default=None, metadata=_kind(_rate(1 << 20, 1 << 40)))
+    max_bandwidth: int | None = field(default=None, metadata=kind(rate_between(1 << 20, 1 << 40)))
     # Parts (one rank's share of one step) drained at once.
-    max_concurrent: int = field(default=2, metadata=_kind(_int(1, 64)))
+    max_concurrent: int = field(default=2, metadata=kind(int_between(1, 64)))
     # A failed drain is retried after retry_initial_s, the delay doubling up to retry_max_s.
-    retry_initial_s: float = field(default=1.0, metadata=_kind(_seconds(0.01, 3600)))
-    retry_max_s: float = field(default=60.0, metadata=_kind(_seconds(0.1, 86400)))
+    retry_initial_s: float = field(default=1.0, metadata=kind(seconds_between(0.01, 3600)))
+    retry_max_s: float = field(default=60.0, metadata=kind(seconds_between(0.1, 86400)))
     # On SIGTERM, after in-flight saves commit: at most this long draining the newest complete step of
     # each job that the shared tier lacks (off the drain_every cadence too) before exiting. 0: off.
-    drain_on_stop_s: float = field(default=20.0, metadata=_kind(_seconds(0, 3600)))
+    drain_on_stop_s: float = field(default=20.0, metadata=kind(seconds_between(0, 3600)))
 
     def __post_init__(self) -> None:
         if self.retry_max_s < self.retry_initial_s:
@@ -513,22 +195,22 @@ class PersistConfig:
     """Writing arenas to the local tier."""
 
     # Writer threads per node.
-    workers: int = field(default=2, metadata=_kind(_int(1, 64)))
+    workers: int = field(default=2, metadata=kind(int_between(1, 64)))
     # Unit of writes and of per-chunk checksums; a multiple of the page size for O_DIRECT.
-    chunk_bytes: int = field(default=64 << 20, metadata=_kind(_size(4096, 1 << 30, multiple_of=4096)))
+    chunk_bytes: int = field(default=64 << 20, metadata=kind(size_between(4096, 1 << 30, multiple_of=4096)))
     # Aligned chunks bypass the page cache with O_DIRECT (2-3x faster here; falls back where refused).
-    direct_io: bool = field(default=True, metadata=_kind(_BOOL))
+    direct_io: bool = field(default=True, metadata=kind(BOOL))
     # On SIGTERM, how long to wait for in-flight writes (the systemd unit's TimeoutStopSec is above it).
-    shutdown_timeout_s: float = field(default=30.0, metadata=_kind(_seconds(1, 3600)))
+    shutdown_timeout_s: float = field(default=30.0, metadata=kind(seconds_between(1, 3600)))
     # Niceness added to the writer and drain threads (0-19): under CPU contention the trainer and the
     # daemon's control plane (e.g. the FinishSave answer a trainer waits for) run first.
-    nice: int = field(default=10, metadata=_kind(_int(0, 19)))
+    nice: int = field(default=10, metadata=kind(int_between(0, 19)))
     # Incremental parts: each tier stores (and the drain copies) only the chunks of a part that the
     # job's chunk store there lacks; unchanged tensors cost nothing (docs/FORMAT.md, "Incremental parts").
-    incremental: bool = field(default=False, metadata=_kind(_BOOL))
+    incremental: bool = field(default=False, metadata=kind(BOOL))
     # A chunk no part refers to is removed only once nobody wrote or reused it for this long: the margin
     # for a save or drain on another node that relies on it before its part is published.
-    chunk_grace_s: float = field(default=600.0, metadata=_kind(_seconds(0.01, 7 * 86400)))
+    chunk_grace_s: float = field(default=600.0, metadata=kind(seconds_between(0.01, 7 * 86400)))
 
 
 @dataclass(frozen=True)
@@ -538,7 +220,7 @@ class MetricsConfig:
     Off by default, so that two daemons on one machine (tests, two users) never fight over a port.
     """
 
-    listen: str | None = field(default=None, metadata=_kind(_LISTEN))  # "HOST:PORT"
+    listen: str | None = field(default=None, metadata=kind(LISTEN))  # "HOST:PORT"
 
     @property
     def enabled(self) -> bool:
@@ -564,11 +246,11 @@ class RetentionConfig:
     """When retention runs and what a client may ask for."""
 
     # Seconds between timed retention passes.
-    interval_s: float = field(default=60.0, metadata=_kind(_seconds(0.1, 86400)))
+    interval_s: float = field(default=60.0, metadata=kind(seconds_between(0.1, 86400)))
     # The largest keep_last a client may request for its own job.
-    max_job_keep_last: int = field(default=100, metadata=_kind(_int(1, MAX_KEEP)))
+    max_job_keep_last: int = field(default=100, metadata=kind(int_between(1, MAX_KEEP)))
     # A step whose first part is this old and that still lacks ranks is reported (log, metric).
-    incomplete_after_s: float = field(default=120.0, metadata=_kind(_seconds(1, 86400)))
+    incomplete_after_s: float = field(default=120.0, metadata=kind(seconds_between(1, 86400)))
 
 
 @dataclass(frozen=True)
@@ -580,16 +262,16 @@ class MemoryConfig:
     ``arena.max_bytes``: a session that needs the room evicts them, oldest first.
     """
 
-    enabled: bool = field(default=True, metadata=_kind(_BOOL))
+    enabled: bool = field(default=True, metadata=kind(BOOL))
     # How long a copy is kept once its trainer has gone.
-    keep_s: float = field(default=3600.0, metadata=_kind(_seconds(1, 7 * 86400)))
+    keep_s: float = field(default=3600.0, metadata=kind(seconds_between(1, 7 * 86400)))
 
 
 @dataclass(frozen=True)
 class Config:
     """The whole configuration of one daemon. ``source`` is the file it came from (not compared)."""
 
-    socket: Path = field(metadata=_kind(_PATH))
+    socket: Path = field(metadata=kind(PATH))
     arena: ArenaConfig = field(metadata={"section": ArenaConfig})
     local: LocalConfig = field(metadata={"section": LocalConfig})
     shared: SharedConfig = field(metadata={"section": SharedConfig})
@@ -600,7 +282,7 @@ class Config:
     # The node's name for what it leaves on tiers several daemons share (its temporaries): stable
     # across restarts of the daemon, its container or its pod, unique per node. None: the host name.
     # Default from $CKPTSTAGE_NODE_NAME (a Kubernetes DaemonSet sets it from spec.nodeName).
-    node_name: str | None = field(default=None, metadata=_kind(_NODE_NAME))
+    node_name: str | None = field(default=None, metadata=kind(NODE_NAME))
     source: Path | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -730,7 +412,7 @@ def _build(cls: type, table: Mapping[str, Any], prefix: str, env: Mapping[str, s
     if not isinstance(table, Mapping):
         raise ConfigError(prefix.rstrip("."), f"expected a [{prefix.rstrip('.')}] table, got {table!r}")
     known = {f.name: f for f in fields(cls) if f.metadata}
-    _reject_unknown(table, set(known), prefix)
+    reject_unknown(table, set(known), prefix)
     kwargs = dict(extra)
     for name, f in known.items():
         if "section" in f.metadata:
@@ -739,15 +421,6 @@ def _build(cls: type, table: Mapping[str, Any], prefix: str, env: Mapping[str, s
             value = f.metadata["kind"].parse(table[name], prefix + name)
             kwargs[name] = _absolute(value, env) if isinstance(value, Path) else value
     return cls(**kwargs)
-
-
-def _reject_unknown(table: Mapping[str, Any], known: set[str], prefix: str) -> None:
-    for name in table:
-        if name not in known:
-            what = "section" if isinstance(table[name], Mapping) and not prefix else "key"
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(known))})"
-            raise ConfigError(prefix + name, f"unknown {what}{hint}")
 
 
 def _home(env: Mapping[str, str]) -> Path:

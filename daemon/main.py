@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from ckptstage.daemon import fsutil, logs, tierpath
-from ckptstage.daemon.config import Config, ConfigError, format_size, load_config
+from ckptstage.daemon.config import Config, ConfigError, load_config
+from ckptstage.daemon.configvalues import format_size
 from ckptstage.daemon.serve.handoff import HandoffServer
 from ckptstage.daemon.node.node import STATE_DIR, VERSION, Node
 from ckptstage.daemon.serve.notify import Notifier

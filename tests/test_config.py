@@ -13,11 +13,9 @@ from ckptstage.daemon.config import (
     KeepBest,
     default_toml,
     dump_config,
-    format_size,
     load_config,
-    parse_rate,
-    parse_size,
 )
+from ckptstage.daemon.configvalues import format_size, parse_rate, parse_size
 
 REPO = Path(__file__).resolve().parents[1]
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40

@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
-from ckptstage.daemon.config import NODE_NAME_ENV, Config, load_config, parse_size
+from ckptstage.daemon.config import Config, load_config
+from ckptstage.daemon.configvalues import NODE_NAME_ENV, parse_size
 from ckptstage.daemon.node.node import node_name
 from ckptstage.protos import layout
 from ckptstage.daemon.launcher import DaemonProcess

@@ -41,7 +41,6 @@ OVERSIZED: dict[str, int] = {
     "ckptstage.client.reshard": 526,
     "ckptstage.client.restore": 750,
     "ckptstage.daemon.catalog.index.Catalog": 303,
-    "ckptstage.daemon.config": 762,
     "ckptstage.daemon.drain.drainer": 955,
     "ckptstage.daemon.drain.drainer.Drainer": 738,
     "ckptstage.daemon.node.node": 959,

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from support import unit_directives
 
-from ckptstage.daemon.config import load_config, split_host_port
+from ckptstage.daemon.config import load_config
+from ckptstage.daemon.configvalues import split_host_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMD = ROOT / "deploy" / "systemd"

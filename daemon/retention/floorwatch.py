@@ -17,7 +17,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from ckptstage.daemon.config import format_size
+from ckptstage.daemon.configvalues import format_size
 from ckptstage.daemon.logs import fields
 
 log = logging.getLogger(__name__)
