@@ -49,7 +49,6 @@ OVERSIZED: dict[str, int] = {
     "ckptstage.daemon.tiers.fs.FsTier": 314,
     "ckptstage.daemon.tiers.s3.tier": 766,
     "ckptstage.daemon.tiers.s3.tier.S3Tier": 663,
-    "ckptstage.protos.layout": 685,
     "ckptstage.lightning": 620,
     "ckptstage.hf": 624,
     "ckptstage.hf.CkptstageCallback": 330,

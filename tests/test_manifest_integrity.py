@@ -99,6 +99,6 @@ def test_a_manifest_rewritten_whole_is_not_the_committed_one(daemon: Any) -> Non
 def test_a_deeply_nested_or_broken_manifest_is_a_manifest_error(tmp_path: Path, body: bytes) -> None:
     part = tmp_path / "part"
     part.mkdir()
-    (part / layout.MANIFEST_FILE).write_bytes(body + b"\n" + layout._manifest_trailer(body) + b"\n")
+    (part / layout.MANIFEST_FILE).write_bytes(body + b"\n" + layout.manifest._manifest_trailer(body) + b"\n")
     with pytest.raises(layout.ManifestError):
         layout.read_manifest(part)
