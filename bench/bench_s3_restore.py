@@ -62,7 +62,7 @@ JOB = "s3restore"
 STEP = 1
 FETCHED = re.compile(r"fetched \d+ part\(s\) of .*?: (\d+) bytes in ([0-9.]+)s")
 TICK = os.sysconf("SC_CLK_TCK")
-DAEMON_READ_BYTES = 64 * h.MiB  # what the fetch asks of an object at once (drainer._copy_file's piece)
+DAEMON_READ_BYTES = 64 * h.MiB  # what the fetch asks of an object at once (copier.PartCopier._copy_file's piece)
 PEERS = ("prefetch", "load", "download_file", "download_file.tuned", "get_object", "torch.load")
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from ckptstage.client import Client
 from ckptstage.client.errors import SaveFailed
-from ckptstage.daemon.drain.drainer import RateLimiter
+from ckptstage.daemon.tiers.limiter import RateLimiter
 from ckptstage.protos import chunks, layout
 from support import drain, free_port, metric, read_only_mount, scrape, small_tmpfs, wait_metric, wait_until
 

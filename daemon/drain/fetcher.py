@@ -4,7 +4,8 @@ A reader on a node that holds no copy of a part it needs (the job ran on
 other nodes, or this node's copy aged out) can open the shared tier's copy
 directly when that tier is a file system; an object store's copies cannot be
 opened, so the part is first copied onto the local tier, verified block by
-block as it is read (:meth:`Drainer.fetch`). :class:`Fetcher` runs those copies:
+block as it is read (:meth:`ckptstage.daemon.drain.copier.PartCopier.fetch`).
+:class:`Fetcher` runs those copies:
 
 - **once per part**, however many readers ask at the same time: the eight
   ranks of a node restoring a resharded step each ask for every part, and
@@ -27,7 +28,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ckptstage.daemon.catalog.index import Part
-from ckptstage.daemon.drain.drainer import CorruptSource
+from ckptstage.daemon.drain.copier import CorruptSource
 from ckptstage.daemon.errors import SaveFailed
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.tiers.interface import TierName

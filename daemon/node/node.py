@@ -158,9 +158,9 @@ class Node:
                                    chunk_stores=self.chunk_stores, nice=config.persist.nice, tiers=self.tiers)
             self.shared_sync = SharedSync(self.catalog, shared,
                                           watched=lambda: {s.info.job for s in self.sessions.all()})
+        drain = self.drainer.queue if self.drainer is not None else None  # what retention and status read
         self.fetcher: Fetcher | None = None
-        if self.drainer is not None:
-            drainer = self.drainer
+        if (drainer := self.drainer) is not None:
             self.fetcher = Fetcher(lambda part: self.catalog.add(drainer.fetch(part)),
                                    lambda part, detail: self.report_corrupt(part.job, part.step, part.rank, part.tier,
                                                                             detail))
@@ -168,10 +168,10 @@ class Node:
         self.incomplete = IncompleteSteps(self.catalog, config.retention.incomplete_after_s,
                                           busy=lambda job, step: any(s.spec.job == job and s.spec.step == step
                                                                      for s in self._live_saves()), clock=clock)
-        self.janitor = Janitor(config, self.catalog, self.metrics, self.drainer, self.job_rules,
+        self.janitor = Janitor(config, self.catalog, self.metrics, drain, self.job_rules,
                                self._in_flight, self.chunk_stores, tiers=self.tiers)
         self._pins_lock = threading.Lock()  # a pin's check and change, one caller at a time
-        self._status = StatusReader(self.tiers, self.catalog, self.sessions, self.budget, self.memory, self.drainer,
+        self._status = StatusReader(self.tiers, self.catalog, self.sessions, self.budget, self.memory, drain,
                                     self.tier_probes, self.job_summaries, self.started, self._tier_warnings)
         self._subscribe()
         self.metrics.add_state(self._probe())

@@ -2,7 +2,7 @@
 
 ``Status`` must answer while the shared file system hangs and every RPC
 thread is busy, so :class:`StatusReader` reads the catalogue, the session
-table, the arena budget, the drainer's bookkeeping and the tier probes' last
+table, the arena budget, the drain queue's bookkeeping and the tier probes' last
 readings, never a disk. The records it returns are plain data for the
 servicer to put on the wire.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ckptstage.daemon.save.arena import Budget
 from ckptstage.daemon.catalog.index import Catalog, TierName
-from ckptstage.daemon.drain.drainer import Drainer
+from ckptstage.daemon.drain.queue import DrainQueue
 from ckptstage.daemon.drain.health import TierHealth
 from ckptstage.daemon.node.jobs import JobSummary
 from ckptstage.daemon.save.memtier import MemoryTier
@@ -87,7 +87,7 @@ class StatusReader:
     """Builds :class:`NodeStatus` from the node's parts (injected, so that it reads and never owns them)."""
 
     def __init__(self, tiers: Mapping[TierName, Tier], catalog: Catalog, sessions: SessionTable,
-                 budget: Budget, memory: MemoryTier, drainer: Drainer | None, probes: Mapping[TierName, TierProbe],
+                 budget: Budget, memory: MemoryTier, drain: DrainQueue | None, probes: Mapping[TierName, TierProbe],
                  jobs: Callable[[], list[JobSummary]], started: float | None = None,
                  warnings: Callable[[TierName], tuple[str, ...]] = lambda tier: ()) -> None:
         """``tiers``: the storage of each disk tier the node has (no shared tier: no entry); ``warnings``:
@@ -97,7 +97,7 @@ class StatusReader:
         self._sessions = sessions
         self._budget = budget
         self._memory = memory
-        self._drainer = drainer
+        self._drain = drain
         self._probes = probes
         self._jobs = jobs
         self._warnings = warnings
@@ -110,7 +110,7 @@ class StatusReader:
             pid=os.getpid(), uptime_s=time.monotonic() - self._started, arena_budget_bytes=self._budget.total,
             arena_used_bytes=self._budget.used, sessions=sessions,
             tiers=[self.tier(TierName.LOCAL), self.tier(TierName.SHARED)],
-            drain_queue=self._drainer.pending()[0] if self._drainer else 0,
+            drain_queue=self._drain.pending()[0] if self._drain else 0,
             memory_parts=len(self._memory.copies()), memory_bytes=self._memory.bytes_kept, jobs=self._jobs())
 
     def tier(self, tier: TierName) -> TierReport:
@@ -118,7 +118,7 @@ class StatusReader:
         parts = list(self._catalog.all_parts(tier))
         probe = self._probes.get(tier)
         reading = probe.reading() if probe is not None else None
-        health = self._drainer.tier_health() if tier == TierName.SHARED and self._drainer else None
+        health = self._drain.tier_health() if tier == TierName.SHARED and self._drain else None
         state, error, when = tier_state(storage is not None, reading.reachable if reading else None, health)
         return TierReport(tier, storage.location if storage is not None else "", storage is not None,
                           bool(reading and reading.reachable),

@@ -14,7 +14,7 @@ from ckptstage.daemon.retention import planner as retention
 from ckptstage.daemon.catalog.index import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.catalog.chunkstore import ChunkStore
 from ckptstage.daemon.config import Config
-from ckptstage.daemon.drain.drainer import Drainer
+from ckptstage.daemon.drain.queue import DrainQueue
 from ckptstage.daemon.retention.floorwatch import FloorWatch
 from ckptstage.daemon.retention.job_rules import JobRetention, JobRules
 from ckptstage.daemon.logs import fields
@@ -52,16 +52,17 @@ class Janitor:
     commit runs.
     """
 
-    def __init__(self, config: Config, catalog: Catalog, metrics: Metrics, drainer: Drainer | None,
+    def __init__(self, config: Config, catalog: Catalog, metrics: Metrics, drain: DrainQueue | None,
                  job_rules: JobRules, in_flight: Callable[[str, int, int], bool],
                  chunk_stores: dict[TierName, ChunkStore] | None = None, *,
                  tiers: Mapping[TierName, Tier]) -> None:
-        """``tiers``: each disk tier's storage (no shared tier: no entry)."""
+        """``drain``: the queue of parts bound for the shared tier (no shared tier: None); ``tiers``: each disk
+        tier's storage (no shared tier: no entry)."""
         self.config = config
         self.tiers = dict(tiers)
         self.catalog = catalog
         self.metrics = metrics
-        self.drainer = drainer
+        self.drain = drain
         self.job_rules = job_rules
         self._in_flight = in_flight
         self.chunk_stores = chunk_stores or {}
@@ -88,7 +89,7 @@ class Janitor:
         # there, then deleted there, is drained), and a local pass must see that deletion whole. Run the
         # other way round, the pass after a job's last drain could find a shared step mid-deletion (its
         # record dropped, its part not yet) and keep the local copy until the timer came round.
-        tiers = [t for t, on in ((TierName.SHARED, shared and self.drainer is not None), (TierName.LOCAL, local))
+        tiers = [t for t, on in ((TierName.SHARED, shared and self.drain is not None), (TierName.LOCAL, local))
                  if on]
         for tier in tiers:
             with self._locks[tier]:
@@ -117,7 +118,7 @@ class Janitor:
         parts = nbytes = 0
         tiers = []
         for tier in (TierName.LOCAL, TierName.SHARED):
-            if tier == TierName.SHARED and self.drainer is None:
+            if tier == TierName.SHARED and self.drain is None:
                 continue
             ckpt = self.catalog.get(job, step)
             if ckpt is None or not (ckpt.on_tier(tier) or tier in ckpt.records):
@@ -145,25 +146,25 @@ class Janitor:
         """Removes a replacement of the deleted step still being assembled here (a save with overwrite
         waiting for its other ranks' parts): it must not take the place of a step that is gone."""
         for tier in (TierName.LOCAL, TierName.SHARED):
-            if tier == TierName.SHARED and self.drainer is None:
+            if tier == TierName.SHARED and self.drain is None:
                 continue
             storage = self.tiers[tier]
             if storage.discard_staged(job, step):
                 log.info("deleted the replacement of %s step %d being assembled on the %s tier", job, step,
                          tier.value, extra=fields(job=job, step=step, tier=tier))
-        if self.drainer is not None:
-            self.drainer.forget_step(job, step)
+        if self.drain is not None:
+            self.drain.forget_step(job, step)
 
     def _delete_requested(self, part: Part, tier: TierName, deadline: float) -> bool:
         """Deletes a part on a user's request; a local part being copied to the shared tier is waited for
         (until ``deadline``), also when a drain worker takes it between the wait and the deletion."""
         while True:
-            while tier == TierName.LOCAL and self.drainer is not None and self.drainer.busy_with(part) and \
+            while tier == TierName.LOCAL and self.drain is not None and self.drain.busy_with(part) and \
                     time.monotonic() < deadline:
                 time.sleep(0.05)
             if self._delete_part(part, tier, retention.REQUESTED):
                 return True
-            if tier != TierName.LOCAL or self.drainer is None or not self.drainer.busy_with(part) or \
+            if tier != TierName.LOCAL or self.drain is None or not self.drain.busy_with(part) or \
                     time.monotonic() >= deadline:
                 return False
 
@@ -172,7 +173,7 @@ class Janitor:
 
     def _plan(self, job: str, tier: TierName) -> list[GcAction]:
         records = []
-        d = self.drainer
+        d = self.drain
         ckpts = self.catalog.checkpoints(job)
         stored = self._stored_bytes(job, tier, ckpts)
         for c in ckpts:
@@ -195,11 +196,11 @@ class Janitor:
                                                 complete=c.complete_on(tier), metrics=c.metrics))
         if tier == TierName.LOCAL:
             # The job's rules as its sessions here set them: the local pass never reads the shared tier.
-            plan = retention.plan_local(records, self._local_rules(self.job_rules.for_job(job, read_shared=False)),
-                                        self._free_bytes(TierName.LOCAL))
+            rules = _local_rules(self.config, self.job_rules.for_job(job, read_shared=False))
+            plan = retention.plan_local(records, rules, self._free_bytes(TierName.LOCAL))
         else:
-            plan = retention.plan_shared(records, self._shared_rules(),
-                                         *self._job_shared_rules(self.job_rules.for_job(job)))
+            plan = retention.plan_shared(records, _shared_rules(self.config),
+                                         *_job_shared_rules(self.config, self.job_rules.for_job(job)))
         return [GcAction(job, s, tier, why, _nbytes(records, s)) for s, why in sorted(plan.delete.items())]
 
     def _stored_bytes(self, job: str, tier: TierName, ckpts: list[Checkpoint]) -> dict[int, int]:
@@ -229,25 +230,6 @@ class Janitor:
         with self._cache_lock:
             self._chunk_lists[(job, tier)] = seen  # parts gone since the last pass leave the cache
         return chunkstore.stored_bytes(rows)
-
-    def _local_rules(self, job: JobRetention) -> retention.LocalRules:
-        c = self.config.local
-        keep_last = c.keep_last
-        if job.local_keep_last:
-            keep_last = max(keep_last, min(job.local_keep_last, self.config.retention.max_job_keep_last))
-        return retention.LocalRules(keep_last=keep_last, max_bytes=c.max_bytes, min_free_bytes=c.min_free_bytes)
-
-    def _job_shared_rules(self, job: JobRetention) -> list[retention.SharedRules]:
-        """The job's own shared rules, kept in addition to the operator's (see :class:`JobRetention`)."""
-        cap = self.config.retention.max_job_keep_last
-        rules = retention.SharedRules(keep_last=min(job.shared_keep_last, cap) or None,
-                                      keep_every=job.shared_keep_every or None, keep_best=job.keep_best(cap))
-        # A rule set with no rules would keep everything: only pass one that has some.
-        return [rules] if rules != retention.SharedRules() else []
-
-    def _shared_rules(self) -> retention.SharedRules:
-        c = self.config.shared
-        return retention.SharedRules(keep_last=c.keep_last, keep_every=c.keep_every, keep_best=c.keep_best)
 
     def _free_bytes(self, tier: TierName) -> int | None:
         try:
@@ -332,8 +314,8 @@ class Janitor:
         drained = self.catalog.was_drained(part.job, part.step, part.rank)
         failure = None if reason == retention.REQUESTED or drained else \
             "deleted before it drained: the step is committed by another attempt"
-        if self.drainer is not None and tier == TierName.LOCAL and not self.drainer.drop(part, failure):
-            return False  # being read by the drainer right now; the next pass gets it
+        if self.drain is not None and tier == TierName.LOCAL and not self.drain.drop(part, failure):
+            return False  # being read by a drain worker right now; the next pass gets it
         try:
             self.tiers[tier].remove_part(part.path)
         except FileNotFoundError:
@@ -349,6 +331,28 @@ class Janitor:
         log.info("retention: deleted %s step %d rank %d from %s (%s, %d bytes; attempt %r)", part.job, part.step,
                  part.rank, tier.value, reason, part.nbytes, part.attempt, extra=_fields(part, reason=reason))
         return True
+
+
+def _local_rules(config: Config, job: JobRetention) -> retention.LocalRules:
+    c = config.local
+    keep_last = c.keep_last
+    if job.local_keep_last:
+        keep_last = max(keep_last, min(job.local_keep_last, config.retention.max_job_keep_last))
+    return retention.LocalRules(keep_last=keep_last, max_bytes=c.max_bytes, min_free_bytes=c.min_free_bytes)
+
+
+def _job_shared_rules(config: Config, job: JobRetention) -> list[retention.SharedRules]:
+    """The job's own shared rules, kept in addition to the operator's (see :class:`JobRetention`)."""
+    cap = config.retention.max_job_keep_last
+    rules = retention.SharedRules(keep_last=min(job.shared_keep_last, cap) or None,
+                                  keep_every=job.shared_keep_every or None, keep_best=job.keep_best(cap))
+    # A rule set with no rules would keep everything: only pass one that has some.
+    return [rules] if rules != retention.SharedRules() else []
+
+
+def _shared_rules(config: Config) -> retention.SharedRules:
+    c = config.shared
+    return retention.SharedRules(keep_last=c.keep_last, keep_every=c.keep_every, keep_best=c.keep_best)
 
 
 def _fields(part: Part, error: object = None, reason: str | None = None) -> dict[str, object]:

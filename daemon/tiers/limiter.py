@@ -1,0 +1,129 @@
+"""A tier whose writes of part files and chunks are paced to a byte rate (``[shared] max_bandwidth``).
+
+Like restic's limiter backend, which overrides only Save and Load: the
+wrapper overrides the two calls that hand out data-moving writers
+(:meth:`Tier.begin_part`, :meth:`Tier.new_chunks`) and passes every other
+call through. Reads are not paced: a prefetch from the shared tier back to
+the local one was never a drain to it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ckptstage.daemon.tiers.interface import ChunkBatch, DataSink, PartWriter, Tier
+
+# A write takes its tokens this many bytes at a time (the digest block the drain reads and checks in): a
+# whole 64 MiB piece's credit at once would fill the bucket to a piece and overshoot the cap.
+_SLICE_BYTES = 1 << 20
+
+
+class RateLimiter:
+    """A token bucket shared by the drain workers (``[shared] max_bandwidth``).
+
+    ``acquire(n)`` takes ``n`` tokens, going into debt when there are too few
+    and sleeping the debt off, so concurrent workers share the rate. The
+    bucket holds ``burst_s`` seconds of tokens, or one request if that is
+    more: the time a worker spent reading and writing its last chunk must
+    count towards the next one (with a 10 MiB bucket and 64 MiB chunks, every
+    chunk paid its I/O time on top of n / rate, and a 200 MiB/s cap drained
+    at 116-146 MiB/s).
+    """
+
+    def __init__(self, rate: int | None, burst_s: float = 0.05,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], object] = time.sleep) -> None:
+        self.rate = rate
+        self._burst = (rate or 0) * burst_s
+        self._tokens = self._burst
+        self._clock, self._sleep = clock, sleep
+        self._last = clock()
+        self._lock = threading.Lock()
+
+    def acquire(self, n: int) -> None:
+        if not self.rate:
+            return
+        with self._lock:
+            now = self._clock()
+            # The bucket holds at least one request: tokens earned while the
+            # previous chunk was read and written count towards this one, else
+            # every request would pay its I/O time on top of n / rate.
+            self._tokens = min(max(self._burst, n), self._tokens + (now - self._last) * self.rate) - n
+            self._last = now
+            debt = -self._tokens
+        if debt > 0:
+            self._sleep(debt / self.rate)
+
+
+def limited(tier: Tier, rate: int | None, sleep: Callable[[float], object] = time.sleep) -> Tier:
+    """``tier`` with its data writes capped at ``rate`` bytes a second; ``tier`` itself when there is no cap.
+
+    ``sleep`` is how a write waits for its tokens (the drain's stop event, so that stopping never waits out
+    a debt)."""
+    return LimitedTier(tier, RateLimiter(rate, sleep=sleep)) if rate else tier
+
+
+class LimitedTier:
+    """A :class:`Tier` whose part files and new chunks are written at most at ``limiter``'s rate."""
+
+    def __init__(self, tier: Tier, limiter: RateLimiter) -> None:
+        self._tier = tier
+        self._limiter = limiter
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tier, name)
+
+    def begin_part(self, job: str, step: int, rank: int, replace: Callable[[Path], bool] | None = None,
+                   final: Path | None = None) -> PartWriter:
+        return _LimitedWriter(self._tier.begin_part(job, step, rank, replace=replace, final=final), self._limiter)
+
+    def new_chunks(self, job: str, part: PartWriter | None = None) -> ChunkBatch:
+        return _LimitedBatch(self._tier.new_chunks(job, part), self._limiter)
+
+
+class _LimitedWriter:
+    """A :class:`PartWriter` whose files are :class:`_LimitedSink`\\ s."""
+
+    def __init__(self, writer: PartWriter, limiter: RateLimiter) -> None:
+        self._writer = writer
+        self._limiter = limiter
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._writer, name)  # final, manifest_digest, ino, commit, abort
+
+    def create_file(self, name: str, size: int, direct_io: bool, reserve: bool = True) -> DataSink:
+        return _LimitedSink(self._writer.create_file(name, size, direct_io, reserve), self._limiter)
+
+
+class _LimitedSink:
+    """A :class:`DataSink` that takes a write's tokens (a slice at a time) before writing it."""
+
+    def __init__(self, sink: DataSink, limiter: RateLimiter) -> None:
+        self._sink = sink
+        self._limiter = limiter
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sink, name)  # sync, close
+
+    def write(self, data: memoryview, offset: int) -> None:
+        for start in range(0, len(data), _SLICE_BYTES):
+            self._limiter.acquire(min(_SLICE_BYTES, len(data) - start))
+        self._sink.write(data, offset)
+
+
+class _LimitedBatch:
+    """A :class:`ChunkBatch` that takes each chunk's tokens before writing it."""
+
+    def __init__(self, batch: ChunkBatch, limiter: RateLimiter) -> None:
+        self._batch = batch
+        self._limiter = limiter
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._batch, name)  # publish, discard
+
+    def write(self, name: str, data: memoryview, direct_io: bool) -> None:
+        self._limiter.acquire(len(data))
+        self._batch.write(name, data, direct_io)
