@@ -1,7 +1,7 @@
 """The operator's files for an object-store shared tier (deploy/s3) and the docs that show them, kept true.
 
 * The IAM policy grants exactly the S3 actions the daemon's requests need: the requests are read from the
-  code (every ``client.<operation>(...)``, paginator and managed copy in daemon/s3*.py), so a request added
+  code (every ``client.<operation>(...)``, paginator and managed copy in daemon/tiers/s3/), so a request added
   there fails this test until the policy (and the table below) names it.
 * The policy, the lifecycle rules and the systemd drop-in are the ones docs/OPERATIONS.md shows; the
   lifecycle rules are a valid ``PutBucketLifecycleConfiguration`` request; the example config loads; the
@@ -72,9 +72,9 @@ def _is_client(node: ast.expr) -> bool:
 
 
 def operations_called() -> dict[str, list[str]]:
-    """Every S3 operation daemon/s3*.py calls -> where (``file:line``)."""
+    """Every S3 operation daemon/tiers/s3/ calls -> where (``file:line``)."""
     found: dict[str, list[str]] = {}
-    for path in sorted((REPO / "daemon").glob("s3*.py")):
+    for path in sorted((REPO / "daemon" / "tiers" / "s3").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and _is_client(node.func.value)):
@@ -118,7 +118,7 @@ def test_the_policy_grants_what_the_daemons_requests_need_and_nothing_more() -> 
     called = operations_called()
     assert "put_object" in called and "head_bucket" in called, f"the code's requests were not found: {called}"
     unknown = {op: where for op, where in called.items() if op not in ACTIONS}
-    assert not unknown, (f"daemon/s3*.py calls S3 operations this test does not map to IAM actions: {unknown}; "
+    assert not unknown, (f"daemon/tiers/s3/ calls S3 operations this test does not map to IAM actions: {unknown}; "
                          "add them to ACTIONS and their actions to deploy/s3/iam-policy.json")
     needed = set().union(*(ACTIONS[op] for op in called))
     granted = {a for s in _statements() for a in _as_list(s["Action"])}
