@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from ckptstage.daemon.catalog import overwrite
-from ckptstage.daemon.tiers import fs as fstier
+from ckptstage.daemon.tiers import fsreplace
 from ckptstage.daemon.tiers import interface as tier_mod
 from ckptstage.daemon.catalog.index import Catalog, TierName
 from ckptstage.daemon.catalog.commits import Commits, complete_attempt
@@ -67,7 +67,7 @@ def tier(request: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Tier:
     """Each implementation of :class:`Tier`; the file-system tier also where the file system has no atomic
     exchange (NFS): two renames."""
     if request.param == "fs-no-exchange":
-        monkeypatch.setattr(fstier, "_rename_exchange", lambda a, b: False)
+        monkeypatch.setattr(fsreplace, "_rename_exchange", lambda a, b: False)
     return FsTier(tmp_path / "tier", OWNER)
 
 

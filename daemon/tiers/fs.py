@@ -10,10 +10,6 @@ path below the root ever goes through a symbolic link
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import errno
-import logging
 import os
 import shutil
 import threading
@@ -25,15 +21,12 @@ from types import TracebackType
 from typing import Any
 
 from ckptstage.daemon import fsutil
-from ckptstage.daemon.logs import fields
+from ckptstage.daemon.tiers.fsreplace import REPLACE_DIR, FsReplacing
+from ckptstage.daemon.tiers.fswalk import subdirs, subdirs_or_none
 from ckptstage.daemon.tiers.interface import Manifest, PartWriter, QuarantinedCopy, Usage
 from ckptstage.protos import chunks, layout
 
-log = logging.getLogger(__name__)
-
 SYNC_THREADS = 8  # fsyncs in flight at once when a batch of chunks is made durable
-_REPLACE_DIR = "replace"  # .tmp/<owner>/replace/<job>/step-N/: replacements being assembled (overwrite.py)
-_RENAME_EXCHANGE = 2  # linux/fs.h
 
 
 class FsTier:
@@ -46,6 +39,7 @@ class FsTier:
     def __init__(self, root: Path, owner: str = "") -> None:
         self._root = root
         self._owner = owner
+        self._replacing = FsReplacing(root, owner)
 
     @property
     def root(self) -> Path:
@@ -174,9 +168,9 @@ class FsTier:
 
     def list_manifests(self, job: str) -> list[Path]:
         parts = [p.path for p in layout.scan_tier(self._root, job)]
-        for owner in _subdirs(self._root / layout.TMP_DIR):
-            staged_job = owner / _REPLACE_DIR / job
-            parts += [r for s in _subdirs(staged_job) for r in _subdirs(s)]
+        for owner in subdirs(self._root / layout.TMP_DIR):
+            staged_job = owner / REPLACE_DIR / job
+            parts += [r for s in subdirs(staged_job) for r in subdirs(s)]
         return parts
 
     def manifest_version(self, part: Path) -> tuple[int, ...]:
@@ -185,7 +179,7 @@ class FsTier:
 
     def list_chunks(self, job: str) -> list[str]:
         out = []
-        for sub in _subdirs(self._store(job)):  # fan-out directories; not .condemned nor .corrupt
+        for sub in subdirs(self._store(job)):  # fan-out directories; not .condemned nor .corrupt
             with os.scandir(sub) as it:
                 out += [e.name for e in it if chunks.is_chunk_name(e.name)]
         return out
@@ -259,118 +253,31 @@ class FsTier:
 
     def list_quarantined(self) -> list[QuarantinedCopy]:
         found = []
-        for job_dir in _subdirs_or_none(self._root):
-            for step_dir in _subdirs_or_none(job_dir):
-                for entry in _subdirs_or_none(step_dir, prefix=layout.CORRUPT_PREFIX):
+        for job_dir in subdirs_or_none(self._root):
+            for step_dir in subdirs_or_none(job_dir):
+                for entry in subdirs_or_none(step_dir, prefix=layout.CORRUPT_PREFIX):
                     step = layout.parse_step_dirname(step_dir.name)
                     rank = layout.parse_rank_dirname(entry.name[len(layout.CORRUPT_PREFIX):].rsplit("-", 1)[0])
                     if step is not None and rank is not None:
                         found.append(QuarantinedCopy(job_dir.name, step, rank, entry))
         return found
 
-
-    # --- replacing a step ---------------------------------------------------------------
-    #
-    # A replacement is assembled in .tmp/<owner>/replace/<job>/step-N/rank-R/; once whole, its commit record
-    # is written there and the directory is exchanged with <job>/step-N: one renameat2(RENAME_EXCHANGE)
-    # where the file system has it, else two renames (the old step out, the new one in), which is the crash
-    # window recover_staged() closes.
-
-    def _staged_step(self, job: str, step: int) -> Path:
-        return layout.tmp_root(self._root, self._owner) / _REPLACE_DIR / layout.check_job(job) / \
-            layout.step_dirname(step)
+    # --- replacing a step (see fsreplace.py) --------------------------------------------
 
     def staged_location(self, job: str, step: int, rank: int) -> Path:
-        return self._staged_step(job, step) / layout.rank_dirname(rank)
+        return self._replacing.staged_location(job, step, rank)
 
     def list_staged(self, job: str, step: int) -> list[layout.PartRef]:
-        found = []
-        for entry in _subdirs(self._staged_step(job, step)):
-            rank = layout.parse_rank_dirname(entry.name)
-            if rank is not None and (entry / layout.MANIFEST_FILE).is_file():
-                found.append(layout.PartRef(job, step, rank, entry, fsutil.inode(entry)))
-        return sorted(found, key=lambda ref: ref.rank)
+        return self._replacing.list_staged(job, step)
 
     def swap_in(self, record: layout.CommitRecord) -> bool:
-        staged = self._staged_step(record.job, record.step)
-        final = layout.step_dir(self._root, record.job, record.step)
-        if not staged.is_dir():
-            return False
-        fsutil.write_file_durable(staged / layout.COMMIT_FILE, layout.commit_record_bytes(record))
-        fsutil.fsync_dir(staged)
-        fsutil.makedirs_durable(final.parent, within=self._root)
-        old = self._exchange(staged, final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        return True
-
-    def _exchange(self, staged: Path, final: Path) -> Path | None:
-        """Swaps ``staged`` in at ``final``; returns where the old step now is (None: there was none)."""
-        if not final.exists():
-            os.rename(staged, final)
-            fsutil.fsync_dir(final.parent)
-            return None
-        trash = layout.tmp_root(self._root, self._owner) / f"del.{uuid.uuid4().hex[:12]}"
-        if _rename_exchange(staged, final):
-            fsutil.fsync_dir(final.parent)
-            fsutil.fsync_dir(staged.parent)
-            os.rename(staged, trash)  # the old step, out of the replace area (recover_staged() must not see it)
-            return trash
-        # No atomic exchange here (e.g. NFS): old out, new in. A crash between the two is what
-        # recover_staged() undoes.
-        os.rename(final, trash)
-        os.rename(staged, final)
-        fsutil.fsync_dir(final.parent)
-        return trash
+        return self._replacing.swap_in(record)
 
     def discard_staged(self, job: str, step: int) -> bool:
-        return self.discard_temporary(self._staged_step(job, step))
+        return self.discard_temporary(self._replacing.staged_step(job, step))
 
     def recover_staged(self) -> int:
-        root = layout.tmp_root(self._root, self._owner) / _REPLACE_DIR
-        done = 0
-        for job_dir in _subdirs_or_none(root) if not root.is_symlink() else []:
-            for sdir in _subdirs_or_none(job_dir):
-                step = layout.parse_step_dirname(sdir.name)
-                if step is None or not (sdir / layout.COMMIT_FILE).is_file():
-                    continue
-                final = layout.step_dir(self._root, job_dir.name, step)
-                if final.exists():
-                    continue
-                try:
-                    layout.read_commit_record(sdir)
-                    fsutil.makedirs_durable(final.parent, within=self._root)
-                    os.rename(sdir, final)
-                    fsutil.fsync_dir(final.parent)
-                except (OSError, layout.ManifestError) as e:
-                    log.error("cannot finish the replacement of %s step %d on %s: %s", job_dir.name, step,
-                              self._root, e, extra=fields(job=job_dir.name, step=step, path=self._root, error=e))
-                    continue
-                log.info("finished the replacement of %s step %d on %s that a crash interrupted", job_dir.name,
-                         step, self._root, extra=fields(job=job_dir.name, step=step, path=self._root))
-                done += 1
-        return done
-
-
-_libc: ctypes.CDLL | None = None
-
-
-def _rename_exchange(a: Path, b: Path) -> bool:
-    """Atomically exchanges two paths (Linux ``renameat2``); False where the system or file system cannot."""
-    global _libc
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        renameat2 = _libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd = -100
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
-        return False
-    raise OSError(err, f"cannot exchange {a} and {b}: {os.strerror(err)}")
+        return self._replacing.recover_staged()
 
 
 class FileReader:
@@ -464,22 +371,3 @@ def _each(fn: Callable[[Path], None], paths: Iterable[Path]) -> None:
     with ThreadPoolExecutor(min(SYNC_THREADS, len(paths)), thread_name_prefix="chunk-sync") as pool:
         for f in [pool.submit(fn, p) for p in paths]:
             f.result()
-
-
-def _subdirs(path: Path, prefix: str = "") -> list[Path]:
-    """The subdirectories (never links) of ``path`` named ``prefix...``; dot-names only when ``prefix`` is one.
-    None when ``path`` is gone; any other error is raised."""
-    try:
-        with os.scandir(path) as it:
-            return [Path(e.path) for e in it if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False)
-                    and (prefix or not e.name.startswith("."))]
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
-def _subdirs_or_none(path: Path, prefix: str = "") -> list[Path]:
-    """:func:`_subdirs`, and none when ``path`` cannot be read (a walk that skips what it cannot see)."""
-    try:
-        return _subdirs(path, prefix)
-    except OSError:
-        return []

@@ -12,7 +12,7 @@ upload and commits nothing; what it wrote is the new holder's to replace.
 Every writer notes its claim in its daemon's temporaries first
 (``.tmp/<owner>/<job>.<step>.<rank>.<id>/.writer``), so that what a crash
 left at a part's keys is found again: by the daemon itself when it starts
-(:meth:`ckptstage.daemon.tiers.s3.tier.S3Tier.clean_temporaries`), and by any other
+(:meth:`ckptstage.daemon.tiers.s3.cleanup.Cleanup.clean_temporaries`), and by any other
 daemon once the claim has been left alone long enough that its daemon is
 certainly gone (:mod:`ckptstage.daemon.tiers.s3.orphans`).
 """
@@ -30,14 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstage.daemon.logs import fields
+from ckptstage.daemon.tiers.s3.keys import CLAIM_FILE
 from ckptstage.daemon.tiers.s3.objects import Objects
 from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
 
-CLAIM_FILE = ".claim"        # <part>/.claim: who writes the part's objects now (see Claims)
 CLAIM_STALE_S = 120.0        # another daemon's claim left unchanged this long is abandoned (renewed every 1/4)
-WRITER_NOTE = ".writer"      # .tmp/<owner>/<job>.<step>.<rank>.<id>/.writer: a writer's note (its part, its claim)
 
 
 @dataclass

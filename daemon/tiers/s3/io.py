@@ -12,6 +12,8 @@ completed.
 
 :class:`ObjectReader` is a :class:`ckptstage.daemon.tiers.interface.Reader` over one
 object: a read fetches its range as several ranged GETs at once.
+
+:class:`Transfers` opens both for a tier, on its threads.
 """
 
 from __future__ import annotations
@@ -271,3 +273,33 @@ class ObjectReader:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+class Transfers:
+    """A tier's uploads and ranged reads over ``conn``: uploads in pieces of ``piece_bytes``, ``in_flight``
+    of them per object at once, and ``threads`` for each kind of transfer (each kind its own pool)."""
+
+    def __init__(self, conn: Connection, piece_bytes: int, in_flight: int, threads: int) -> None:
+        self._conn = conn
+        self._piece_bytes = piece_bytes
+        self._in_flight = in_flight
+        self._threads = threads
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._pools_lock = threading.Lock()
+
+    def pool(self, name: str) -> ThreadPoolExecutor:
+        """The tier's threads of one kind ("upload", "read"), started on first use."""
+        with self._pools_lock:
+            pool = self._pools.get(name)
+            if pool is None:
+                pool = self._pools[name] = ThreadPoolExecutor(self._threads, thread_name_prefix=f"s3-{name}")
+            return pool
+
+    def upload_sink(self, key: str, size: int, before_complete: Callable[[], None] | None = None) -> UploadSink:
+        """An object of ``size`` bytes uploaded as it is written, in the tier's pieces, on its threads."""
+        return UploadSink(self._conn, key, size, self._piece_bytes, self.pool("upload"), self._in_flight,
+                          before_complete=before_complete)
+
+    def reader(self, key: str) -> ObjectReader:
+        """The object at ``key``, read by ranges on the tier's threads."""
+        return ObjectReader(self._conn, key, self.pool("read"))

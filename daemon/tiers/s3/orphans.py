@@ -1,7 +1,7 @@
 """What other daemons left on the object store when they died for good, found and cleaned by any daemon.
 
 A daemon cleans its own temporaries when it starts again
-(:meth:`ckptstage.daemon.tiers.s3.tier.S3Tier.clean_temporaries`). A node that
+(:meth:`ckptstage.daemon.tiers.s3.cleanup.Cleanup.clean_temporaries`). A node that
 never comes back leaves, under ``.tmp/<its name>/``, the notes of the
 writers it had (each naming a part and the claim its writer held there),
 their multipart uploads and objects at the part's keys without a manifest,
@@ -34,13 +34,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptstage.daemon.logs import fields
-from ckptstage.daemon.tiers.s3.claims import CLAIM_FILE, WRITER_NOTE, Claims, discard_unpublished, read_claim
+from ckptstage.daemon.tiers.s3.claims import Claims, discard_unpublished, read_claim
+from ckptstage.daemon.tiers.s3.keys import CLAIM_FILE, REMOVING, REPLACE_DIR, WRITER_NOTE
 from ckptstage.daemon.tiers.s3.objects import Objects
 
 log = logging.getLogger(__name__)
 
-REMOVING = "removing"        # .tmp/<owner>/removing/<id>.json: a removal under way (its part's prefix)
-REPLACE_DIR = "replace"      # .tmp/<owner>/replace/<job>/step-N/: replacements being assembled
 ABANDONED_AFTER = 5          # times claim_stale_s: a writing left this long is any daemon's to clean
 
 
@@ -60,7 +59,7 @@ def age_s(got: dict[str, Any]) -> float:
 class Scope:
     """Where to look: ``tmp`` is the key prefix of every daemon's temporaries (``<prefix>/.tmp/``),
     ``root`` that of the tier (a note naming a part elsewhere is not ours to follow), ``owner`` this
-    daemon (its own temporaries are :meth:`S3Tier.clean_temporaries`' business)."""
+    daemon (its own temporaries are :meth:`Cleanup.clean_temporaries`' business)."""
 
     tmp: str
     root: str
