@@ -40,7 +40,6 @@ OVERSIZED: dict[str, int] = {
     "ckptstage.client.encodings": 620,
     "ckptstage.client.reshard": 526,
     "ckptstage.client.restore": 750,
-    "ckptstage.daemon.catalog.index.Catalog": 303,
     "ckptstage.daemon.node.node": 959,
     "ckptstage.daemon.node.node.Node": 845,
 }

@@ -429,7 +429,7 @@ class Catalog:
             steps = self._parts.get(job, {})
             records = self._records.get(job, {})
             pins = self._pins.get(job, set())
-            return [self._view(job, step, steps.get(step, {}), records.get(step, {}), step in pins)
+            return [_view(job, step, steps.get(step, {}), records.get(step, {}), step in pins)
                     for step in sorted(steps.keys() | records.keys())]
 
     def get(self, job: str, step: int) -> Checkpoint | None:
@@ -438,7 +438,7 @@ class Catalog:
             records = self._records.get(job, {}).get(step, {})
             if not ranks and not records:
                 return None
-            return self._view(job, step, ranks, records, step in self._pins.get(job, set()))
+            return _view(job, step, ranks, records, step in self._pins.get(job, set()))
 
     def newest_part_bytes(self, job: str, rank: int, world_size: int) -> int:
         """The size of ``rank``'s part in the job's newest step saved at ``world_size`` (0: none here).
@@ -476,15 +476,17 @@ class Catalog:
         with self._lock:
             return step in self._pins.get(job, set())
 
-    @staticmethod
-    def _view(job: str, step: int, ranks: dict[int, dict[TierName, Part]],
-              records: dict[TierName, tuple[layout.CommitRecord, int]], pinned: bool) -> Checkpoint:
-        parts = {r: dict(tiers) for r, tiers in ranks.items()}
-        view = Checkpoint(job, step, 0, parts, pinned, {t: rec for t, (rec, _) in records.items()})
-        record, attempt = view.record, view.attempt
-        if record is not None:
-            world = record.world_size
-        else:
-            sizes = [p.world_size for tiers in parts.values() for p in tiers.values() if p.attempt == attempt]
-            world = max(sizes) if sizes else max((rec.world_size for rec, _ in records.values()), default=1)
-        return Checkpoint(job, step, world, parts, pinned, view.records)
+
+def _view(job: str, step: int, ranks: dict[int, dict[TierName, Part]],
+          records: dict[TierName, tuple[layout.CommitRecord, int]], pinned: bool) -> Checkpoint:
+    """A step as the catalogue holds it, copied (the index changes under it). Its world size is its commit
+    record's; without one, the largest its parts of :attr:`Checkpoint.attempt` name."""
+    parts = {r: dict(tiers) for r, tiers in ranks.items()}
+    view = Checkpoint(job, step, 0, parts, pinned, {t: rec for t, (rec, _) in records.items()})
+    record, attempt = view.record, view.attempt
+    if record is not None:
+        world = record.world_size
+    else:
+        sizes = [p.world_size for tiers in parts.values() for p in tiers.values() if p.attempt == attempt]
+        world = max(sizes) if sizes else max((rec.world_size for rec, _ in records.values()), default=1)
+    return Checkpoint(job, step, world, parts, pinned, view.records)
