@@ -66,64 +66,50 @@ def limited(tier: Tier, rate: int | None, sleep: Callable[[float], object] = tim
     return LimitedTier(tier, RateLimiter(rate, sleep=sleep)) if rate else tier
 
 
-class LimitedTier:
+class _Paced:
+    """Wraps ``inner``: every call the subclass does not override passes through to it."""
+
+    def __init__(self, inner: Any, limiter: RateLimiter) -> None:
+        self._inner = inner
+        self._limiter = limiter
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class LimitedTier(_Paced):
     """A :class:`Tier` whose part files and new chunks are written at most at ``limiter``'s rate."""
 
     def __init__(self, tier: Tier, limiter: RateLimiter) -> None:
-        self._tier = tier
-        self._limiter = limiter
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tier, name)
+        super().__init__(tier, limiter)
 
     def begin_part(self, job: str, step: int, rank: int, replace: Callable[[Path], bool] | None = None,
                    final: Path | None = None) -> PartWriter:
-        return _LimitedWriter(self._tier.begin_part(job, step, rank, replace=replace, final=final), self._limiter)
+        return _LimitedWriter(self._inner.begin_part(job, step, rank, replace=replace, final=final), self._limiter)
 
     def new_chunks(self, job: str, part: PartWriter | None = None) -> ChunkBatch:
-        return _LimitedBatch(self._tier.new_chunks(job, part), self._limiter)
+        return _LimitedBatch(self._inner.new_chunks(job, part), self._limiter)
 
 
-class _LimitedWriter:
-    """A :class:`PartWriter` whose files are :class:`_LimitedSink`\\ s."""
-
-    def __init__(self, writer: PartWriter, limiter: RateLimiter) -> None:
-        self._writer = writer
-        self._limiter = limiter
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._writer, name)  # final, manifest_digest, ino, commit, abort
+class _LimitedWriter(_Paced):
+    """A :class:`PartWriter` (final, manifest_digest, ino, commit, abort: its own) whose files are paced."""
 
     def create_file(self, name: str, size: int, direct_io: bool, reserve: bool = True) -> DataSink:
-        return _LimitedSink(self._writer.create_file(name, size, direct_io, reserve), self._limiter)
+        return _LimitedSink(self._inner.create_file(name, size, direct_io, reserve), self._limiter)
 
 
-class _LimitedSink:
+class _LimitedSink(_Paced):
     """A :class:`DataSink` that takes a write's tokens (a slice at a time) before writing it."""
-
-    def __init__(self, sink: DataSink, limiter: RateLimiter) -> None:
-        self._sink = sink
-        self._limiter = limiter
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sink, name)  # sync, close
 
     def write(self, data: memoryview, offset: int) -> None:
         for start in range(0, len(data), _SLICE_BYTES):
             self._limiter.acquire(min(_SLICE_BYTES, len(data) - start))
-        self._sink.write(data, offset)
+        self._inner.write(data, offset)
 
 
-class _LimitedBatch:
-    """A :class:`ChunkBatch` that takes each chunk's tokens before writing it."""
-
-    def __init__(self, batch: ChunkBatch, limiter: RateLimiter) -> None:
-        self._batch = batch
-        self._limiter = limiter
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._batch, name)  # publish, discard
+class _LimitedBatch(_Paced):
+    """A :class:`ChunkBatch` (publish, discard: its own) that takes each chunk's tokens before writing it."""
 
     def write(self, name: str, data: memoryview, direct_io: bool) -> None:
         self._limiter.acquire(len(data))
-        self._batch.write(name, data, direct_io)
+        self._inner.write(name, data, direct_io)
