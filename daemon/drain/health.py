@@ -1,6 +1,6 @@
 """How the drains to the shared tier are going, per job and for the tier: the records, and the book of failures.
 
-``ckptstage status``, ``ckptstage jobs``, the metrics and the janitor read
+``ckptstage status``, ``ckptstage jobs`` and the metrics read
 the records; the drain queue keeps the :class:`FailureBook` they are made
 from. Nothing here imports the rest of the daemon.
 """
