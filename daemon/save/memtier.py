@@ -237,6 +237,12 @@ class MemoryTier:
         evict that rank's copy."""
         return self.holds(job, rank) and self._budget.total - self._budget.used < nbytes
 
+    def wait_checked(self, timeout: float) -> bool:
+        """Waits until no copy taken over is still being checked (each is then kept or let go); False at the
+        timeout."""
+        with self._lock:
+            return self._wake.wait_for(lambda: not self._pending, timeout)
+
     def copies(self, job: str | None = None) -> list[MemoryCopy]:
         with self._lock:
             return [c for c in self._copies.values() if c.verified and (job is None or c.resident.job == job)]

@@ -1,0 +1,135 @@
+"""What readers ask of the catalogue: a job's steps, where a step's parts are, and waits for a step.
+
+Every answer about the shared tier is at most about a second old
+(:class:`~ckptstage.daemon.drain.sharedsync.SharedSync` re-reads a job's
+steps there on demand), and a step kept in memory only is answered from the
+memory tier to a reader that can map it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ckptstage.daemon.catalog.commits import Commits
+from ckptstage.daemon.catalog.index import Catalog, Checkpoint, Part, TierName
+from ckptstage.daemon.catalog.quarantine import Quarantine
+from ckptstage.daemon.config import Config
+from ckptstage.daemon.drain.drainer import Drainer
+from ckptstage.daemon.drain.sharedsync import SharedSync
+from ckptstage.daemon.errors import CheckpointNotFound, InvalidRequest
+from ckptstage.daemon.node import listing
+from ckptstage.daemon.node.incomplete import why_incomplete
+from ckptstage.daemon.save.memtier import MemoryTier
+from ckptstage.daemon.tiers.interface import Tier
+from ckptstage.protos import layout
+
+
+def newest_complete(catalog: Catalog, job: str) -> int | None:
+    """The newest step of ``job`` complete on some disk tier."""
+    ckpt = catalog.latest_complete(job)
+    return ckpt.step if ckpt is not None else None
+
+
+def committed_digest(catalog: Catalog, job: str, step: int, rank: int) -> str | None:
+    """The manifest digest of the part the step's commit names for ``rank`` now (None: no such part)."""
+    ckpt = catalog.get(job, step)
+    parts = ckpt.committed(rank) if ckpt is not None and ckpt.complete else []
+    return parts[0].digest if parts else None
+
+
+class Lookup:
+    """The catalogue as readers see it, the shared tier's index kept fresh for them."""
+
+    def __init__(self, config: Config, catalog: Catalog, commits: Commits, memory: MemoryTier,
+                 quarantine: Quarantine, tiers: dict[TierName, Tier], drainer: Drainer | None,
+                 shared_sync: SharedSync | None, stopping: threading.Event) -> None:
+        self._config = config
+        self._catalog = catalog
+        self._commits = commits
+        self._memory = memory
+        self._quarantine = quarantine
+        self._tiers = tiers
+        self._drainer = drainer
+        self._sync = shared_sync
+        self._stopping = stopping
+
+    def checkpoints(self, job: str) -> list[Checkpoint]:
+        layout.check_job(job)
+        self.fresh(job)
+        # A record whose parts are all gone (a deletion under way) names nothing to list.
+        return [c for c in self._catalog.checkpoints(job) if c.parts]
+
+    def drain_state(self, ckpt: Checkpoint) -> str:
+        if self._drainer is None:
+            return "disabled"
+        return self._drainer.checkpoint_state(ckpt)
+
+    def list_checkpoints(self, job: str, memory: bool = False) -> listing.Listing:
+        """A job's steps, oldest first, with their drain state and the ranks the memory tier holds; with
+        ``memory`` also the steps only the memory tier holds. And the copies of the job quarantined."""
+        entries = [listing.entry(c, self.drain_state(c), self._memory.ranks(c.job, c.step, c.world_size))
+                   for c in self.checkpoints(job)]
+        if memory:
+            entries = sorted(entries + [listing.memory_entry(m) for m in self._memory.memory_steps(job)],
+                             key=lambda e: e.step)
+        return listing.Listing(entries, self._quarantine.moved(job))
+
+    def locate_parts(self, job: str, step: int | None, rank: int, all_ranks: bool = False,
+                     memory: bool = False) -> listing.Located:
+        """Where a reader finds ``rank``'s part of the complete ``step`` (the newest when None), best copy
+        first; with ``all_ranks`` every rank's too. ``memory``: the reader can read the memory tier, so a step
+        kept in memory only (newer than any on disk, or the one asked for) is answered from there, and a
+        part the memory tier holds is listed first."""
+        if memory:
+            kept = self._memory.step_for(job, step)
+            if kept is not None:
+                return listing.memory_located(kept, rank, all_ranks)
+        ckpt, _ = self.locate(job, step, rank, all_ranks)
+        return listing.located(ckpt, rank, all_ranks,
+                               lambda r: memory and self._memory.has(ckpt.job, ckpt.step, r), self._tiers)
+
+    def locate(self, job: str, step: int | None, rank: int, all_ranks: bool = False) -> tuple[Checkpoint, list[Part]]:
+        """The complete step (the newest when ``step`` is None) and ``rank``'s copies of the committed
+        attempt's part, best first. With ``all_ranks`` a rank outside the step's world size gets no
+        copies instead of an error (a reader of another world size reads several parts)."""
+        layout.check_job(job)
+        self.fresh(job)
+        ckpt = self._catalog.latest_complete(job) if step is None else self._catalog.get(job, step)
+        if ckpt is None or not ckpt.complete:
+            raise CheckpointNotFound(job, step, "" if ckpt is None else why_incomplete(ckpt))
+        parts = ckpt.committed(rank)
+        if not parts and not all_ranks:
+            raise CheckpointNotFound(job, ckpt.step, f"no part for rank {rank} (world size {ckpt.world_size})")
+        return ckpt, parts
+
+    def wait_step(self, job: str, step: int, tier: TierName | None, timeout: float) -> Checkpoint | None:
+        """The step once its commit record is on ``tier`` (None: any) with all its parts; None at the timeout."""
+        layout.check_job(job)
+        layout.check_step(step)
+        if tier == TierName.SHARED and self._drainer is None:
+            raise InvalidRequest("this daemon has no shared tier ([shared] dir is not set)")
+        if tier == TierName.MEMORY:
+            raise InvalidRequest("a step is not waited for in the memory tier: wait for each save "
+                                 "(SaveHandle.wait('memory'))")
+        if tier is not None and not self._config.local.persists(step) and self._catalog.get(job, step) is None:
+            raise InvalidRequest(f"step {step} is kept in memory only: [local] persist_every = "
+                                 f"{self._config.local.persist_every} writes only steps that are multiples of it")
+        if tier == TierName.SHARED and not self._config.shared.drains(step):
+            ckpt = self._catalog.get(job, step)
+            if ckpt is None or not ckpt.complete_on(TierName.SHARED):
+                assert self._drainer is not None
+                raise InvalidRequest(self._drainer.not_drained(step))
+        sync = self._sync
+        refresh = (lambda j, s, wait: sync.fresh(j, s, max_age_s=0.25, wait_s=wait)) if sync is not None else None
+        return self._commits.wait_step(job, step, tier, timeout, refresh, stop=self._stopping)
+
+    def indexed(self, job: str, step: int) -> bool:
+        """Whether the catalog has ``step`` of ``job``, once a step only the shared tier has is indexed."""
+        if self._catalog.get(job, step) is None and self._sync is not None:
+            self._sync.fresh(job, step, max_age_s=0.0)
+        return self._catalog.get(job, step) is not None
+
+    def fresh(self, job: str) -> None:
+        """The index of ``job`` on the shared tier at most ~1 s old, or as fresh as a bounded wait gets it."""
+        if self._sync is not None:
+            self._sync.fresh(job)

@@ -1,0 +1,59 @@
+"""The node seen from outside: one summary per job, and the state the metrics read at scrape time.
+
+Both are read from memory only (the catalogue, the sessions, the memory
+tier, the drain queue and the tier probes), never from a tier, so neither
+``Status`` nor a scrape can hang on a file system that does not answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ckptstage.daemon.catalog.index import Catalog, TierName
+from ckptstage.daemon.drain.drainer import Drainer
+from ckptstage.daemon.drain.health import NO_DRAIN
+from ckptstage.daemon.metrics import StateProbe
+from ckptstage.daemon.node import jobs
+from ckptstage.daemon.node.incomplete import IncompleteSteps
+from ckptstage.daemon.save.arena import Budget
+from ckptstage.daemon.save.memtier import MemoryTier
+from ckptstage.daemon.save.sessions import SessionTable
+from ckptstage.daemon.tiers.probe import TierProbe
+
+
+def job_summaries(catalog: Catalog, sessions: SessionTable, memory: MemoryTier,
+                  drainer: Drainer | None) -> list[jobs.JobSummary]:
+    """Every job this node knows of (catalogued, with a session, or kept in memory), sorted by name."""
+    open_jobs = [s.info.job for s in sessions.all() if not s.closed.is_set()]
+    copies = memory.copies()
+    names = sorted(set(catalog.jobs()) | set(open_jobs) | {c.resident.job for c in copies})
+    health = drainer.health_of(names) if drainer is not None else {}
+    return [jobs.summarize(job, catalog.checkpoints(job), [c for c in copies if c.resident.job == job],
+                           memory.memory_steps(job), open_jobs.count(job), health.get(job, NO_DRAIN))
+            for job in names]
+
+
+def state_probe(budget: Budget, sessions: SessionTable, catalog: Catalog, tier_probes: dict[TierName, TierProbe],
+                drainer: Drainer | None, incomplete: IncompleteSteps, memory: MemoryTier,
+                summaries: Callable[[], list[jobs.JobSummary]]) -> StateProbe:
+    """What :class:`~ckptstage.daemon.metrics.Metrics` reads of the node at each scrape."""
+    def tier_used(tier: str) -> int:
+        return sum(p.nbytes for p in catalog.all_parts(TierName(tier)))
+
+    def tier_free(tier: str) -> int | None:
+        return tier_probes[TierName(tier)].reading().free_bytes
+
+    def tier_size(tier: str) -> int | None:
+        return tier_probes[TierName(tier)].reading().total_bytes
+
+    d = drainer
+    return StateProbe(
+        arena_used=lambda: budget.used, arena_total=lambda: budget.total,
+        sessions=lambda: len(sessions.all()), tiers=lambda: [t.value for t in tier_probes],
+        tier_used=tier_used, tier_free=tier_free, tier_size=tier_size,
+        drain_queue=(lambda: d.pending()) if d else (lambda: (0, 0)),
+        drain_lag_s=(lambda: d.lag_s()) if d else (lambda: 0.0),
+        shared_reachable=(lambda: d.reachable) if d else (lambda: None),
+        incomplete_steps=lambda: len(incomplete.stuck()),
+        memory_copies=lambda: len(memory.copies()), memory_bytes=lambda: memory.bytes_kept,
+        jobs=summaries)
