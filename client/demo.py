@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ckptstage.client import errors
+from ckptstage.client import commands, errors
 from ckptstage.client.rpc import Connection, resolve_socket
 
 JOB = "demo"
@@ -170,10 +170,8 @@ def run(socket: str | None, steps: int, every: int, kill_at: int) -> int:
         second = _run_trainer(path, job, steps, every, None)
         _report(first, second, steps)
         with Connection(path) as conn:
-            from ckptstage.client import cli
-
             print(f"\n$ ckptstage ls {job}")
-            cli.cmd_ls(conn, argparse.Namespace(job=job, json=False))
+            commands.cmd_ls(conn, argparse.Namespace(job=job, json=False))
     print(f"\ndemo finished in {time.monotonic() - t0:.1f}s")
     return 0
 

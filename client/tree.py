@@ -188,7 +188,7 @@ class _Walk:
 
 
 class _Walker:
-    """What :func:`encodings.encode` may ask of the walk at one value (see ``encodings.Walker``)."""
+    """What :func:`encodings.encode` may ask of the walk at one value (see ``walker.Walker``)."""
 
     def __init__(self, walk: _Walk, obj: Any, path: str, seen: tuple[int, ...], keys: tuple[Any, ...]) -> None:
         self.walk, self.obj, self.path, self.seen, self.keys = walk, obj, path, seen, keys

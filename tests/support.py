@@ -152,8 +152,6 @@ def refuse_o_direct(monkeypatch: Any) -> None:
     network file systems do (this machine's file systems all accept it)."""
     import errno
 
-    from ckptstage.client import restore
-
     real_open = os.open
 
     def no_direct(path: Any, flags: int, *args: Any) -> int:
@@ -161,7 +159,7 @@ def refuse_o_direct(monkeypatch: Any) -> None:
             raise OSError(errno.EINVAL, "Invalid argument", str(path))
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(restore.os, "open", no_direct)
+    monkeypatch.setattr(os, "open", no_direct)
 
 
 class RecordingTier:

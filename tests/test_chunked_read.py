@@ -24,7 +24,7 @@ import pytest
 import torch
 from support import assert_same, drain, refuse_o_direct, write_part
 
-from ckptstage.client import Client, readmodes, restore, shards, tree
+from ckptstage.client import Client, extentfiles, readmodes, restore, shards, tree
 from ckptstage.client.reshard import StepView
 from ckptstage.protos import chunks, layout
 
@@ -90,7 +90,7 @@ def warm(part: Path) -> None:
 
 def cold_or_skip(part: Path) -> None:
     evict(part)
-    files = restore.ExtentFiles(part / layout.DATA_FILE, chunks.extents(part, layout.read_manifest(part)))
+    files = extentfiles.ExtentFiles(part / layout.DATA_FILE, chunks.extents(part, layout.read_manifest(part)))
     try:
         if files.cached(0, files.extents[-1].hi):
             pytest.skip(f"{part} stays in memory after eviction (tmpfs?): nothing here reads cold")
@@ -140,7 +140,7 @@ class FdWatch:
                 self.most = max(self.most, n)
             return real(fd, buffers, offset, flags)
 
-        monkeypatch.setattr(restore.os, "preadv", counting)
+        monkeypatch.setattr(os, "preadv", counting)
 
     def now(self) -> int:
         n = 0

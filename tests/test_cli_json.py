@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from ckptstage.client import Client
-from ckptstage.client import cli
+from ckptstage.client import cli, cliformat
+from ckptstage.client import commands as cli_commands
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 from support import drain, wait_until
 
@@ -89,7 +90,7 @@ def check(value: Any, kind: str, where: str) -> None:
 
 
 def test_the_doc_describes_every_command_and_each_proto_field() -> None:
-    assert set(commands()) == set(cli.COMMANDS) | {"consolidate"}, commands()
+    assert set(commands()) == set(cli_commands.COMMANDS) | {"consolidate"}, commands()
     # The objects that are protobuf messages list exactly the message's fields (so one that no test run
     # happens to fill, e.g. a quarantined copy, is still right).
     for name, message in {"Status": pb.StatusResponse, "Session": pb.SessionStatus, "Tier": pb.TierStatus,
@@ -99,7 +100,7 @@ def test_the_doc_describes_every_command_and_each_proto_field() -> None:
                           "Drain": pb.DrainResponse}.items():
         assert sorted(SCHEMA[name]) == sorted(f.name for f in message.DESCRIPTOR.fields), name
     # to_json itself: every field of an empty message, unset sub-messages and big integers included.
-    empty = cli.to_json(pb.StatusResponse(jobs=[pb.JobStatus(local_bytes=2**63 + 1)]))
+    empty = cliformat.to_json(pb.StatusResponse(jobs=[pb.JobStatus(local_bytes=2**63 + 1)]))
     check(empty, "Status", "Status")
     assert empty["jobs"][0]["local_bytes"] == 2**63 + 1
 
@@ -228,7 +229,7 @@ def test_every_command_without_a_daemon(kind: str, tmp_path: Path, capsys: Any) 
     for command, rest in ALL.items():
         rest = [str(tmp_path / "out") if a == "OUT" else a for a in rest]
         code, out, err = run(capsys, command, *rest, "--socket", str(sock), "--json")
-        assert code == cli.EXIT_NO_DAEMON == 3, (command, out, err)
+        assert code == cli_commands.EXIT_NO_DAEMON == 3, (command, out, err)
         error = json.loads(out)["error"]
         assert error["code"] == "daemon_unavailable" and error["socket"] == str(sock), (command, error)
         assert f"{say} {sock}" in error["message"] and "--socket" in error["message"], error
@@ -342,7 +343,7 @@ def test_failing_drains_show_in_status_and_jobs(daemon_factory: Any, capsys: Any
     assert row.split()[:3] == ["fj", "1", "1"] and "ago: " in row and job["drain"]["state"] in row, row
     # drain --wait gives up at --timeout: parts still queued, exit 4, and the error is named meanwhile
     code, out, err = run(capsys, "drain", "--wait", "--timeout", "1.5", "--progress", "lines", "--socket", s)
-    assert code == cli.EXIT_TIMED_OUT == 4, (out, err)
+    assert code == cli_commands.EXIT_TIMED_OUT == 4, (out, err)
     assert out == "1 part(s) still to drain after 1.5s (--timeout), 0 failed\n", (out, err)
     assert re.search(r"drain all jobs: 0 B of .* done, fj \w+: .*fj", err), err
 

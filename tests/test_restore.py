@@ -53,7 +53,7 @@ def reads(monkeypatch: Any) -> dict[str, int]:
             counts["direct" if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT else "cached"] += 1
         return real(fd, buffers, offset, flags)
 
-    monkeypatch.setattr(restore.os, "preadv", counting)
+    monkeypatch.setattr(os, "preadv", counting)
     return counts
 
 
