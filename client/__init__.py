@@ -6,6 +6,7 @@ Names are loaded on first use so that ``import ckptstage.client`` stays fast
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from ckptstage.client.errors import (
@@ -23,7 +24,8 @@ from ckptstage.client.errors import (
 )
 
 if TYPE_CHECKING:
-    from ckptstage.client.api import CheckpointInfo, Client, SaveHandle
+    from ckptstage.client.api import CheckpointInfo, Client
+    from ckptstage.client.saver import SaveHandle
 
 __all__ = [
     "AlreadyCommitted", "ArenaFull", "CheckpointInfo", "CheckpointNotFound", "CkptStageError", "Client",
@@ -31,12 +33,12 @@ __all__ = [
     "StepPinned",
 ]
 
-_LAZY = {"Client", "SaveHandle", "CheckpointInfo"}
+# Each lazily loaded name and the module it lives in.
+_LAZY = {"Client": "api", "CheckpointInfo": "api", "SaveHandle": "saver"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        from ckptstage.client import api
-
-        return getattr(api, name)
+        module = importlib.import_module(f"ckptstage.client.{_LAZY[name]}")
+        return getattr(module, name)
     raise AttributeError(f"module 'ckptstage.client' has no attribute {name!r}")

@@ -59,6 +59,15 @@ def group_rank() -> int | None:
     return None
 
 
+def refuse_saves(world_size: int, given_rank: int | None) -> str | None:
+    """Why this process must not save, or None: under "only rank 0 saves" (a client created with
+    ``world_size=1`` and no ``rank`` in a larger process group) every process but the group's rank 0."""
+    mine = group_rank()
+    return (f"this process is rank {mine} of its process group and the client was "
+            "created with world_size=1 (only rank 0 saves): save from rank 0 only"
+            if world_size == 1 and given_rank is None and mine else None)
+
+
 def check_attempt(attempt: str) -> str:
     if attempt and not _ATTEMPT_RE.fullmatch(attempt):
         raise ValueError(f"invalid attempt id {attempt!r}: 1-128 characters from [A-Za-z0-9._:-]")

@@ -71,14 +71,12 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ckptstage.client import errors
-
-if TYPE_CHECKING:
-    from ckptstage.client.api import Client
+from ckptstage.client.saver import SaveHandle
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +88,17 @@ SNAPSHOT_TIMEOUT_S = 120.0
 _POLL_S = 0.05
 
 Handler = Callable[[int, FrameType | None], Any] | int | None
+
+
+class Saving(Protocol):
+    """What a preemption's snapshot needs of its client (``Client`` is one)."""
+
+    def save(self, step: int, state: Any) -> SaveHandle: ...
+
+    def _saving(self, step: int) -> SaveHandle | None:
+        """This client's save of ``step`` still good (in flight, or snapshotted without error), if any."""
+
+    def _check_open(self) -> None: ...
 
 
 def _check_main_thread(what: str) -> None:
@@ -216,7 +225,7 @@ def _die_by(signum: int) -> None:
 class Preemption(SignalLatch):
     """What ``Client.on_preemption`` installs: see the module docstring."""
 
-    def __init__(self, client: Client, state_fn: Callable[[], tuple[int, Any]], signals: Iterable[int],
+    def __init__(self, client: Saving, state_fn: Callable[[], tuple[int, Any]], signals: Iterable[int],
                  timeout: float | None = DEFAULT_TIMEOUT_S, at_optimizer_step: bool = True) -> None:
         if not callable(state_fn):
             raise TypeError(f"state_fn must be callable, returning (step, state); got {type(state_fn).__name__}")
@@ -288,9 +297,8 @@ class Preemption(SignalLatch):
         t0 = time.monotonic()
         try:
             step, state = self._state_fn()
-            with self._client._lock:
-                handle = self._client._recent.get(step)
-            if handle is None or (handle.snapshot_done() and handle._error is not None):
+            handle = self._client._saving(step)
+            if handle is None:
                 handle = self._client.save(step, state)
             handle.wait_snapshot(SNAPSHOT_TIMEOUT_S)
         except errors.AlreadyCommitted:
@@ -347,10 +355,10 @@ class Preemption(SignalLatch):
             del _INSTALLED[self._client]
 
 
-_INSTALLED: weakref.WeakKeyDictionary[Client, Preemption] = weakref.WeakKeyDictionary()
+_INSTALLED: weakref.WeakKeyDictionary[Saving, Preemption] = weakref.WeakKeyDictionary()
 
 
-def install(client: Client, state_fn: Callable[[], tuple[int, Any]], signals: Iterable[int] = (signal.SIGTERM,),
+def install(client: Saving, state_fn: Callable[[], tuple[int, Any]], signals: Iterable[int] = (signal.SIGTERM,),
             *, timeout: float | None = DEFAULT_TIMEOUT_S, at_optimizer_step: bool = True) -> Preemption:
     """``client.on_preemption``: replaces what an earlier call on ``client`` installed (a signal it had
     recorded and not yet answered carries over)."""
@@ -368,7 +376,7 @@ def install(client: Client, state_fn: Callable[[], tuple[int, Any]], signals: It
     return new
 
 
-def release(client: Client) -> None:
+def release(client: Saving) -> None:
     """What ``Client.close`` calls: the client's handlers, if any, are restored."""
     installed = _INSTALLED.pop(client, None)
     if installed is not None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptstage.client import reshard
+from ckptstage.client import errors, reshard
 from ckptstage.client.progress import size_text
 from ckptstage.client.rpc import FETCH_TIMEOUT_S, Connection
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
@@ -99,3 +99,15 @@ class OpenStep:
 
 def open_step(conn: Connection, job: str, step: int | None, rank: int = 0) -> OpenStep:
     return OpenStep(conn, locate(conn, job, step, rank))
+
+
+def complete_steps(conn: Connection, job: str, most: int = 256) -> list[int]:
+    """The daemon's complete steps of ``job``, newest first (at most ``most``)."""
+    if most == 1:
+        try:
+            resp = conn.call("Locate", pb.LocateRequest(job=job, latest=True, rank=0, memory=True))
+        except errors.CheckpointNotFound:
+            return []
+        return [int(resp.step)]
+    listed = conn.call("ListCheckpoints", pb.ListRequest(job=job, memory=True)).checkpoints
+    return sorted((c.step for c in listed if c.complete), reverse=True)[:most]

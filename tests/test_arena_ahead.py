@@ -33,9 +33,9 @@ def _state(mib: int) -> dict[str, torch.Tensor]:
 def _arena(d: Any, c: Client) -> tuple[int, list[int]]:
     """(arena bytes, generations of the arenas the daemon maps) of ``c``'s session."""
     with d.connection() as conn:
-        [session] = [s for s in conn.status().sessions if s.session_id == c._session_id]
+        [session] = [s for s in conn.status().sessions if s.session_id == c._session.session_id]
     names = {line.split()[-2] if line.endswith("(deleted)") else line.split()[-1]
-             for line in Path(f"/proc/{d.proc.pid}/maps").read_text().splitlines() if c._session_id in line}
+             for line in Path(f"/proc/{d.proc.pid}/maps").read_text().splitlines() if c._session.session_id in line}
     return session.arena_bytes, sorted(int(n.rsplit("-", 1)[1]) for n in names)
 
 
@@ -134,13 +134,13 @@ def test_an_arena_that_cannot_be_mapped_ahead_leaves_the_saves_working(daemon_fa
         resource.setrlimit(resource.RLIMIT_NOFILE, (fillers[-1], hard))
         try:
             c.prepare(8 * MiB)
-            wait_until(lambda: c._queue.empty(), 20, "the snapshot thread to take the prepare")
+            wait_until(lambda: c._saver._queue.empty(), 20, "the snapshot thread to take the prepare")
             time.sleep(0.5)
         finally:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
             for fd in fillers:
                 os.close(fd)
-        assert c._worker.is_alive()
+        assert c._saver._worker.is_alive()
         c.save(1, _state(2)).wait("local", timeout=30)
         assert torch.equal(c.load(1)["w"], _state(2)["w"])
 
@@ -165,10 +165,10 @@ def shard_and_size(ctx: Any) -> tuple[int, int]:
         opt.step()
         state = {"model": model.state_dict(), "opt": opt.state_dict()}
         flat = tree.flatten_state(state)
-        need = c._plans.plan(flat.tensors, flat.paths).data_bytes
+        need = c._saver.plans.plan(flat.tensors, flat.paths).data_bytes
         deadline = time.monotonic() + 20
         while not (arena := next(s.arena_bytes for s in c._conn.status().sessions
-                                 if s.session_id == c._session_id)) and time.monotonic() < deadline:
+                                 if s.session_id == c._session.session_id)) and time.monotonic() < deadline:
             time.sleep(0.05)
         c.save(1, state).wait("local", timeout=60)
     return arena, need

@@ -34,13 +34,9 @@ MAX_MODULE_LINES = 500
 # Still to split (each at its size today): the list only shrinks. A listed one that grows fails, and so does one
 # that is now within the limits, until it is struck off.
 OVERSIZED: dict[str, int] = {
-    "ckptstage.client.api": 1042,
-    "ckptstage.client.api.Client": 748,
 }
 # Still to untangle, likewise: each a module pair that imports each other.
-KNOWN_CYCLES = {
-    "ckptstage.client.api -> ckptstage.client.preemption -> ckptstage.client.api",
-}
+KNOWN_CYCLES: set[str] = set()
 
 
 def modules() -> Iterator[tuple[str, Path]]:

@@ -114,7 +114,7 @@ class Stall(torch.Tensor):
 c = Client(job, socket=socket, arena_bytes=10 << 20)
 c.save(0, {"w": torch.zeros(2 << 18)}).wait("local", timeout=60)                 # ring [0, 2 MiB)
 c.save(1, {"w": torch.full((4 << 18,), 1.0)}).wait("local", timeout=60)         # ring [3 MiB, 7 MiB)
-print("SESSION", c._session_id, flush=True)
+print("SESSION", c._session.session_id, flush=True)
 h = c.save(2, {"a": torch.zeros(512, dtype=torch.float64).as_subclass(Stall),  # jumps to the ring's start:
                "w": torch.full((8 << 18,), 7.0)})                                # [0, 8 MiB), over step 1
 try:

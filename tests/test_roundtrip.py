@@ -397,7 +397,7 @@ def test_daemon_announces_freed_arena_space_on_the_session_stream(daemon):
 
     with Client("announce", socket=daemon.socket) as c, Connection(daemon.socket) as conn:
         events: list[Any] = []
-        stream = conn.stub.Attach(pb.AttachRequest(session_id=c._session_id))
+        stream = conn.stub.Attach(pb.AttachRequest(session_id=c._session.session_id))
 
         def read() -> None:
             try:
@@ -416,7 +416,7 @@ def test_daemon_announces_freed_arena_space_on_the_session_stream(daemon):
         released = [e for e in events if e.kind == pb.SessionEvent.RELEASED]
         assert events[0].kind == pb.SessionEvent.READY
         assert released and released[-1].released >= 4 << 20, events
-        assert {e.arena_generation for e in released} == {c._arena.generation}
+        assert {e.arena_generation for e in released} == {c._session.arena.generation}
         assert [e.released for e in released] == sorted(e.released for e in released)  # never goes back
         stream.cancel()  # (the daemon takes this for the client going away and ends the session)
 
