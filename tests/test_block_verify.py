@@ -1,4 +1,4 @@
-"""The per-block verification of a data file against its manifest (protos/layout.py).
+"""The per-block verification of a data file against its manifest (protos/layout/checksums.py).
 
 One error for every verifying reader: ``chunk i (bytes a..) xxh3_64 x != y in
 the manifest``, naming the file, the block and its first byte. Checked for a
