@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ckptstage.daemon.catalog.chunkstore import ChunkStore
 from ckptstage.daemon.catalog.commits import Commits
-from ckptstage.daemon.catalog.index import Catalog, Checkpoint, Part, TierName
+from ckptstage.daemon.catalog.index import Catalog, Checkpoint, TierName
 from ckptstage.daemon.catalog.quarantine import Quarantine
 from ckptstage.daemon.config import Config
 from ckptstage.daemon.drain import drainer as drainer_mod
@@ -279,18 +279,12 @@ class Node:
 
     # --- what readers ask (node/lookup.py) -----------------------------------------------
 
-    def checkpoints(self, job: str) -> list[Checkpoint]:
-        return self.lookup.checkpoints(job)
-
     def list_checkpoints(self, job: str, memory: bool = False) -> listing.Listing:
         return self.lookup.list_checkpoints(job, memory)
 
     def locate_parts(self, job: str, step: int | None, rank: int, all_ranks: bool = False,
                      memory: bool = False) -> listing.Located:
         return self.lookup.locate_parts(job, step, rank, all_ranks, memory)
-
-    def locate(self, job: str, step: int | None, rank: int, all_ranks: bool = False) -> tuple[Checkpoint, list[Part]]:
-        return self.lookup.locate(job, step, rank, all_ranks)
 
     def wait_step(self, job: str, step: int, tier: TierName | None, timeout: float) -> Checkpoint | None:
         return self.lookup.wait_step(job, step, tier, timeout)
