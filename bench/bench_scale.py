@@ -350,10 +350,16 @@ class Ranks:
         try:
             self.ask("close")
         finally:
-            for p in self.procs:
-                p.join(30)
-                if p.is_alive():
-                    p.kill()
+            self.kill(grace_s=30.0)
+
+    def kill(self, grace_s: float = 0.0) -> None:
+        """Ends the hosts still running after ``grace_s`` (0: at once, one may be stuck in a save); their
+        sessions break and the daemons close them."""
+        for p in self.procs:
+            p.join(grace_s)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
 
 
 # ------------------------------------------------------------------ one configuration
@@ -450,6 +456,7 @@ def measure(world: int, nodes: int, work: Path, droot: Path, args: argparse.Name
     shared = work / "shared"
     daemons = start_daemons(droot, shared, nodes, -(-world // nodes), arena)
     ranks: Ranks | None = None
+    done = False
     try:
         ranks = Ranks(world, [d.socket for d in daemons], rows, arena)
         save_step(ranks, shared, 1)  # untimed: sessions, arenas and the job's directories exist
@@ -474,9 +481,10 @@ def measure(world: int, nodes: int, work: Path, droot: Path, args: argparse.Name
         reshard(fig, world // 2, rows, daemons[(world // 2) * nodes // world], last, shared, daemons)
         count_step(fig, ranks, daemons, shared, last + 1, work / "strace", args)
         fig.loads.append(h.load())
+        done = True
     finally:
         if ranks is not None:
-            ranks.close()
+            ranks.close() if done else ranks.kill()
         stop_daemons(daemons)
     return fig
 
@@ -885,6 +893,8 @@ def main() -> int:
         dcp_main(int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]))
         return 0
     args = parse_args()
+    # a SIGTERM (``timeout``) unwinds like an error, so the daemons, hosts and straces started here are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if shutil.which("strace") is None:
         raise SystemExit("bench_scale needs strace (the shared tier's operations are counted with it)")
     with h.bench_dirs(args.dir, "scale") as (work, droot, info):
