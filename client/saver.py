@@ -31,6 +31,9 @@ from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+# A WaitSave without a timeout is asked this long at a time (the daemon answers "not yet" at its end).
+WAIT_SLICE_S = 25.0
+
 _TIERS = {"local": pb.LOCAL, "shared": pb.SHARED, "memory": pb.MEMORY}
 # A wait at exit longer than this is logged as a warning (the script should have waited for its saves).
 _WAIT_NOTED_S = 1.0
@@ -99,13 +102,18 @@ class SaveHandle:
         self.wait_snapshot(timeout)
         assert self.save_id is not None
         while True:
-            left = 25.0 if deadline is None else min(25.0, deadline - time.monotonic())
+            left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, deadline - time.monotonic())
             if left <= 0:
                 raise TimeoutError(f"step {self.step} not committed on {tier} after {timeout}s")
             # The daemon answers "not yet" at timeout_s; the call's deadline, a little later, covers a
             # daemon that cannot answer at all.
-            resp = self._conn.call("WaitSave", pb.WaitSaveRequest(
-                save_id=self.save_id, tier=code, timeout_s=left), timeout=left + 0.5)
+            try:
+                resp = self._conn.call("WaitSave", pb.WaitSaveRequest(
+                    save_id=self.save_id, tier=code, timeout_s=left), timeout=left + 0.5)
+            except errors.DaemonTimeout:
+                if deadline is not None:
+                    raise
+                continue  # no timeout was given: a daemon too busy to answer in time is asked again
             if resp.done:
                 return
 

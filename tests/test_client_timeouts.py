@@ -9,6 +9,7 @@ that lived through it saves again within a second of the daemon serving.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -92,3 +93,34 @@ def test_connect_timeout_holds_against_a_stopped_daemon(daemon: Any, connect_tim
     assert str(daemon.socket) in str(info.value) and "hung, stopped" in str(info.value)
     with Client("frozen-open", socket=daemon.socket, connect_timeout=10) as c:  # thawed, it serves again
         c.save(1, state_of(1)).wait("local", timeout=30)
+
+
+def test_a_wait_without_a_timeout_outlasts_a_daemon_too_busy_to_answer(daemon: Any,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """No timeout means no timeout: a daemon that answers a WaitSave later than the call's own deadline (frozen
+    here for several of them) is asked again, and the wait returns once it answers."""
+    from ckptstage.client import saver
+
+    monkeypatch.setattr(saver, "WAIT_SLICE_S", 0.5)  # each WaitSave: 0.5 s, its call's deadline 1 s
+    with Client("busy", socket=daemon.socket) as c:
+        handle = c.save(1, state_of(1))
+        handle.wait_snapshot(timeout=30)
+        outcome: list[BaseException | None] = []
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            waiter = threading.Thread(target=lambda: outcome.append(_raised(lambda: handle.wait("local"))))
+            waiter.start()
+            time.sleep(3.5)  # three of the waiter's calls past their deadline
+            assert waiter.is_alive() and outcome == [], outcome
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        waiter.join(30)
+        assert outcome == [None]
+
+
+def _raised(call: Callable[[], Any]) -> BaseException | None:
+    try:
+        call()
+    except BaseException as e:  # noqa: BLE001 - the test asserts on it
+        return e
+    return None
