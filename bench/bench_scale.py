@@ -63,7 +63,7 @@ What is measured, per configuration:
 
 Slopes: every figure is fitted as ``a * W^b * N^c`` by least squares on
 logs over the configurations (``b`` and ``c`` printed; ``-`` where the grid
-has one value). Targets (issue 25): metadata per step exponent in W <= 1.1,
+has one value). Targets: metadata per step exponent in W <= 1.1,
 ``latest()`` <= 50 ms, reshard load at the largest W <= 1.5x the smallest
 W's, READY <= 1 s and first ``latest()`` <= 100 ms against 1,000 jobs x 100
 steps. Not a test: exits 0 unless ``--strict`` and a target is missed.

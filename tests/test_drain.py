@@ -1,4 +1,4 @@
-"""Draining to the shared tier, against a real daemon with real faults (issue 3).
+"""Draining to the shared tier, against a real daemon with real faults.
 
 Faults are real: a read-only bind mount over the shared directory, a full
 small tmpfs as the shared tier, SIGKILL in the middle of a drain, a flipped

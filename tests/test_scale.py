@@ -1,4 +1,4 @@
-"""The scale simulator's small version (issue 25): how the shared tier's work grows with the job, counted.
+"""The scale simulator's small version: how the shared tier's work grows with the job, counted.
 
 ``bench/bench_scale.py`` runs W ranks (real ``Client`` objects on threads) over
 N real daemons on one shared directory and counts, with ``strace`` attached to
