@@ -115,7 +115,7 @@ def _write(r: Resident, tier: Tier) -> Part:
     """One rank's image as a committed part on ``tier``; every block checked as it leaves the arena."""
     assert r.manifest is not None
     manifest = layout.parse_manifest_file(r.manifest, r.where / layout.MANIFEST_FILE)
-    entry = data_entry(r, r.manifest)
+    entry = data_entry(r, manifest)
     writer = tier.begin_part(r.job, r.step, r.rank, replace=lambda _: False)
     try:
         sink = writer.create_file(layout.DATA_FILE, r.size, direct_io=False)

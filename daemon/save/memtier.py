@@ -373,12 +373,11 @@ def _fields(r: Resident, bytes: int | None = None, error: object = None, **more:
     return fields(job=r.job, step=r.step, rank=r.rank, tier="memory", bytes=bytes, error=error, **more)
 
 
-def data_entry(r: Resident, manifest: bytes) -> layout.FileEntry:
-    """The manifest's entry for the data file whose image ``r`` is, checked to describe exactly that image;
-    raises :class:`layout.ManifestError` saying why not."""
+def data_entry(r: Resident, manifest: dict[str, Any]) -> layout.FileEntry:
+    """The (parsed) manifest's entry for the data file whose image ``r`` is, checked to describe exactly that
+    image; raises :class:`layout.ManifestError` saying why not."""
     try:
-        entry = layout.manifest_files(layout.parse_manifest_file(manifest, r.where / layout.MANIFEST_FILE))[
-            layout.DATA_FILE]
+        entry = layout.manifest_files(manifest)[layout.DATA_FILE]
     except KeyError as e:
         raise layout.ManifestError(f"{r.where / layout.MANIFEST_FILE}: no entry for {e}") from None
     if entry.size != r.size:
@@ -392,7 +391,7 @@ def _image_matches(copy: MemoryCopy) -> tuple[bool, str]:
     """Whether the arena still holds exactly the committed data file (every digest block)."""
     r = copy.resident
     try:
-        entry = data_entry(r, copy.manifest)
+        entry = data_entry(r, layout.parse_manifest_file(copy.manifest, r.where / layout.MANIFEST_FILE))
     except layout.ManifestError as e:
         return False, f"manifest: {e}"
     block, path = entry.chunk_bytes, r.where / layout.DATA_FILE
