@@ -57,8 +57,8 @@ class Timers:
 
     def join(self, deadline: float) -> None:
         """Waits for the threads until ``deadline`` (monotonic); one stuck on a hung shared tier is a daemon
-        thread, not waited for beyond it."""
-        self.shared_wake.set()  # the shared pass sleeps on it
+        thread, not waited for beyond it. The caller has set ``stopping`` and ``shared_wake`` (the shared pass
+        sleeps on the latter)."""
         for thread in self.threads:
             thread.join(max(0.0, deadline - time.monotonic()))
 
