@@ -92,8 +92,8 @@ _BY_CODE: dict[grpc.StatusCode, type[CkptStageError]] = {
 }
 
 
-def from_rpc_error(error: grpc.RpcError, socket: str, method: str = "", timeout: float | None = None
-                   ) -> CkptStageError:
+def from_rpc_error(error: grpc.RpcError, socket: str, method: str = "", timeout: float | None = None,
+                   answered_before: bool = False) -> CkptStageError:
     """The typed exception for a failed call, its message in words a person can act on.
 
     The daemon's own message (it names the job, step or file) is kept; what
@@ -106,7 +106,7 @@ def from_rpc_error(error: grpc.RpcError, socket: str, method: str = "", timeout:
     detail = (error.details() if hasattr(error, "details") else None) or ""
     request = f" the {method} request" if method else ""
     if code == grpc.StatusCode.UNAVAILABLE:
-        return _mark(DaemonUnavailable(_unavailable(socket, detail, request)))
+        return _mark(DaemonUnavailable(_unavailable(socket, detail, request, answered_before)))
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         within = f" within {timeout:g}s" if timeout else " in time"
         return _mark(DaemonTimeout(
@@ -166,12 +166,19 @@ def _user_name(uid: int) -> str:
         return str(uid)
 
 
-def _unavailable(socket: str, detail: str, request: str) -> str:
-    """Why nothing answers on ``socket``, said from the socket file's side, and what to do."""
+def _unavailable(socket: str, detail: str, request: str, answered_before: bool = False) -> str:
+    """Why nothing answers on ``socket``, said from the socket file's side, and what to do.
+
+    ``answered_before``: the daemon answered earlier on this connection, so a
+    connection refused now means it went away while this client worked with
+    it (between two polls of a waiting command, say), not that it never ran.
+    """
     if "shutting down" in detail:  # the daemon's own answer while it stops
         return f"the daemon on {socket} is shutting down and takes no new requests; retry once it is back"
-    if not any(marker in detail for marker in _CONNECT_FAILED):
-        return (f"the daemon on {socket} went away during{request or ' the request'} (it stopped or crashed); "
+    connect_failed = any(marker in detail for marker in _CONNECT_FAILED)
+    if not connect_failed or answered_before:
+        during = request if not connect_failed else " the work it was doing for this client"
+        return (f"the daemon on {socket} went away during{during or ' the request'} (it stopped or crashed); "
                 "check its log, and retry once `ckptstage status` answers")
     try:
         st = os.stat(socket)

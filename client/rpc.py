@@ -48,19 +48,22 @@ class Connection:
         self.socket = resolve_socket(socket)
         self.channel = grpc.insecure_channel(f"unix:{self.socket}", options=_CHANNEL_OPTIONS)
         self.stub = pb_grpc.CheckpointerStub(self.channel)
+        self.answered = False  # a call has answered on this connection: a later refusal means it went away
 
     def call(self, method: str, request: Any, timeout: float | None = DEFAULT_TIMEOUT_S,
              wait_for_ready: bool = False) -> Any:
         """One unary call; ``wait_for_ready`` waits (within ``timeout``) for a daemon that is not up yet."""
         try:
-            return getattr(self.stub, method)(request, timeout=timeout, wait_for_ready=wait_for_ready)
+            answer = getattr(self.stub, method)(request, timeout=timeout, wait_for_ready=wait_for_ready)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, str(self.socket), method, timeout) from None
+            raise from_rpc_error(e, str(self.socket), method, timeout, self.answered) from None
+        self.answered = True
+        return answer
 
     def start(self, method: str, request: Any, timeout: float | None = DEFAULT_TIMEOUT_S) -> Pending:
         """Sends a unary call without waiting; calling the result waits for its answer (errors typed)."""
         return Pending(getattr(self.stub, method).future(request, timeout=timeout), str(self.socket), method,
-                       timeout)
+                       timeout, self.answered)
 
     def status(self, timeout: float = 5.0) -> pb.StatusResponse:
         return self.call("Status", pb.StatusRequest(), timeout=timeout)
@@ -78,8 +81,10 @@ class Connection:
 class Pending:
     """A unary call on its way: ``wait(t)`` says whether it has answered, calling it returns the answer."""
 
-    def __init__(self, future: Any, socket: str, method: str, timeout: float | None) -> None:
+    def __init__(self, future: Any, socket: str, method: str, timeout: float | None,
+                 answered_before: bool = False) -> None:
         self._future, self._socket, self._method, self._timeout = future, socket, method, timeout
+        self._answered_before = answered_before
 
     def wait(self, timeout: float) -> bool:
         """Waits up to ``timeout`` seconds; True once the call has answered (or failed)."""
@@ -95,7 +100,7 @@ class Pending:
         try:
             return self._future.result()
         except grpc.RpcError as e:
-            raise from_rpc_error(e, self._socket, self._method, self._timeout) from None
+            raise from_rpc_error(e, self._socket, self._method, self._timeout, self._answered_before) from None
 
 
 def call_when_up(conn: Connection, method: str, request: Any, wait_s: float) -> Any:

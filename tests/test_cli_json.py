@@ -432,6 +432,24 @@ def test_the_daemon_going_away_mid_command(daemon_factory: Any) -> None:
     assert f"ckptstage: {error['message']}" in err and not GRPC_WORDS.search(out + err), (out, err)
 
 
+def test_a_daemon_gone_between_two_calls_went_away_it_was_not_never_there(daemon_factory: Any) -> None:
+    """A waiting command polls: the daemon killed between two polls refuses the next connection, which
+    must still read as a daemon that went away, not as a socket nobody ever served."""
+    from ckptstage.client import errors
+    from ckptstage.client.rpc import Connection
+
+    d = daemon_factory("gone").start()
+    with Connection(d.socket) as conn:
+        conn.status()
+        d.kill()
+        with pytest.raises(errors.DaemonUnavailable) as seen:
+            conn.status()
+    assert f"the daemon on {d.socket} went away during the" in str(seen.value), seen.value
+    with Connection(d.socket) as fresh, pytest.raises(errors.DaemonUnavailable) as never:
+        fresh.status()  # a connection that never had an answer: the socket left behind is named
+    assert f"nothing listens on {d.socket}" in str(never.value), never.value
+
+
 def test_plain_lines_come_once_per_change_and_at_most_every_interval() -> None:
     import io
 
