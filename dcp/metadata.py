@@ -3,9 +3,15 @@
 The tree of one part (the reading rank's own at the world size it was saved
 at, rank 0's at another) is decoded with a placeholder for every tensor and
 flattened by DCP's own traversal rules, so that a state saved with the plain
-API (``{"optim": {"param_groups": [{"lr": ...}]}}``) has the keys DCP gives
-it (``optim.param_groups.0.lr``), and a step saved through
-:class:`ckptstage.dcp.Writer` (a flat tree) the keys it was saved under.
+API or through :class:`ckptstage.dcp.Writer` (both store the nested tree:
+``{"optim": {"param_groups": [{"lr": ...}]}}``) has the keys DCP gives it
+(``optim.param_groups.0.lr``), and ``planner_data`` the paths DCP's
+``DefaultSavePlanner`` records (``("optim", "param_groups", 0, "lr")``:
+dict keys as ``str``, list positions as ``int``), which DCP's
+``_EmptyStateDictLoadPlanner`` (``dcp_to_torch_save``,
+``_load_state_dict_from_keys``) nests the state by. A step the writer
+stored before it nested (a flat tree keyed by DCP key) keeps those keys,
+each its own one-element path.
 
 - a sharded tensor (a ``"D"`` node): one ``ChunkStorageMetadata`` per stored fragment;
 - a plain tensor of that part: one chunk covering it all;
@@ -88,8 +94,8 @@ def build(view: reshard.StepView, tree_rank: int) -> tuple[Metadata, StepIndex]:
 
     if not isinstance(state, dict):
         raise ValueError(f"the checkpoint's state is a {type(state).__name__}, not a dict: DCP cannot load it")
-    # The writer stores a value it could only keep as torch.save bytes in a one-key dict, at the top.
-    state = {k: values.stored_value(v) for k, v in state.items()}
+    # The writer stores a value it could only keep as torch.save bytes in a one-key dict, where the value was.
+    state = _with_opaque_values(state)
     traverse_state_dict(state, visit, keep_traversing=lambda v: isinstance(v, TensorRef))
     for fqn, node in view.sharded.items():  # sharded tensors only other ranks' trees name
         if fqn not in index.tensors and fqn not in mappings:
@@ -107,3 +113,14 @@ def build(view: reshard.StepView, tree_rank: int) -> tuple[Metadata, StepIndex]:
     for key in index.values:
         md[key] = BytesStorageMetadata()
     return Metadata(state_dict_metadata=md, planner_data=mappings), index
+
+
+def _with_opaque_values(obj: Any) -> Any:
+    """``obj`` with every value :func:`values.store_node` wrapped as :class:`values.Opaque`, at any depth
+    DCP's traversal reaches (dicts and lists)."""
+    obj = values.stored_value(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _with_opaque_values(v)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_with_opaque_values(v) for v in obj]
+    return obj

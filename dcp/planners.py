@@ -12,6 +12,7 @@ from typing import Any
 
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem, WriteItemType
 
 from ckptstage.dcp import values
@@ -22,7 +23,11 @@ class SavePlanner(DefaultSavePlanner):
 
     Replicated tensors (the same key on several ranks) are written by the
     lowest rank holding them, as ``Client.save`` keeps plain tensors of
-    rank 0 for other world sizes.
+    rank 0 for other world sizes. The state it plans is kept
+    (``original_state_dict``, as DCP's load planner keeps its own), so that
+    :class:`ckptstage.dcp.Writer` stores the step in the tree ``Client.save``
+    would store: key types (an optimizer's ``int`` keys), ``OrderedDict``
+    and empty containers included (see :func:`ckptstage.dcp.writer.nest`).
     """
 
     def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
@@ -30,6 +35,11 @@ class SavePlanner(DefaultSavePlanner):
         super().__init__(flatten_state_dict=flatten_state_dict, flatten_sharded_tensors=flatten_sharded_tensors,
                          dedup_save_to_lowest_rank=dedup_save_to_lowest_rank,
                          enable_plan_caching=enable_plan_caching)
+
+    def set_up_planner(self, state_dict: STATE_DICT_TYPE, storage_meta: StorageMeta | None = None,
+                       is_coordinator: bool = False) -> None:
+        self.original_state_dict = state_dict
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002 - DCP's name
         if write_item.type == WriteItemType.BYTE_IO:

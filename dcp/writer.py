@@ -2,12 +2,14 @@
 
 Each rank's write items become one ``tree.Flat`` saved with
 ``Client.save_flat``: every tensor item is a fragment of its global tensor
-(fqn = the DCP key), the tree a flat dict ``fqn -> {"D": ...}`` for tensors
-and ``fqn -> value`` for non-tensor items. A DCP-saved step is therefore in
-the same format as a plain ``Client.save`` of DTensors: ``Client.load``
-reads it, and :class:`ckptstage.dcp.Reader` reads either. No metadata file
-is written: DCP's global ``Metadata`` is rebuilt from the parts' manifests
-when the step is read.
+(fqn = the DCP key), and the tree is the state's own nesting
+(``{"model": {"fc.weight": {"D": ...}}}``, see :func:`nest`),
+with the value's node for each non-tensor item. A DCP-saved step is
+therefore in the same format as a plain ``Client.save`` of the same state
+with DTensors: ``Client.load`` returns the nested state, and
+:class:`ckptstage.dcp.Reader` reads either. No metadata file is written:
+DCP's global ``Metadata`` (``planner_data`` included) is rebuilt from the
+parts' manifests when the step is read.
 
 ``dcp.async_save`` uses the writer as its stager: ``stage`` is the copy into
 the daemon's shared memory (the trainer blocks for that copy only; no file
@@ -18,11 +20,12 @@ for the commits.
 from __future__ import annotations
 
 import io
+from collections import OrderedDict
 import math
 import logging
 import os
 import socket as socketlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +47,8 @@ from ckptstage.dcp.planners import SavePlanner
 log = logging.getLogger(__name__)
 
 _Key = tuple[str, tuple[int, ...]]  # a tensor item: (fqn, chunk offsets)
+Path = tuple[str | int, ...]  # where a DCP key sits in the state: dict keys as str, list positions as int
+_PLAIN_KEYS = (str, int, float, bool, type(None))
 
 
 @dataclass
@@ -88,6 +93,7 @@ class Writer(StorageWriter, AsyncStager):
         self.is_coordinator = False
         self._session: clients.Session | None = None
         self._local_items: list[WriteItem] = []
+        self._paths: dict[str, Path] = {}  # DCP key -> its path in the state (the plan's planner_data)
         self._staged: _Staged | None = None
 
     # --- StorageWriter ----------------------------------------------------------------
@@ -107,6 +113,7 @@ class Writer(StorageWriter, AsyncStager):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if plan.usable:  # with plan caching an unchanged plan arrives empty: keep the last one
             self._local_items = list(plan.items)
+            self._paths = dict(plan.planner_data) if isinstance(plan.planner_data, Mapping) else {}
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -124,7 +131,9 @@ class Writer(StorageWriter, AsyncStager):
                                  f"{unstaged[0].index.fqn!r}, are not what Writer.stage() saved; a planner "
                                  "that changes the items needs async_stager=DefaultStager(...)")
         else:
-            flat = build_flat(self._local_items, plan.items, lambda it: _resolve(planner, it))
+            mappings, state = planner_layout(planner)
+            flat = build_flat(self._local_items, plan.items, lambda it: _resolve(planner, it),
+                              self._paths or mappings, state)
             handle = client.save_flat(self.step, flat)
         handle.wait("local", self.timeout)
         results = [_result(it, client.rank) for it in plan.items]
@@ -163,7 +172,7 @@ class Writer(StorageWriter, AsyncStager):
         planner.set_up_planner(state_dict, is_coordinator=client.rank == 0)
         items = planner.create_local_plan().items
         mine = _lowest_rank_items(items, client.rank)
-        flat = build_flat(items, mine, lambda it: _resolve(planner, it))
+        flat = build_flat(items, mine, lambda it: _resolve(planner, it), planner.mappings, state_dict)
         handle = client.save_flat(self.step, flat)
         handle.wait_copied()  # the trainer may go on; write_data() waits for the commit in the background
         self._staged = _Staged(handle, {_item_key(it) for it in items})
@@ -190,9 +199,11 @@ class Writer(StorageWriter, AsyncStager):
 
 
 def build_flat(tree_items: Iterable[WriteItem], stored: Iterable[WriteItem],
-               resolve: Callable[[WriteItem], Any]) -> tree.Flat:
-    """The Flat of a rank's part: a tree node for every item of ``tree_items`` (its local plan), and the
-    bytes of the tensor items of ``stored`` (what the global plan left it to write) as fragments."""
+               resolve: Callable[[WriteItem], Any], paths: Mapping[str, Path] | None = None,
+               state: Any = None) -> tree.Flat:
+    """The Flat of a rank's part: a tree node for every item of ``tree_items`` (its local plan), nested as
+    ``state`` (or ``paths``, DCP key -> path) nests it, and the bytes of the tensor items of ``stored`` (what
+    the global plan left it to write) as fragments."""
     nodes: dict[str, Any] = {}
     for item in tree_items:
         fqn = item.index.fqn
@@ -203,7 +214,7 @@ def build_flat(tree_items: Iterable[WriteItem], stored: Iterable[WriteItem],
             assert td is not None
             nodes[fqn] = {"D": {"fqn": fqn, "dtype": str(td.properties.dtype).removeprefix("torch."),
                                 "shape": list(td.size)}}
-    flat = tree.Flat({"d": [[{"s": fqn}, n] for fqn, n in nodes.items()]})
+    flat = tree.Flat(nest(nodes, paths or {}, state))
     for item in stored:
         if item.type == WriteItemType.BYTE_IO:
             continue
@@ -228,6 +239,109 @@ def build_flat(tree_items: Iterable[WriteItem], stored: Iterable[WriteItem],
         flat.fqns.append(item.index.fqn)
         flat.fragments.append(shards.Fragment(item.index.fqn, tuple(int(s) for s in td.size), offsets))
     return flat
+
+
+# --- the tree: the DCP items nested back into the state they came from -------------------
+#
+# DCP flattens a state before planning: {"model": {"fc.weight": t}} becomes the key model.fc.weight, and the
+# planner records each key's path (its mappings, the plan's planner_data: ("model", "fc.weight")). The writer
+# stores the tree a plain Client.save of the state stores, so that Client.load gives the nested state back
+# and a reader rebuilds DCP's planner_data from it:
+# - from the state itself where the planner kept it (ckptstage's SavePlanner, the writer's own staging):
+#   containers, key types (an optimizer's int keys) and empty containers as Client.save keeps them;
+# - else from the paths (DCP's default planner): dict keys are then the str DCP made of them;
+# - a key that neither names (a planner that does not flatten) stays at the top.
+
+def planner_layout(planner: Any) -> tuple[dict[str, Path], Any]:
+    """(the planner's ``mappings``, the state it planned if it kept it, else None)."""
+    mappings = getattr(planner, "mappings", None) or {}
+    return dict(mappings), getattr(planner, "original_state_dict", None)
+
+
+def nest(nodes: Mapping[str, Any], paths: Mapping[str, Path], state: Any = None) -> Any:
+    """The tree node holding ``nodes`` (DCP key -> tree node) where ``paths`` (or ``state``) put them."""
+    if isinstance(state, Mapping):
+        return _from_state(nodes, paths, state)
+    return _from_paths(nodes, paths)
+
+
+def key_node(key: Any) -> Any:
+    """A dict key's tree node: itself where the tree encodes it plainly, else the ``str`` DCP joins it by
+    (so the stored key path joins to the DCP key, and the tensor's fqn is that key)."""
+    if type(key) not in _PLAIN_KEYS:
+        return {"s": str(key)}
+    if key is None:
+        return {"N": 0}
+    if type(key) is float:
+        return {"f": key.hex()}
+    return {{str: "s", int: "i", bool: "b"}[type(key)]: key}
+
+
+def _from_state(nodes: Mapping[str, Any], paths: Mapping[str, Path], state: Mapping[Any, Any]) -> Any:
+    """The tree of ``state``'s containers with each DCP leaf replaced by its node (DCP's traversal:
+    mappings and the lists it took apart are containers; everything else it reached is a leaf)."""
+    leaf_at = {tuple(paths.get(fqn, (fqn,))): fqn for fqn in nodes}
+    used: set[str] = set()
+
+    def build(obj: Any, path: Path) -> Any:
+        fqn = leaf_at.get(path)
+        if fqn is not None:
+            used.add(fqn)
+            return nodes[fqn]
+        if isinstance(obj, Mapping):
+            return {"o" if isinstance(obj, OrderedDict) else "d":
+                    [[key_node(k), build(v, path + (str(k),))] for k, v in obj.items()]}
+        if isinstance(obj, list):
+            return {"l": [build(v, path + (i,)) for i, v in enumerate(obj)]}
+        raise ValueError(f"DCP key {'.'.join(map(str, path))!r}: the state holds a value there that the "
+                         "planner made no write item of")
+
+    root = build(state, ())
+    missing = [fqn for fqn in nodes if fqn not in used]
+    if missing:
+        raise ValueError(f"DCP key {missing[0]!r} of the plan is not where the planner's mappings put it in the "
+                         f"state ({len(missing)} such key(s))")
+    return root
+
+
+class _Branch(dict):  # type: ignore[type-arg]
+    """A container being assembled by :func:`_from_paths` (a leaf is any other object)."""
+
+
+def _from_paths(nodes: Mapping[str, Any], paths: Mapping[str, Path]) -> Any:
+    root = _Branch()
+    for fqn, node in nodes.items():
+        path = tuple(paths.get(fqn, (fqn,)))
+        if not path:
+            raise ValueError(f"DCP key {fqn!r}: the planner's mappings give it an empty path")
+        cur = root
+        for i, seg in enumerate(path[:-1]):
+            nxt = cur.setdefault(seg, _Branch())
+            if not isinstance(nxt, _Branch):
+                raise ValueError(f"DCP key {fqn!r}: its path runs through the value of another key, "
+                                 f"{'.'.join(map(str, path[:i + 1]))!r}")
+            cur = nxt
+        if path[-1] in cur:
+            raise ValueError(f"DCP key {fqn!r}: another key of the plan has the same path {list(path)}")
+        cur[path[-1]] = _Leaf(node)
+    return _encode(root)
+
+
+class _Leaf:
+    __slots__ = ("node",)
+
+    def __init__(self, node: Any) -> None:
+        self.node = node
+
+
+def _encode(branch: _Branch) -> Any:
+    """A branch as a tree node: a list where DCP's path segments are positions (ints), else a dict."""
+    def child(v: Any) -> Any:
+        return _encode(v) if isinstance(v, _Branch) else v.node
+
+    if branch and all(type(k) is int and k >= 0 for k in branch):
+        return {"l": [child(branch[i]) if i in branch else {"N": 0} for i in range(max(branch) + 1)]}
+    return {"d": [[key_node(k), child(v)] for k, v in branch.items()]}
 
 
 def _resolve(planner: DcpSavePlanner, item: WriteItem) -> Any:
@@ -268,4 +382,4 @@ def _result(item: WriteItem, rank: int) -> WriteResult:
     return WriteResult(index=item.index, size_in_bytes=size or 0, storage_data={"rank": rank})
 
 
-__all__ = ["Writer", "build_flat", "parse_step"]
+__all__ = ["Writer", "build_flat", "nest", "parse_step"]
