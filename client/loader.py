@@ -44,7 +44,15 @@ class Loader:
         self.last_tier: str | None = None  # the tier the last load read this rank's part from
 
     def load(self, step: int | None, into: Any) -> Any:
-        """The state saved at ``step`` (newest complete when None), verified: ``Client.load``."""
+        """The state saved at ``step`` (newest complete when None), verified: ``Client.load``.
+
+        With ``into``, entries the checkpoint holds under another key path than ``into`` (a DCP step's
+        flat keys, or its keys made strings) come back where ``into`` has them (:func:`tree.arranged_like`).
+        """
+        state = self._load(step, into)
+        return tree.arranged_like(state, into) if into is not None else state
+
+    def _load(self, step: int | None, into: Any) -> Any:
         target = tree.flatten_state(into) if into is not None else None
         tries = _TRIES
         for attempt in range(1, tries + 1):

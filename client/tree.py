@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import base64
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,8 +64,8 @@ from ckptstage.client import encodings, shards
 from ckptstage.client.encodings import Unresolved, UnresolvedEnum
 from ckptstage.protos import layout
 
-__all__ = ["Flat", "Unresolved", "UnresolvedEnum", "children", "flatten", "flatten_state", "key_str",
-           "map_children", "unflatten"]
+__all__ = ["Flat", "Unresolved", "UnresolvedEnum", "arranged_like", "children", "flatten", "flatten_state",
+           "key_str", "map_children", "unflatten"]
 
 _KEY_TYPES = (str, int, float, bool, type(None))
 
@@ -334,3 +334,88 @@ def _check_tensor(t: torch.Tensor, path: str) -> None:
         raise TypeError(f"{path} is a quantized or nested tensor, which ckptstage does not store")
     if t.device.type == "meta":
         raise TypeError(f"{path} is on the meta device and has no data to save")
+
+
+def arranged_like(state: Any, into: Any) -> Any:
+    """``state`` (a loaded dict) with each entry that ``into`` holds under another key path moved there.
+
+    Entries are matched by DCP key (the key path joined by dots, as
+    ``torch.distributed.checkpoint`` flattens a state: dicts and the lists
+    that hold tensors or dicts are taken apart, other values are one
+    entry). A step written through ``ckptstage.dcp.Writer`` before it nested
+    its tree holds ``{"model.fc.weight": ...}``, and one written with DCP's
+    default planner has its dict keys as strings (``"0"``); loaded into
+    ``{"model": {...}}`` or an optimizer's ``int`` keys, they come back
+    arranged as the state they were loaded into. Containers are made like
+    ``into``'s; entries ``into`` lacks stay where they were. Changes
+    ``state`` in place and returns it.
+    """
+    if not (isinstance(state, dict) and isinstance(into, Mapping)):
+        return state
+    want = _dcp_paths(into)
+    moves = [(key, path, want[key]) for key, path in _dcp_paths(state).items() if key in want and want[key] != path]
+    for key, src, dst in moves:
+        _put(state, dst, _pop(state, src), into, key)
+    return state
+
+
+def _dcp_paths(state: Mapping[Any, Any]) -> dict[str, tuple[Any, ...]]:
+    """DCP key -> the key path (keys as they are) of every entry DCP's traversal makes of ``state``."""
+    out: dict[str, tuple[Any, ...]] = {}
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(state, ())]
+    while stack:  # children pushed last first: entries come out in the state's order
+        value, path = stack.pop()
+        if isinstance(value, Mapping):
+            stack.extend(reversed([(v, path + (k,)) for k, v in value.items()]))
+        elif path and isinstance(value, list) and not _dcp_leaf_list(value):
+            stack.extend(reversed([(v, path + (i,)) for i, v in enumerate(value)]))
+        else:
+            out[".".join(map(str, path))] = path
+    return out
+
+
+def _dcp_leaf_list(value: list[Any]) -> bool:
+    """Whether DCP keeps a list as one value: it holds no tensor, dict, or list DCP takes apart."""
+    return not any(isinstance(v, (torch.Tensor, Mapping)) or isinstance(v, list) and not _dcp_leaf_list(v)
+                   for v in value)
+
+
+def _pop(state: dict[Any, Any], path: tuple[Any, ...]) -> Any:
+    """Takes the entry at ``path`` out; dicts left empty by that go too."""
+    chain = [state]
+    for k in path[:-1]:
+        chain.append(chain[-1][k])
+    if not isinstance(chain[-1], dict):  # an entry of a list stays (a list keeps its positions)
+        return chain[-1][path[-1]]
+    value = chain[-1].pop(path[-1])
+    for depth in range(len(chain) - 1, 0, -1):
+        if chain[depth] or not isinstance(chain[depth - 1], dict):
+            break
+        del chain[depth - 1][path[depth - 1]]
+    return value
+
+
+def _put(state: dict[Any, Any], path: tuple[Any, ...], value: Any, into: Mapping[Any, Any], key: str) -> None:
+    """Sets the entry at ``path``, making the containers on the way like ``into``'s."""
+    cur: Any = state
+    ref: Any = into
+    for k in path[:-1]:
+        ref = ref[k]
+        if isinstance(cur, list):
+            cur.extend([None] * (k + 1 - len(cur)))
+            nxt = cur[k]
+        elif isinstance(cur, dict):
+            nxt = cur.get(k)
+        else:
+            raise ValueError(f"key {key!r} of the checkpoint goes where the state to load into has it, "
+                             f"{path!r}, but the checkpoint holds a value on the way there")
+        if nxt is None:
+            nxt = cur[k] = [None] * len(ref) if isinstance(ref, list) else (
+                OrderedDict() if isinstance(ref, OrderedDict) else {})
+        cur = nxt
+    if isinstance(cur, list):
+        cur.extend([None] * (path[-1] + 1 - len(cur)))
+    elif not isinstance(cur, dict):
+        raise ValueError(f"key {key!r} of the checkpoint goes where the state to load into has it, "
+                         f"{path!r}, but the checkpoint holds a value on the way there")
+    cur[path[-1]] = value

@@ -131,9 +131,8 @@ class Writer(StorageWriter, AsyncStager):
                                  f"{unstaged[0].index.fqn!r}, are not what Writer.stage() saved; a planner "
                                  "that changes the items needs async_stager=DefaultStager(...)")
         else:
-            mappings, state = planner_layout(planner)
-            flat = build_flat(self._local_items, plan.items, lambda it: _resolve(planner, it),
-                              self._paths or mappings, state)
+            flat = build_flat(self._local_items, plan.items, lambda it: _resolve(planner, it), self._paths,
+                              getattr(planner, "original_state_dict", None))  # ckptstage's SavePlanner keeps it
             handle = client.save_flat(self.step, flat)
         handle.wait("local", self.timeout)
         results = [_result(it, client.rank) for it in plan.items]
@@ -170,9 +169,10 @@ class Writer(StorageWriter, AsyncStager):
         client = self._ensure_client()
         planner = SavePlanner()
         planner.set_up_planner(state_dict, is_coordinator=client.rank == 0)
-        items = planner.create_local_plan().items
+        plan = planner.create_local_plan()
+        items = plan.items
         mine = _lowest_rank_items(items, client.rank)
-        flat = build_flat(items, mine, lambda it: _resolve(planner, it), planner.mappings, state_dict)
+        flat = build_flat(items, mine, lambda it: _resolve(planner, it), plan.planner_data, state_dict)
         handle = client.save_flat(self.step, flat)
         handle.wait_copied()  # the trainer may go on; write_data() waits for the commit in the background
         self._staged = _Staged(handle, {_item_key(it) for it in items})
@@ -244,19 +244,13 @@ def build_flat(tree_items: Iterable[WriteItem], stored: Iterable[WriteItem],
 # --- the tree: the DCP items nested back into the state they came from -------------------
 #
 # DCP flattens a state before planning: {"model": {"fc.weight": t}} becomes the key model.fc.weight, and the
-# planner records each key's path (its mappings, the plan's planner_data: ("model", "fc.weight")). The writer
+# planner records each key's path in the plan's planner_data (its mappings: ("model", "fc.weight")). The writer
 # stores the tree a plain Client.save of the state stores, so that Client.load gives the nested state back
 # and a reader rebuilds DCP's planner_data from it:
 # - from the state itself where the planner kept it (ckptstage's SavePlanner, the writer's own staging):
 #   containers, key types (an optimizer's int keys) and empty containers as Client.save keeps them;
 # - else from the paths (DCP's default planner): dict keys are then the str DCP made of them;
 # - a key that neither names (a planner that does not flatten) stays at the top.
-
-def planner_layout(planner: Any) -> tuple[dict[str, Path], Any]:
-    """(the planner's ``mappings``, the state it planned if it kept it, else None)."""
-    mappings = getattr(planner, "mappings", None) or {}
-    return dict(mappings), getattr(planner, "original_state_dict", None)
-
 
 def nest(nodes: Mapping[str, Any], paths: Mapping[str, Path], state: Any = None) -> Any:
     """The tree node holding ``nodes`` (DCP key -> tree node) where ``paths`` (or ``state``) put them."""
