@@ -32,6 +32,7 @@ from support import assert_same
 
 from ckptstage.client import Client
 from ckptstage.dcp import LoadPlanner, Reader, SavePlanner, Writer
+from ckptstage.dcp.writer import nest
 from dist_harness import RankContext, detached, full_state, run_ranks
 from test_dcp import Net, fsdp_model, part_manifests, plain_model, train
 
@@ -166,6 +167,36 @@ def test_writer_keeps_the_states_containers_and_key_types(daemon: Any, sock: str
         back = client.load(1)
     assert type(back["model"]) is OrderedDict and list(back["optim"]["state"]) == list(range(5))
     assert back["empty"] == {} and back["none"] == [] and back["nested"] == [{"a": 1}]
+
+
+def test_async_save_stores_the_nested_tree_too(sock: str) -> None:
+    """async_save stages through the writer (its own planner, the state at hand): the same nested tree."""
+    state = training_state()
+    saved = detached(state)
+    dcp.async_save(state, storage_writer=Writer("j", 1, socket=sock), planner=SavePlanner()).result(timeout=60)
+    with Client("j", socket=sock) as client:
+        back = client.load(1)
+    assert_same(saved, back, exact_dicts=False)
+    assert type(back["model"]) is OrderedDict and list(back["optim"]["state"]) == list(range(5))
+
+
+@pytest.mark.parametrize("paths, message", [
+    ({"a": ("a",), "a.b": ("a", "b")}, r"'a\.b'.*runs through the value of another key, 'a'"),
+    ({"a": ("x",), "a.b": ("x",)}, r"'a\.b'.*same path"),
+    ({"a": (), "a.b": ("a", "b")}, r"'a'.*empty path"),
+])
+def test_paths_that_do_not_nest_name_the_key(paths: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        nest({"a": {"i": 1}, "a.b": {"i": 2}}, paths)
+
+
+
+def test_a_state_its_paths_do_not_describe_names_the_key() -> None:
+    nodes = {"a": {"i": 1}, "a.b": {"i": 2}}
+    with pytest.raises(ValueError, match=r"'a\.b' of the plan is not where"):
+        nest(nodes, {"a": ("a",), "a.b": ("z",)}, {"a": 1})
+    with pytest.raises(ValueError, match=r"'c\.d': the state holds a value there that the planner made no"):
+        nest(nodes, {"a": ("a",), "a.b": ("c", "e")}, {"a": 1, "c": {"d": 2, "e": 3}})
 
 
 # --- door 2: dcp.load of a Client.save step, and the old flat steps -----------------------------
