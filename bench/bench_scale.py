@@ -239,17 +239,18 @@ class Figures:
     reshard_read_s: float = math.nan
     reshard_files: int = 0
     reshard_manifests: int = 0
-    meta_step: int = 0
+    meta_step: float = 0.0         # per traced step (their mean)
     meta_step_net: float = math.nan
-    meta_step_max_node: int = 0
+    meta_step_max_node: float = 0.0
+    meta_step_own: float = math.nan  # calls on the step's own directory and the temporaries only
     idle_per_s_node: float = math.nan
     latest_ops: float = math.nan
     latest_stale: int = 0
     late_answers: int = 0          # WaitSave calls a daemon answered after its own deadline (timed rounds)
-    late_answers_traced: int = 0   # the same in the step under strace
+    late_answers_traced: int = 0   # the same in the steps under strace
     visible_wait_s: float = math.nan  # after the latest() calls, until node 0 located the step's every part
     step_kinds: dict[str, int] = field(default_factory=dict)
-    syncs_step: int = 0
+    syncs_step: float = 0.0
     traced_window_s: float = math.nan
     loads: list[tuple[float, float, float]] = field(default_factory=list)  # at the start and the end
 
@@ -399,33 +400,47 @@ def visible(conn: Any, step: int, rank: int, timeout: float = 60.0) -> float:
 
 def count_step(fig: Figures, ranks: Ranks, daemons: Sequence[h.Daemon], shared: Path, step: int,
                logs: Path, args: argparse.Namespace) -> None:
-    """Under strace: idle, one more step, ``latest()`` on one rank; the shared tier's operations per window."""
+    """Under strace: idle, ``--traced-steps`` more steps, ``latest()`` on one rank; the shared tier's operations
+    per window (per step: the mean over the steps traced)."""
     tracer = Tracer([d.pid for d in daemons], logs)
+    steps: dict[str, tuple[float, float]] = {}
     try:
         idle = (time.time(), time.time() + args.idle_s)
         time.sleep(args.idle_s)
-        t0 = time.time()
-        fig.late_answers_traced = save_step(ranks, shared, step)[3]
-        time.sleep(args.settle_s)
-        window = (t0, time.time())
+        for i in range(args.traced_steps):
+            t0 = time.time()
+            fig.late_answers_traced += save_step(ranks, shared, step + i)[3]
+            time.sleep(args.settle_s)
+            steps[f"step{i}"] = (t0, time.time())
         probe = fig.world // 2
         t1 = time.time()
         ranks.ask("latest", [probe])
         latest = (t1, time.time())
     finally:
         tracer.stop()
-    windows = {"idle": idle, "step": window, "latest": latest}
+    windows = {"idle": idle, "latest": latest, **steps}
+    from ckptstage.protos import layout
+
     per = [count_trace(log, shared, windows) for log in tracer.logs]
-    idle_s, step_s = idle[1] - idle[0], window[1] - window[0]
+    n = len(steps)
+    idle_s, step_s = idle[1] - idle[0], sum(hi - lo for lo, hi in steps.values()) / n
     rates = [metadata(c["idle"]) / idle_s for c in per]
     kinds: Counter[str] = Counter()
     for c in per:
-        kinds.update(c["step"])
-    fig.step_kinds = {k: kinds[k] for k in (*CATEGORIES, "sync")}
-    fig.meta_step = metadata(kinds)
-    fig.syncs_step = kinds["sync"]
-    fig.meta_step_max_node = max(metadata(c["step"]) for c in per)
+        for name in steps:
+            kinds.update(c[name])
+    fig.step_kinds = {k: round(kinds[k] / n) for k in (*CATEGORIES, "sync")}
+    fig.meta_step = metadata(kinds) / n
+    fig.syncs_step = kinds["sync"] / n
+    fig.meta_step_max_node = max(sum(metadata(c[name]) for name in steps) for c in per) / n
     fig.meta_step_net = fig.meta_step - sum(rates) * step_s
+    # The step's own calls: on its directory and its parts, and in the daemons' temporaries (where parts and
+    # the seal are written) while it ran; not the periodic re-reads of the job, however long the window.
+    own = 0
+    for i, (name, window) in enumerate(steps.items()):
+        where = [layout.step_dir(shared, JOB, step + i), shared / layout.TMP_DIR]
+        own += sum(metadata(count_trace(log, d, {name: window})[name]) for log in tracer.logs for d in where)
+    fig.meta_step_own = own / n
     fig.idle_per_s_node = statistics.fmean(rates)
     node = probe * fig.nodes // fig.world
     fig.latest_ops = metadata(per[node]["latest"]) / LATEST_CALLS  # its polling in the window included
@@ -622,6 +637,7 @@ COLUMNS: list[tuple[str, str, Callable[[Figures], float]]] = [
     ("meta/step", "ops", lambda f: f.meta_step),
     ("meta/step net", "ops", lambda f: f.meta_step_net),
     ("meta/step max node", "ops", lambda f: f.meta_step_max_node),
+    ("meta/step own", "ops", lambda f: f.meta_step_own),
     ("idle/s/node", "ops", lambda f: f.idle_per_s_node),
     ("latest()", "ms", lambda f: f.latest_s * 1e3),
     ("latest() ops/call", "ops", lambda f: f.latest_ops),
@@ -669,6 +685,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3, help="timed steps per configuration")
     ap.add_argument("--idle-s", type=float, default=3.0, help="traced idle window (s)")
     ap.add_argument("--settle-s", type=float, default=2.0, help="traced time after a step's commit record (s)")
+    ap.add_argument("--traced-steps", type=int, default=2, help="steps counted under strace (their mean)")
     ap.add_argument("--tier-jobs", type=int, default=1000, help="jobs of the big shared tier (0: skip it)")
     ap.add_argument("--tier-steps", type=int, default=100, help="steps per job of the big shared tier")
     ap.add_argument("--dcp-ranks", type=int, nargs="*", default=[2, 4, 8], help="the DCP peer's world sizes")

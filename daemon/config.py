@@ -150,6 +150,13 @@ class SharedConfig:
     # On SIGTERM, after in-flight saves commit: at most this long draining the newest complete step of
     # each job that the shared tier lacks (off the drain_every cadence too) before exiting. 0: off.
     drain_on_stop_s: float = field(default=20.0, metadata=kind(seconds_between(0, 3600)))
+    # How this daemon keeps up with what other nodes write to the shared tier (see default.toml): the age
+    # of the index an answer may come from, how long a request waits for a re-read, how often jobs are
+    # looked for and watched jobs re-read, and how often a step wait looks for the step's commit record.
+    stale_after_s: float = field(default=1.0, metadata=kind(seconds_between(0.05, 600)))
+    stale_wait_s: float = field(default=0.75, metadata=kind(seconds_between(0.01, 60)))
+    watch_interval_s: float = field(default=1.0, metadata=kind(seconds_between(0.1, 600)))
+    step_poll_s: float = field(default=0.25, metadata=kind(seconds_between(0.01, 60)))
 
     def __post_init__(self) -> None:
         if self.retry_max_s < self.retry_initial_s:
@@ -188,6 +195,11 @@ class SharedConfig:
     def drains(self, step: int) -> bool:
         """Whether ``step`` goes to the shared tier (``drain_every``); every node of a job decides alike."""
         return step % self.drain_every == 0
+
+    def why_not_drained(self, step: int) -> str:
+        """What a wait for ``step`` on the shared tier is told when :meth:`drains` says no."""
+        return (f"step {step} does not go to the shared tier: only steps that are multiples of "
+                f"[shared] drain_every = {self.drain_every} do")
 
 
 @dataclass(frozen=True)

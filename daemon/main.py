@@ -257,13 +257,16 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.enable(all_threads=True)
     args = parse_args(argv)
     log_format = logs.configure(args.log_format, args.log_level, sys.stderr)
+    daemon: Daemon | None = None
     try:
         config = load_config(args.config, overrides_from(args))
-        daemon = Daemon(config)
+        daemon = started = Daemon(config)
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: threading.Thread(target=daemon.stop, name="shutdown").start())
+            signal.signal(sig, lambda *_: threading.Thread(target=started.stop, name="shutdown").start())
         daemon.start()
     except (ConfigError, StartupError) as e:
+        if daemon is not None:
+            daemon.rpc.discard()
         if log_format == "text":
             print(f"ckptstaged: {e}", file=sys.stderr)
         else:  # one JSON object, or one journal entry at error priority

@@ -16,6 +16,8 @@ from urllib.request import urlopen
 
 import pytest
 
+from ckptstage.daemon.fsutil import PartWriter
+from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
 T = TypeVar("T")
@@ -262,3 +264,16 @@ def small_tmpfs(path: Path, size: str | int, mode: str = "1777") -> Iterator[Pat
         yield path
     finally:
         umount(path)
+
+
+def commit_part(tier: Path, job: str, step: int, rank: int, world_size: int = 2, created: float = 1.0,
+                attempt: str | None = None, metrics: dict[str, float] | None = None) -> Path:
+    """A committed part with an empty data file, written the way the daemon writes one."""
+    writer = PartWriter(tier, "test-node", job, step, rank)
+    writer.path(layout.DATA_FILE).write_bytes(b"")
+    manifest = {"format": layout.FORMAT, "job": job, "step": step, "rank": rank, "world_size": world_size,
+                "tensors": [], "tree": {}, "data_start": 0, "created": created, "metrics": metrics or {},
+                "files": {layout.DATA_FILE: layout.FileEntry(0, 1 << 20, (layout.chunk_digest(b""),)).to_json()}}
+    if attempt is not None:
+        manifest["attempt"] = attempt
+    return writer.commit(manifest)

@@ -10,18 +10,8 @@ from ckptstage.daemon.catalog.index import Catalog, Part, TierName
 from ckptstage.daemon.catalog.commits import Commits
 from ckptstage.daemon.tiers.fs import FsTier
 from ckptstage.protos.layout import scan_tier
-from ckptstage.daemon.fsutil import PartWriter
 from ckptstage.protos import layout
-
-
-def commit(tier: Path, job: str, step: int, rank: int, world_size: int = 2, created: float = 1.0) -> Path:
-    """A committed part with an empty data file, written the way the daemon writes one."""
-    writer = PartWriter(tier, "test-node", job, step, rank)
-    writer.path(layout.DATA_FILE).write_bytes(b"")
-    manifest = {"format": layout.FORMAT, "job": job, "step": step, "rank": rank, "world_size": world_size,
-                "tensors": [], "tree": {}, "data_start": 0, "created": created, "metrics": {},
-                "files": {layout.DATA_FILE: layout.FileEntry(0, 1 << 20, (layout.chunk_digest(b""),)).to_json()}}
-    return writer.commit(manifest)
+from support import commit_part as commit
 
 
 def local_part(tier: Path, job: str, step: int, rank: int = 0, created: float = 1.0) -> Part:

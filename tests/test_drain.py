@@ -358,7 +358,9 @@ def test_same_part_name_from_two_daemons_is_refused_not_overwritten_nor_reused(d
     taken as drained because a part of that name exists."""
     a = daemon_factory("node-a")
     assert a.shared is not None
-    b = daemon_factory("node-b", **{"shared.dir": str(a.shared)})
+    # b must not learn of a's step 1 by its periodic re-read before its own save of it begins (it would
+    # refuse that save at once, AlreadyCommitted): what is tested is the drain meeting a's part.
+    b = daemon_factory("node-b", **{"shared.dir": str(a.shared), "shared.watch_interval_s": 600})
     a.start()
     b.start()
     with Client(JOB, socket=a.socket, attempt="one") as ca, Client(JOB, socket=b.socket, attempt="one") as cb:

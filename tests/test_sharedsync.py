@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ckptstage.daemon.catalog.index import Catalog
 from ckptstage.daemon.tiers.fs import FsTier
+from ckptstage.daemon.drain import sharedsync
 from ckptstage.daemon.drain.sharedsync import SharedSync
 
 
@@ -17,4 +18,4 @@ def test_step_rereads_are_forgotten_once_the_whole_job_is_reread(tmp_path: Path)
         assert sync.fresh("job", step, wait_s=5)
     assert len(sync._synced) == 50
     assert sync.fresh("job", wait_s=5)
-    assert list(sync._synced) == [("job", None)]
+    assert list(sync._synced) == [("job", None, sharedsync.EVERYTHING)]

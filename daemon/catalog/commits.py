@@ -37,39 +37,29 @@ from ckptstage.daemon.catalog.index import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.errors import AlreadyExists
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.catalog.overwrite import Swapper
+from ckptstage.daemon.catalog.sealing import SharedSeal, complete_attempt  # noqa: F401 - re-exported
 from ckptstage.daemon.tiers.interface import Tier
-from ckptstage.protos import chunks, layout
+from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
 
-# How often a step wait looks again (the shared tier is re-read at this pace, see SharedSync).
+# How often a step wait looks again by default ([shared] step_poll_s; the shared tier is re-read at this pace).
 POLL_S = 0.25
 
 
-def complete_attempt(parts: list[Part]) -> tuple[str, int, dict[int, Part]] | None:
-    """The attempt of which ``parts`` (one tier's parts of one step) hold every rank, if any.
-
-    Returns (attempt, world size, rank -> part). Parts of different attempts
-    never add up: each attempt must hold ranks 0..world_size-1 by itself.
-    """
-    by_attempt: dict[str, dict[int, Part]] = {}
-    for p in parts:
-        by_attempt.setdefault(p.attempt, {})[p.rank] = p
-    for attempt, ranks in sorted(by_attempt.items()):
-        sizes = {p.world_size for p in ranks.values()}
-        if len(sizes) == 1:
-            world = sizes.pop()
-            if all(r in ranks for r in range(world)):
-                return attempt, world, {r: ranks[r] for r in range(world)}
-    return None
+def committed_parts(parts: dict[int, Part]) -> dict[int, layout.CommittedPart]:
+    """What a commit record says of each rank's part: enough to index it without opening its manifest."""
+    return {r: layout.CommittedPart(p.nbytes, p.digest, p.created, p.metrics) for r, p in parts.items()}
 
 
 class Commits:
     """Writes commit records, and judges whether a (job, step, rank) may be saved again."""
 
     def __init__(self, catalog: Catalog, local: Tier, shared: Tier | None,
-                 clock: Callable[[], float] = time.time) -> None:
-        """``local`` and ``shared`` are the tiers' storage (no shared tier: None)."""
+                 clock: Callable[[], float] = time.time, poll_s: float = POLL_S) -> None:
+        """``local`` and ``shared`` are the tiers' storage (no shared tier: None); ``poll_s``: how often a step
+        wait re-reads the shared tier."""
+        self.poll_s = poll_s
         self.catalog = catalog
         self.tiers = {TierName.LOCAL: local}
         if shared is not None:
@@ -157,9 +147,8 @@ class Commits:
         for fp in [r.fingerprint() for r in old] + [fp for r in old for fp in r.replaces]:
             if fp not in chain:
                 chain.append(fp)
-        return layout.CommitRecord(job, step, attempt, world, self.clock(), {
-            r: layout.CommittedPart(p.nbytes, p.digest) for r, p in parts.items()},
-            tuple(chain[:layout.MAX_REPLACES]))
+        return layout.CommitRecord(job, step, attempt, world, self.clock(), committed_parts(parts),
+                                   tuple(chain[:layout.MAX_REPLACES]))
 
     def seal_local(self, job: str, step: int) -> layout.CommitRecord | None:
         """Writes the local record when every rank's part of one attempt is committed on the local tier.
@@ -178,50 +167,17 @@ class Commits:
             return None
         return self._publish(TierName.LOCAL, job, step, *found)
 
-    def seal_shared(self, job: str, step: int) -> layout.CommitRecord | None:
-        """After a part of (job, step) reached the shared tier: re-read that step there, and write
-        its record if every part of one attempt is there and no record is (exactly once across nodes).
+    def seal_shared(self, job: str, step: int, world: int | None = None) -> layout.CommitRecord | None:
+        """After this node published its parts of (job, step) on the shared tier: writes the step's record
+        there if every part of one attempt is there and no record is (exactly once across nodes); see
+        :class:`sealing.SharedSeal <ckptstage.daemon.catalog.sealing.SharedSeal>`. ``world``: the job's world
+        size as this node's parts say (None: recovery at start, which seals whatever is whole).
 
         Runs on a drain thread; raises OSError when the shared tier fails.
         """
-        shared = self.tiers[TierName.SHARED]
-        self.catalog.sync_job(TierName.SHARED, shared, job, step)
-        ckpt = self.catalog.get(job, step)
-        if ckpt is None or TierName.SHARED in ckpt.records:
-            return ckpt.records.get(TierName.SHARED) if ckpt else None
-        if shared.has_commit_record(shared.step_location(job, step)):
-            return None  # there, but not trusted (logged by the catalogue): never written over
-        found = complete_attempt(ckpt.on_tier(TierName.SHARED))
-        if found is None:
-            return None
-        attempt, world, parts = found
-        stale = self._replaced_here(job, step, attempt, parts)
-        if stale:
-            log.info("not sealing %s step %d on the shared tier yet: ranks %s there are older than this node's "
-                     "(replaced in place; the new parts are draining)", job, step, stale,
-                     extra=fields(job=job, step=step, tier=TierName.SHARED))
-            return None
-        # The index trusts parts by name and inode; a record is forever, so read the manifests themselves.
-        fresh: dict[int, Part] = {}
-        incremental = shared.has_chunk_store(job)  # some part of the job was written incrementally
-        for rank, part in parts.items():
-            manifest, digest = shared.read_manifest(part.path)
-            again = Part.from_manifest(layout.PartRef(job, step, rank, part.path, part.ino), TierName.SHARED,
-                                       manifest, digest)
-            if again.attempt != attempt or again.digest != part.digest:
-                log.info("shared %s step %d rank %d changed under the index; not sealing yet", job, step, rank,
-                         extra=fields(job=job, step=step, rank=rank, tier=TierName.SHARED))
-                self.catalog.sync_job(TierName.SHARED, shared, job, step)
-                return None
-            fresh[rank] = again
-            gone = shared.missing_chunks(job, chunks.referenced(manifest)) if incremental else []
-            if gone:
-                # Another node's sweep took a chunk before this part was published; its drain puts it
-                # back, then seals the step itself. Until then the step must not exist.
-                log.info("not sealing %s step %d on the shared tier yet: rank %d lacks %d chunks there",
-                         job, step, rank, len(gone), extra=fields(job=job, step=step, rank=rank, tier=TierName.SHARED))
-                return None
-        return self._publish(TierName.SHARED, job, step, attempt, world, fresh)
+        # Made per call: held here, its callbacks into this object would make a cycle the collector frees late.
+        sealer = SharedSeal(self.catalog, self.tiers[TierName.SHARED], self._publish_shared, self._replaced_here)
+        return sealer.seal(job, step, world)
 
     def _replaced_here(self, job: str, step: int, attempt: str, shared: dict[int, Part]) -> list[int]:
         """Ranks whose shared part this node holds a different local part of, same attempt (a part saved
@@ -251,10 +207,13 @@ class Commits:
                              ckpt.step, sealed.attempt, extra=fields(job=job, step=ckpt.step, tier=tier))
         return written
 
+    def _publish_shared(self, job: str, step: int, attempt: str, world: int,
+                        parts: dict[int, Part]) -> layout.CommitRecord | None:
+        return self._publish(TierName.SHARED, job, step, attempt, world, parts)
+
     def _publish(self, tier: TierName, job: str, step: int, attempt: str, world: int,
                  parts: dict[int, Part]) -> layout.CommitRecord | None:
-        record = layout.CommitRecord(job, step, attempt, world, self.clock(), {
-            r: layout.CommittedPart(p.nbytes, p.digest) for r, p in parts.items()})
+        record = layout.CommitRecord(job, step, attempt, world, self.clock(), committed_parts(parts))
         storage = self.tiers[tier]
         where = storage.step_location(job, step)
         final = where / layout.COMMIT_FILE  # what the log names
@@ -291,7 +250,7 @@ class Commits:
         A record this daemon indexes (a commit here, a replacement swapped
         in, a shared record its drain wrote) ends the wait at once. Records
         other nodes' daemons write are noticed by ``refresh(job, step,
-        wait_s)``, called every :data:`POLL_S` unless the wait is for the
+        wait_s)``, called every ``poll_s`` unless the wait is for the
         local tier, which only this daemon writes; it waits at most ``wait_s``
         (see :class:`SharedSync`). ``stop`` (the daemon shutting down, which
         then calls :meth:`wake`) ends the wait: the thread that runs it must
@@ -303,7 +262,7 @@ class Commits:
         while True:
             if poll is not None:
                 poll(job, step, max(0.0, deadline - time.monotonic()))
-            next_poll = time.monotonic() + POLL_S
+            next_poll = time.monotonic() + self.poll_s
             with self._recorded:  # checked under the lock the notifier takes: no wake-up is lost
                 while True:
                     if stop.is_set():

@@ -16,170 +16,19 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
 
 from ckptstage.daemon import fsutil
 from ckptstage.daemon.logs import fields
-from ckptstage.daemon.tiers.interface import Manifest, PartIndex, Tier, TierName
+from ckptstage.daemon.catalog.parts import Checkpoint, Part, view as _view
+from ckptstage.daemon.catalog.reindex import Reindexer
+from ckptstage.daemon.tiers.interface import Tier, TierName
 from ckptstage.protos import layout
 
+__all__ = ["Catalog", "Checkpoint", "Part", "TierName"]  # Part, Checkpoint and TierName re-exported
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Part:
-    """One rank's committed share of one step on one tier."""
-
-    job: str
-    step: int
-    rank: int
-    world_size: int
-    tier: TierName
-    path: Path
-    nbytes: int
-    created: float
-    metrics: dict[str, float] = field(default_factory=dict)
-    attempt: str = ""  # the run that saved it (see docs/FORMAT.md, attempts)
-    digest: str = ""   # xxh3-64 of its manifest.json file: what a commit record names
-    ino: int = 0       # of its directory: a part replaced under the same name has another
-
-    @classmethod
-    def read(cls, ref: layout.PartRef, tier: TierName, storage: PartIndex) -> Part:
-        """The part at ``ref`` on ``storage``, its manifest read (and verified) from there."""
-        return cls.from_manifest(ref, tier, *storage.read_manifest(ref.path))
-
-    @classmethod
-    def from_manifest(cls, ref: layout.PartRef, tier: TierName, manifest: Manifest, digest: str) -> Part:
-        return cls(ref.job, ref.step, ref.rank, int(manifest["world_size"]), tier, ref.path,
-                   layout.part_bytes(manifest), float(manifest.get("created", 0.0)),
-                   {str(k): float(v) for k, v in manifest.get("metrics", {}).items()},
-                   layout.manifest_attempt(manifest), digest, ref.ino)
-
-    def matches(self, record: layout.CommitRecord) -> bool:
-        """Whether this part is the one ``record`` names for its rank (same attempt, same manifest)."""
-        named = record.parts.get(self.rank)
-        return named is not None and self.attempt == record.attempt and self.digest == named.manifest_digest
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """A step of a job as the catalogue sees it, across ranks, tiers and attempts.
-
-    A step exists on a tier when that tier's commit record is there and every
-    part it names is indexed on that tier, unchanged (:meth:`complete_on`):
-    a record whose parts are not all here does not count. ``parts`` holds
-    every part found, of any attempt; the ``committed`` views hold only the
-    parts of the committed attempt.
-    """
-
-    job: str
-    step: int
-    world_size: int
-    parts: dict[int, dict[TierName, Part]]
-    pinned: bool
-    records: dict[TierName, layout.CommitRecord] = field(default_factory=dict)
-
-    def complete_on(self, tier: TierName) -> bool:
-        record = self.records.get(tier)
-        if record is None:
-            return False
-        return all(r in self.parts and tier in self.parts[r] and self.parts[r][tier].matches(record)
-                   for r in range(record.world_size))
-
-    @property
-    def complete(self) -> bool:
-        """Its commit record is on some tier this daemon reads, with every part it names."""
-        return any(self.complete_on(t) for t in self.records)
-
-    @property
-    def record(self) -> layout.CommitRecord | None:
-        """The commit record that makes the step complete (the local one first), if any."""
-        return next((self.records[t] for t in (TierName.LOCAL, TierName.SHARED) if self.complete_on(t)), None)
-
-    @property
-    def attempt(self) -> str:
-        """The committed attempt; for an incomplete step, the attempt of its newest part."""
-        record = self.record
-        if record is not None:
-            return record.attempt
-        newest = max((p for tiers in self.parts.values() for p in tiers.values()), default=None,
-                     key=lambda p: (p.created, p.attempt))
-        if newest is not None:
-            return newest.attempt
-        return next(iter(self.records.values())).attempt if self.records else ""
-
-    def _of_attempt(self) -> dict[int, dict[TierName, Part]]:
-        record, attempt = self.record, self.attempt
-        out: dict[int, dict[TierName, Part]] = {}
-        for rank, tiers in self.parts.items():
-            mine = {t: p for t, p in tiers.items()
-                    if (p.matches(record) if record is not None else p.attempt == attempt)}
-            if mine:
-                out[rank] = mine
-        return out
-
-    def committed(self, rank: int) -> list[Part]:
-        """The copies of ``rank``'s part a reader may use, best first (local, then shared).
-
-        Only parts of the committed attempt, identical to what its record names;
-        none when the step is not complete.
-        """
-        if self.record is None:
-            return []
-        tiers = self._of_attempt().get(rank, {})
-        return [tiers[t] for t in (TierName.LOCAL, TierName.SHARED) if t in tiers]
-
-    def stragglers(self) -> list[Part]:
-        """Parts a complete step's record does not name (an earlier attempt's, left by a crashed run).
-
-        Judged per tier: a tier where the step is complete keeps what its own
-        record names (a step replaced on one tier is still the old one on the
-        other until its replacement arrives there).
-        """
-        record = self.record
-        if record is None:
-            return []
-        out = []
-        for tiers in self.parts.values():
-            for tier, part in tiers.items():
-                mine = self.records[tier] if self.complete_on(tier) else record
-                if not part.matches(mine):
-                    out.append(part)
-        return out
-
-    def ranks_on(self, tier: TierName) -> list[int]:
-        """Ranks of this step's attempt (:attr:`attempt`) with a part on ``tier``."""
-        return sorted(r for r, tiers in self._of_attempt().items() if tier in tiers)
-
-    def ranks_missing(self) -> list[int]:
-        """Ranks of this step's attempt with no part on any tier this daemon reads."""
-        have = self._of_attempt()
-        return [r for r in range(self.world_size) if r not in have]
-
-    def on_tier(self, tier: TierName) -> list[Part]:
-        """Every part on ``tier``, of any attempt (what deleting the step there removes)."""
-        return [tiers[tier] for _, tiers in sorted(self.parts.items()) if tier in tiers]
-
-    def nbytes(self, tier: TierName | None = None) -> int:
-        """Bytes of every part on ``tier``; with no tier, of one copy of each part of the step's attempt."""
-        if tier is None:
-            return sum(max(p.nbytes for p in tiers.values()) for tiers in self._of_attempt().values())
-        return sum(tiers[tier].nbytes for tiers in self.parts.values() if tier in tiers)
-
-    @property
-    def created(self) -> float:
-        mine = [p.created for tiers in self._of_attempt().values() for p in tiers.values()]
-        return min(mine) if mine else min((r.created for r in self.records.values()), default=0.0)
-
-    @property
-    def metrics(self) -> dict[str, float]:
-        merged: dict[str, float] = {}
-        for _, tiers in sorted(self._of_attempt().items(), reverse=True):
-            for p in tiers.values():
-                merged.update(p.metrics)
-        return merged
 
 
 Key = tuple[str, int, int]  # job, step, rank
@@ -194,7 +43,6 @@ class Catalog:
         self._parts: dict[str, dict[int, dict[int, dict[TierName, Part]]]] = {}
         # job -> step -> tier -> (verified commit record, inode of commit.json)
         self._records: dict[str, dict[int, dict[TierName, tuple[layout.CommitRecord, int]]]] = {}
-        self._untrusted: dict[Path, int] = {}  # commit records that failed verification, logged once per inode
         self._pins_file = pins_file
         self._pins: dict[str, set[int]] = {
             job: set(steps) for job, steps in fsutil.read_json(pins_file, {}).items()}
@@ -204,78 +52,33 @@ class Catalog:
         self._drained: dict[Key, str] = {
             (str(e[0]), int(e[1]), int(e[2])): str(e[3]) if len(e) > 3 else ""
             for e in fsutil.read_json(self._drained_file, [])}
+        self._reindex = Reindexer()
 
     def load_tier(self, tier: TierName, source: Tier) -> int:
         """Indexes every committed part and commit record on a tier; returns how many parts."""
-        return sum(self._sync(tier, source, job, None)[2] for job in source.list_jobs())
+        return self._reindex.load_tier(self, tier, source)
 
-    def sync_job(self, tier: TierName, source: Tier, job: str, step: int | None = None) -> tuple[int, int]:
-        """Re-reads one job's directory on a tier (or one step's); returns (parts added, parts dropped).
+    def sync_job(self, tier: TierName, source: Tier, job: str, step: int | None = None,
+                 uncommitted: bool = True) -> tuple[int, int]:
+        """Re-reads one job on a tier (or one step); returns (parts added, parts dropped). See
+        :meth:`Reindexer.sync_job <ckptstage.daemon.catalog.reindex.Reindexer.sync_job>`."""
+        return self._reindex.sync_job(self, tier, source, job, step, uncommitted)
 
-        Other nodes' daemons write other ranks of the same job to the shared
-        tier, write commit records and delete steps their retention gave up;
-        this brings the index in step with them. Known parts and records are
-        not re-read unless their inode changed (a part of another attempt
-        replaced under the same name).
-        """
-        added, dropped, _ = self._sync(tier, source, job, step)
-        return added, dropped
+    def sync_record(self, tier: TierName, source: Tier, job: str, step: int) -> tuple[int, int]:
+        """Re-reads one step for a reader waiting for its commit record; see
+        :meth:`Reindexer.sync_record <ckptstage.daemon.catalog.reindex.Reindexer.sync_record>`."""
+        return self._reindex.sync_record(self, tier, source, job, step)
 
-    def _sync(self, tier: TierName, storage: PartIndex, job: str, step: int | None) -> tuple[int, int, int]:
-        # What is known is read before the disk: a part deleted (renamed away, then dropped from
-        # the index) between the two reads is then never indexed again.
+    def known_on(self, tier: TierName, job: str, step: int | None
+                 ) -> tuple[dict[tuple[int, int], Part], dict[int, tuple[layout.CommitRecord, int]]]:
+        """What is indexed of ``job`` (or one step) on ``tier``: (step, rank) -> part, and step -> (record,
+        version of its file)."""
         with self._lock:
-            known = {(s, rank): tiers[tier] for s, ranks in self._parts.get(job, {}).items()
+            parts = {(s, rank): tiers[tier] for s, ranks in self._parts.get(job, {}).items()
                      if step in (None, s) for rank, tiers in ranks.items() if tier in tiers}
-            known_records = {s: tiers[tier] for s, tiers in self._records.get(job, {}).items()
-                             if step in (None, s) and tier in tiers}
-        steps = list(storage.list_steps(job, step))
-        found = {(ref.step, ref.rank): ref for sref in steps for ref in sref.parts}
-        added = dropped = 0
-        for key, ref in found.items():
-            old = known.get(key)
-            if old is None or old.path != ref.path or (ref.ino and old.ino != ref.ino):
-                try:
-                    self.add(Part.read(ref, tier, storage))
-                    added += 1
-                except (layout.ManifestError, KeyError, ValueError, TypeError) as e:
-                    log.error("ignoring part %s: %s", ref.path, e,
-                              extra=fields(job=job, step=ref.step, rank=ref.rank, tier=tier, error=e))
-        for key, part in known.items():
-            if key not in found:
-                self.remove(part)
-                dropped += 1
-        seen_records = set()
-        for sref in steps:
-            if sref.record_ino is None:
-                continue
-            seen_records.add(sref.step)
-            have = known_records.get(sref.step)
-            if have is None or have[1] != sref.record_ino:
-                self._read_record(tier, storage, job, sref)
-        for s in known_records.keys() - seen_records:
-            self.drop_record(tier, job, s)
-        return added, dropped, len(found)
-
-    def _read_record(self, tier: TierName, storage: PartIndex, job: str, sref: layout.StepRef) -> None:
-        path = sref.path / layout.COMMIT_FILE
-        try:
-            record = storage.read_commit_record(sref.path)
-            if record is not None and (record.job, record.step) != (job, sref.step):
-                raise layout.ManifestError(f"{path}: commit record names {record.job!r} step {record.step}")
-        except layout.ManifestError as e:
-            with self._lock:
-                first = self._untrusted.get(path) != sref.record_ino
-                self._untrusted[path] = sref.record_ino or 0
-            if first:
-                log.error("not trusting the commit record %s (the step is not complete on the %s tier): %s",
-                          path, tier.value, e, extra=fields(job=job, step=sref.step, tier=tier, error=e))
-            self.drop_record(tier, job, sref.step)
-            return
-        if record is None:
-            self.drop_record(tier, job, sref.step)
-        else:
-            self.set_record(tier, record, sref.record_ino or 0)
+            records = {s: tiers[tier] for s, tiers in self._records.get(job, {}).items()
+                       if step in (None, s) and tier in tiers}
+        return parts, records
 
     def set_record(self, tier: TierName, record: layout.CommitRecord, ino: int = 0) -> None:
         """Indexes a verified commit record of a step on a tier."""
@@ -475,18 +278,3 @@ class Catalog:
     def is_pinned(self, job: str, step: int) -> bool:
         with self._lock:
             return step in self._pins.get(job, set())
-
-
-def _view(job: str, step: int, ranks: dict[int, dict[TierName, Part]],
-          records: dict[TierName, tuple[layout.CommitRecord, int]], pinned: bool) -> Checkpoint:
-    """A step as the catalogue holds it, copied (the index changes under it). Its world size is its commit
-    record's; without one, the largest its parts of :attr:`Checkpoint.attempt` name."""
-    parts = {r: dict(tiers) for r, tiers in ranks.items()}
-    view = Checkpoint(job, step, 0, parts, pinned, {t: rec for t, (rec, _) in records.items()})
-    record, attempt = view.record, view.attempt
-    if record is not None:
-        world = record.world_size
-    else:
-        sizes = [p.world_size for tiers in parts.values() for p in tiers.values() if p.attempt == attempt]
-        world = max(sizes) if sizes else max((rec.world_size for rec, _ in records.values()), default=1)
-    return Checkpoint(job, step, world, parts, pinned, view.records)

@@ -143,7 +143,7 @@ class Drainer:
         return self.queue.checkpoint_state(ckpt)
 
     def not_drained(self, step: int) -> str:
-        return self.queue.not_drained(step)
+        return self.config.why_not_drained(step)
 
     def health_of(self, names: Iterable[str]) -> dict[str, DrainHealth]:
         return self.queue.health_of(names)
@@ -226,7 +226,7 @@ class Drainer:
             if local is not None and local.digest == shared.digest:
                 self.catalog.mark_drained(shared.job, shared.step, shared.rank, shared.digest)
                 drained.append(shared)
-        if published and not self._seal(key, part):
+        if published and self.queue.copied(key) and not self._seal(key, part):
             return
         self.queue.finished(key, part, bool(published), drained)
         log.info("drained %s step %d rank %d to %s (%d bytes, %.2fs)%s", part.job, part.step, part.rank,
@@ -246,9 +246,12 @@ class Drainer:
 
     def _seal(self, key: Key, part: Part) -> bool:
         """Writes the commit record of the step ``part`` reached, once every rank's part is there (other
-        nodes' ranks too); False when that failed and the part is queued again to try once more."""
+        nodes' ranks too); False when that failed and the part is queued again to try once more.
+
+        Called once this node has no other part of the step queued or in copy
+        (:meth:`DrainQueue.copied`): the last node to publish its share seals."""
         try:
-            self._commits.seal_shared(part.job, part.step)
+            self._commits.seal_shared(part.job, part.step, part.world_size)
         except OSError as e:
             if not self._removed_on_shared(part, e):
                 # The parts are there and the record is not (a full or failing tier): drain the part

@@ -59,6 +59,7 @@ class DrainQueue:
         self._latest: dict[str, int] = {}      # newest step queued per job
         self._done: dict[Key, str] = {}        # drained in this daemon's life (-> manifest digest), oldest first
         self._staged: set[Key] = set()         # copied into a replacement that waits for its other ranks
+        self._copied: set[Key] = set()         # published on the shared tier, not yet booked (see copied)
         self._settling = 0                     # drains whose Drained event is still being handled
         self._health = FailureBook(clock)
         self._indexed = False
@@ -174,7 +175,7 @@ class DrainQueue:
         with self._cond:
             queued = key in self._parts or key in self._staged
         if not self.config.drains(step) and not queued and not self.drained(job, step, rank):
-            raise SaveFailed(self.not_drained(step))
+            raise SaveFailed(self.config.why_not_drained(step))
         with self._cond:
             # The daemon stopping ends the wait too (stop() notifies): its thread must not hold the exit.
             self._cond.wait_for(lambda: self._done_now(key) or key in self._failed or
@@ -188,10 +189,6 @@ class DrainQueue:
                 raise SaveFailed(f"{job} step {step} rank {rank} is neither queued for draining nor on the "
                                  "shared tier (deleted before it drained?)")
             return False
-
-    def not_drained(self, step: int) -> str:
-        return (f"step {step} does not go to the shared tier: only steps that are multiples of "
-                f"[shared] drain_every = {self.config.drain_every} do")
 
     def wait_idle(self, job: str | None, timeout: float) -> tuple[int, int]:
         """Waits until nothing (of ``job``) is queued and the retention that finished drains trigger has run
@@ -260,6 +257,15 @@ class DrainQueue:
             self._draining.discard(key)
             self._cond.notify_all()
 
+    def copied(self, key: Key) -> bool:
+        """Books that the part ``key`` is published on the shared tier; True when no other part of its step is
+        queued or in copy here: this node's share of the step is there, and it looks once whether every node's
+        is. Of two workers publishing a step's last two parts at once, the later under the lock sees True."""
+        step = key[:2]
+        with self._cond:
+            self._copied.add(key)
+            return all(k in self._copied for k in self._parts if k[:2] == step)
+
     def superseded(self, key: Key, part: Part) -> bool:
         """Whether another local part (a replacement) took ``part``'s place in the queue since it was claimed."""
         with self._cond:
@@ -273,6 +279,7 @@ class DrainQueue:
             self._strikes[key] = self._strikes.get(key, 0) + 1
             delay = self._backoff.failed()
             self._draining.discard(key)
+            self._copied.discard(key)
             self._health.failed(part.job, str(error), permanent=False)
             self._cond.notify_all()
         self.reachable = False
@@ -294,6 +301,7 @@ class DrainQueue:
         empty, :meth:`wait_idle` waits for :meth:`settled`."""
         with self._cond:
             self._draining.discard(key)
+            self._copied.discard(key)
             if self._parts.get(key) is part:
                 self._parts.pop(key)
                 self._attempts.pop(key, None)

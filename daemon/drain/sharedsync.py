@@ -18,6 +18,14 @@ bounds how stale that view can be:
 
 With the defaults (1 s, 0.75 s) an answer reflects the shared tier as it was
 at most about 1-2 s before. Nothing on the local commit path calls this.
+
+What a re-read costs the shared tier: a job's is one listing of the job and
+one of each step; a part is read only where the step's commit record names
+it (from the record: one file per step, never one per part) or where this
+daemon asked for that one step by name. A step wait's re-read is one listing
+of the step until its record appears. So N daemons watching a job of W ranks
+cost the tier O(steps) listings a second each, whatever W is, and other
+nodes' parts of a step still draining are never read by every node.
 """
 
 from __future__ import annotations
@@ -34,7 +42,10 @@ from ckptstage.daemon.tiers.interface import Tier
 
 log = logging.getLogger(__name__)
 
-Key = tuple[str, int | None]  # job, and one step or None for the whole job
+# How deep a re-read goes: the commit records (and the parts they name), or also the parts of steps not
+# committed yet (other nodes' drains under way: what a listing of the job shows, what deleting a step needs).
+RECORDS, EVERYTHING = 0, 1
+Key = tuple[str, int | None, int]  # job; one step or None for the whole job; RECORDS or EVERYTHING
 
 
 @dataclass
@@ -72,26 +83,31 @@ class SharedSync:
         self._stop.set()
 
     def fresh(self, job: str, step: int | None = None, max_age_s: float | None = None,
-              wait_s: float | None = None) -> bool:
+              wait_s: float | None = None, depth: int = EVERYTHING) -> bool:
         """Brings the index of ``job`` (or of one step) to at most ``max_age_s`` behind the shared tier,
         waiting at most ``wait_s`` from when that re-read began; True when it is, False when it did not
-        answer in time (the caller answers from the index)."""
+        answer in time (the caller answers from the index). ``depth`` :data:`RECORDS`: what a reader of
+        complete steps needs (see :meth:`Catalog.sync_record` and ``sync_job(uncommitted=False)``)."""
         max_age = self.max_age_s if max_age_s is None else max_age_s
         wait = self.wait_s if wait_s is None else min(wait_s, self.wait_s)
+        key = (job, step, depth)
         now = self._clock()
         with self._lock:
             self._asked[job] = now
-            if now - self._last(job, step) <= max_age:
+            if now - self._last(key) <= max_age:
                 return True
-        sync = self._kick((job, step))
+        sync = self._kick(key)
         if sync is None:
             return False
         return sync.done.wait(max(0.0, min(sync.started + self.wait_s, now + wait) - self._clock())) and \
-            self._clock() - self._last(job, step) <= max_age + self.wait_s
+            self._clock() - self._last(key) <= max_age + self.wait_s
 
-    def _last(self, job: str, step: int | None) -> float:
-        whole = self._synced.get((job, None), float("-inf"))
-        return whole if step is None else max(whole, self._synced.get((job, step), float("-inf")))
+    def _last(self, key: Key) -> float:
+        """When the newest re-read that answers ``key`` began: of the whole job or of that step, at least as
+        deep."""
+        job, step, depth = key
+        return max((self._synced.get((job, s, d), float("-inf")) for s in {None, step}
+                    for d in (RECORDS, EVERYTHING) if d >= depth), default=float("-inf"))
 
     def _kick(self, key: Key) -> _Sync | None:
         """Starts a re-read of ``key`` unless one runs; returns the one running (None: too many hang)."""
@@ -106,9 +122,13 @@ class SharedSync:
         return sync
 
     def _run(self, key: Key, sync: _Sync) -> None:
-        job, step = key
+        job, step, depth = key
         try:
-            added, dropped = self.catalog.sync_job(TierName.SHARED, self.shared, job, step)
+            if step is not None and depth == RECORDS:
+                added, dropped = self.catalog.sync_record(TierName.SHARED, self.shared, job, step)
+            else:
+                added, dropped = self.catalog.sync_job(TierName.SHARED, self.shared, job, step,
+                                                       uncommitted=depth == EVERYTHING)
             if added or dropped:
                 log.debug("shared tier: %s%s: %d parts appeared, %d vanished", job,
                           "" if step is None else f" step {step}", added, dropped,
@@ -117,7 +137,7 @@ class SharedSync:
                 self._synced[key] = max(self._synced.get(key, float("-inf")), sync.started)
                 if step is None:  # the whole job re-read: its older one-step re-reads say nothing more
                     for old in [k for k, t in self._synced.items() if k[0] == job and k[1] is not None
-                                and t <= sync.started]:
+                                and k[2] <= depth and t <= sync.started]:
                         del self._synced[old]
         except OSError as e:
             log.warning("cannot re-read %s on the shared tier %s: %s", job, self.shared.location, e,
@@ -141,7 +161,7 @@ class SharedSync:
                     for j in [j for j, t in self._asked.items() if now - t > self.watch_s]:
                         del self._asked[j]
                 for job in sorted((on_tier - known) | ((asked | self._watched()) & on_tier)):
-                    self._kick((job, None))
+                    self._kick((job, None, RECORDS))
             except OSError as e:
                 log.debug("shared tier discovery: %s", e, extra=fields(tier=TierName.SHARED, error=e))
             except Exception:  # noqa: BLE001 - the thread must outlive one bad pass

@@ -15,6 +15,7 @@ from ckptstage.daemon.catalog.index import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.catalog.quarantine import Quarantine
 from ckptstage.daemon.config import Config
 from ckptstage.daemon.drain.drainer import Drainer
+from ckptstage.daemon.drain import sharedsync
 from ckptstage.daemon.drain.sharedsync import SharedSync
 from ckptstage.daemon.errors import CheckpointNotFound, InvalidRequest
 from ckptstage.daemon.node import listing
@@ -93,7 +94,7 @@ class Lookup:
         attempt's part, best first. With ``all_ranks`` a rank outside the step's world size gets no
         copies instead of an error (a reader of another world size reads several parts)."""
         layout.check_job(job)
-        self.fresh(job)
+        self.fresh(job, sharedsync.RECORDS)  # a complete step is all a reader gets: its record names its parts
         ckpt = self._catalog.latest_complete(job) if step is None else self._catalog.get(job, step)
         if ckpt is None or not ckpt.complete:
             raise CheckpointNotFound(job, step, "" if ckpt is None else why_incomplete(ckpt))
@@ -120,7 +121,9 @@ class Lookup:
                 assert self._drainer is not None
                 raise InvalidRequest(self._drainer.not_drained(step))
         sync = self._sync
-        refresh = (lambda j, s, wait: sync.fresh(j, s, max_age_s=0.25, wait_s=wait)) if sync is not None else None
+        poll_s = self._commits.poll_s
+        refresh = (lambda j, s, wait: sync.fresh(j, s, max_age_s=poll_s, wait_s=wait, depth=sharedsync.RECORDS)) \
+            if sync is not None else None
         return self._commits.wait_step(job, step, tier, timeout, refresh, stop=self._stopping)
 
     def indexed(self, job: str, step: int) -> bool:
@@ -129,7 +132,8 @@ class Lookup:
             self._sync.fresh(job, step, max_age_s=0.0)
         return self._catalog.get(job, step) is not None
 
-    def fresh(self, job: str) -> None:
-        """The index of ``job`` on the shared tier at most ~1 s old, or as fresh as a bounded wait gets it."""
+    def fresh(self, job: str, depth: int = sharedsync.EVERYTHING) -> None:
+        """The index of ``job`` on the shared tier at most ~1 s old, or as fresh as a bounded wait gets it;
+        ``depth``: how much of it (:data:`sharedsync.RECORDS`: the complete steps)."""
         if self._sync is not None:
-            self._sync.fresh(job)
+            self._sync.fresh(job, depth=depth)

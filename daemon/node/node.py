@@ -113,13 +113,15 @@ class Node:
         # What the persister and the drainer report (see _subscribe): their events, handled in order.
         self.events = Bus()
         self.persister = Persister(config.persist.workers, self.events, config.persist.nice)
-        self.commits = Commits(catalog, local, shared, clock)
+        self.commits = Commits(catalog, local, shared, clock, poll_s=config.shared.step_poll_s)
         self.drainer: Drainer | None = None
         self.shared_sync: SharedSync | None = None
         if shared is not None:
             self.drainer = Drainer(config.shared, catalog, self.metrics, self.commits, self.events,
                                    chunk_stores=self.chunk_stores, nice=config.persist.nice, tiers=self.tiers)
-            self.shared_sync = SharedSync(catalog, shared, watched=lambda: {s.info.job for s in self.sessions.all()})
+            self.shared_sync = SharedSync(catalog, shared, max_age_s=config.shared.stale_after_s,
+                                          wait_s=config.shared.stale_wait_s, interval_s=config.shared.watch_interval_s,
+                                          watched=lambda: {s.info.job for s in self.sessions.all()})
         drain = self.drainer.queue if self.drainer is not None else None  # what retention and status read
         self.fetcher: Fetcher | None = None
         if (drainer := self.drainer) is not None:

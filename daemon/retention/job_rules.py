@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,9 @@ log = logging.getLogger(__name__)
 # A job's retention overrides, published beside its checkpoints on the shared tier
 # (<shared>/<job>/retention.json, ignored by tier scans) for the other nodes' daemons.
 JOB_RULES_FILE = "retention.json"
+# How long rules read from the shared tier (another node's job) are used before being read again: the
+# drain applies retention after each part, and W parts must not cost W reads of the same small file.
+SHARED_RULES_TTL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -94,13 +98,15 @@ class JobRetention:
 class JobRules:
     """The overrides of every job this daemon knows: its own sessions' and other nodes' published ones."""
 
-    def __init__(self, state_file: Path, shared: Tier | None) -> None:
+    def __init__(self, state_file: Path, shared: Tier | None, clock: Callable[[], float] = time.monotonic) -> None:
         """``shared``: the shared tier's storage, None without one."""
         self._file = state_file
         self._shared = shared
         self._rules: dict[str, JobRetention] = {}
         self._lock = threading.Lock()
         self._unpublished: set[str] = set()  # jobs whose rules the shared tier does not have yet
+        self._read: dict[str, tuple[float, JobRetention | None]] = {}  # job -> (when read, rules) from the tier
+        self._clock = clock
 
     def load(self) -> None:
         """Reads the overrides this daemon recorded before it (re)started."""
@@ -156,9 +162,24 @@ class JobRules:
         """
         rules = self._rules.get(job)
         if rules is None and read_shared and self._shared is not None:
-            try:
-                rules = JobRetention.parse(self._shared.read_job_json(job, JOB_RULES_FILE, {}))
-            except (OSError, ValueError, AttributeError) as e:
-                log.warning("ignoring %s/%s/%s: %s", self._shared.location, job, JOB_RULES_FILE, e,
-                            extra=fields(job=job, tier="shared", error=e))
+            rules = self._published(job, self._shared)
         return rules or JobRetention()
+
+    def _published(self, job: str, shared: Tier) -> JobRetention | None:
+        """The rules another node published for ``job``, read at most every :data:`SHARED_RULES_TTL_S`."""
+        now = self._clock()
+        with self._lock:
+            cached = self._read.get(job)
+        if cached is not None and now - cached[0] < SHARED_RULES_TTL_S:
+            return cached[1]
+        rules = None
+        try:
+            rules = JobRetention.parse(shared.read_job_json(job, JOB_RULES_FILE, {}))
+        except (OSError, ValueError, AttributeError) as e:
+            log.warning("ignoring %s/%s/%s: %s", shared.location, job, JOB_RULES_FILE, e,
+                        extra=fields(job=job, tier="shared", error=e))
+        with self._lock:
+            self._read[job] = (now, rules)
+            for old in [j for j, (t, _) in self._read.items() if now - t >= SHARED_RULES_TTL_S]:
+                del self._read[old]
+        return rules

@@ -88,6 +88,12 @@ class RpcServer:
         self._server.add_insecure_port(f"unix:{self.socket_path}")
         await self._server.start()
 
+    def discard(self) -> None:
+        """Closes the loop of a server that never started (the daemon's start failed): left to the
+        collector, it is closed at exit after the sockets it polls, which prints a traceback."""
+        if not self._thread.is_alive():
+            self._loop.close()
+
     def begin_shutdown(self) -> None:
         """Ends every session stream with SHUTTING_DOWN; new saves are refused by the node."""
         self.servicer.begin_shutdown()

@@ -14,7 +14,7 @@ import os
 import shutil
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
@@ -64,8 +64,12 @@ class FsTier:
     def list_jobs(self) -> list[str]:
         return layout.scan_jobs(self._root)
 
-    def list_steps(self, job: str, step: int | None = None) -> Iterator[layout.StepRef]:
-        return layout.scan_steps(self._root, job, step)
+    def list_steps(self, job: str, step: int | None = None, known: Mapping[Path, int] | None = None,
+                   trust: bool = False) -> Iterator[layout.StepRef]:
+        return layout.scan_steps(self._root, job, step, known, trust)
+
+    def list_step(self, job: str, step: int) -> layout.StepRef | None:
+        return next(layout.scan_steps(self._root, job, step, trust=True), None)
 
     def part_location(self, job: str, step: int, rank: int) -> Path:
         return layout.part_dir(self._root, job, step, rank)
@@ -113,8 +117,16 @@ class FsTier:
         return fsutil.link_exactly_once(self._root, self._owner, step / layout.COMMIT_FILE,
                                         layout.commit_record_bytes(record))
 
+    def claim_seal(self, step: Path) -> bool:
+        return fsutil.link_exactly_once(self._root, self._owner, step / layout.SEAL_CLAIM_FILE, self._owner.encode())
+
+    def release_seal(self, step: Path) -> None:
+        fsutil.check_contained(self._root, step / layout.SEAL_CLAIM_FILE)
+        (step / layout.SEAL_CLAIM_FILE).unlink(missing_ok=True)
+
     def remove_commit_record(self, step: Path) -> None:
         fsutil.remove_file(self._root, self._owner, step / layout.COMMIT_FILE)
+        self.release_seal(step)  # one a sealer that died left
         try:
             step.rmdir()  # the step directory, when its parts went first
         except OSError:

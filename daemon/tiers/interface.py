@@ -35,7 +35,7 @@ format (:mod:`ckptstage.protos.layout`) and nothing of the daemon.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -149,8 +149,17 @@ class PartIndex(Protocol):
 
     def list_jobs(self) -> list[str]: ...
 
-    def list_steps(self, job: str, step: int | None = None) -> Iterator[layout.StepRef]:
-        """The steps of ``job`` (or the one step) that hold a published part or a commit record."""
+    def list_steps(self, job: str, step: int | None = None, known: Mapping[Path, int] | None = None,
+                   trust: bool = False) -> Iterator[layout.StepRef]:
+        """The steps of ``job`` (or the one step) that hold a published part or a commit record.
+
+        ``known``: the parts the caller indexed (location -> version); a tier
+        that would check each part it lists may trust these unchecked, and
+        with ``trust`` every part (the caller reads only what a record names)."""
+
+    def list_step(self, job: str, step: int) -> layout.StepRef | None:
+        """One step as one listing names it, no part looked at: whether a step of W parts is all there costs
+        one request, not W."""
 
     def part_location(self, job: str, step: int, rank: int) -> Path: ...
 
@@ -206,9 +215,16 @@ class PartStorage(Protocol):
         """Publishes the step's commit record unless one is there; True if this call created it (exactly
         once, also between daemons of several nodes)."""
 
+    def claim_seal(self, step: Path) -> bool:
+        """Creates the step's seal claim (:data:`layout.SEAL_CLAIM_FILE`) unless it is there; True if this call
+        created it (exactly once across nodes, as a commit record)."""
+
+    def release_seal(self, step: Path) -> None:
+        """Deletes the step's seal claim (nothing when it is gone)."""
+
     def remove_commit_record(self, step: Path) -> None:
-        """Deletes the step's commit record (last, after its parts) and the step if it is empty then.
-        Raises FileNotFoundError when it is gone already."""
+        """Deletes the step's commit record (last, after its parts), its seal claim, and the step if it is
+        empty then. Raises FileNotFoundError when the record is gone already."""
 
     def read_job_json(self, job: str, name: str, default: Any) -> Any:
         """A small JSON document published beside a job's steps (its retention rules); ``default`` if none."""

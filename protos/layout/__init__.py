@@ -27,6 +27,7 @@ written (:mod:`.names`, :mod:`.checksums`, :mod:`.manifest`, :mod:`.records`).
 from ckptstage.protos.layout.names import (  # noqa: F401 - re-exported
     CHECKSUM,
     COMMIT_FILE,
+    SEAL_CLAIM_FILE,
     CORRUPT_PREFIX,
     ChecksumMismatch,
     DATA_FILE,

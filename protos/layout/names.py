@@ -6,9 +6,10 @@ records, and scans of a tier directory; the errors of a bad name or value.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,9 @@ FORMAT = "ckptstage/1"
 DATA_FILE = "data.safetensors"
 MANIFEST_FILE = "manifest.json"
 COMMIT_FILE = "commit.json"
+# A node about to read a step's W manifests to seal it claims the step first (created exactly once), so that
+# of several nodes finding every part there at once one reads them. A hint, never a lock: see Commits.
+SEAL_CLAIM_FILE = "seal.claim"
 TMP_DIR = ".tmp"
 CORRUPT_PREFIX = ".corrupt-"  # a part moved aside as corrupt: <step>/.corrupt-rank-RRRRR-<random>
 # The unit the daemon streams and writes a part in (its [persist] chunk_bytes default).
@@ -204,40 +208,46 @@ class StepRef:
     record_ino: int | None  # inode of commit.json; None when there is none
 
 
-def scan_steps(tier_dir: Path, job: str, step: int | None = None) -> Iterator[StepRef]:
+def scan_steps(tier_dir: Path, job: str, step: int | None = None,
+               known: Mapping[Path, int] | None = None, trust: bool = False) -> Iterator[StepRef]:
     """Yields the step directories of one job (or the one step), as :func:`scan_tier` walks them.
 
-    Steps with neither a part nor a commit record are skipped.
+    Steps with neither a part nor a commit record are skipped. One listing
+    per step: a part directory gets there only by a rename of a whole part
+    and leaves by one, so its manifest is looked for (a stat) only where
+    nothing else vouches for it: not in a step with a commit record, nor for
+    a directory ``known`` (path -> inode) lists with the same inode. A
+    watcher re-reading a step of W parts then costs one listing, not W stats.
+    ``trust``: no part is looked at (the names are what the caller wants).
     """
     job_dir = tier_dir / check_job(job)
-    if not job_dir.is_dir() or job_dir.is_symlink():
-        return
-    steps = [job_dir / step_dirname(step)] if step is not None else [
-        Path(e.path) for e in _entries(job_dir) if _STEP_RE.fullmatch(e.name)]
-    for sdir in steps:
-        m = _STEP_RE.fullmatch(sdir.name)
-        if not m or sdir.is_symlink():
+    steps = [step_dirname(step)] if step is not None else [
+        e.name for e in _entries(job_dir) if _STEP_RE.fullmatch(e.name)]
+    known = known or {}
+    for name in steps:
+        m = _STEP_RE.fullmatch(name)
+        if not m:
             continue
+        sdir = job_dir / name
+        entries = _entries(sdir)
+        record = next((e.inode() for e in entries if e.name == COMMIT_FILE and e.is_file(follow_symlinks=False)),
+                      None)
         parts: list[PartRef] = []
-        record: int | None = None
-        for entry in _entries(sdir):
-            if entry.name == COMMIT_FILE:
-                if entry.is_file(follow_symlinks=False):
-                    record = entry.inode()
-                continue
+        for entry in entries:
             r = _RANK_RE.fullmatch(entry.name)
-            if r and entry.is_dir(follow_symlinks=False) and \
-                    os.path.isfile(os.path.join(entry.path, MANIFEST_FILE)):
-                parts.append(PartRef(job, int(m.group(1)), int(r.group(1)), Path(entry.path), entry.inode()))
+            if r is None or not entry.is_dir(follow_symlinks=False):
+                continue
+            path = sdir / entry.name
+            vouched = trust or record is not None or known.get(path) == entry.inode()
+            if vouched or os.path.isfile(path / MANIFEST_FILE):
+                parts.append(PartRef(job, int(m.group(1)), int(r.group(1)), path, entry.inode()))
         if parts or record is not None:
             yield StepRef(job, int(m.group(1)), sdir, tuple(sorted(parts, key=lambda p: p.rank)), record)
 
 
 def scan_jobs(tier_dir: Path) -> list[str]:
     """The job directories on a tier (links and other names skipped)."""
-    if not tier_dir.is_dir():
-        return []
-    return sorted(e.name for e in _entries(tier_dir)
+    return sorted(e.name for e in _entries(tier_dir, follow=True)  # the tier's own root may be a link
                   if _JOB_RE.fullmatch(e.name) and ".." not in e.name and e.is_dir(follow_symlinks=False))
 
 
@@ -256,10 +266,23 @@ def scan_tier(tier_dir: Path, job: str | None = None, step: int | None = None) -
             yield from sref.parts
 
 
-def _entries(path: str | Path) -> list[os.DirEntry[str]]:
-    """A directory's entries; none when it vanished meanwhile (another node's retention on a shared tier)."""
+def _entries(path: str | Path, follow: bool = False) -> list[os.DirEntry[str]]:
+    """A directory's entries (their ``path`` is their bare name); none when it vanished meanwhile (another
+    node's retention on a shared tier), or is a symbolic link (unless ``follow``) or no directory.
+
+    One open (that never follows a link) and the reads of its entries: the
+    few calls a shared file system's metadata server sees per directory.
+    """
     try:
-        with os.scandir(path) as it:
-            return list(it)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
     except (FileNotFoundError, NotADirectoryError):
         return []
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a symbolic link planted in the tier: never followed
+            return []
+        raise
+    try:
+        with os.scandir(fd) as it:
+            return list(it)
+    finally:
+        os.close(fd)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,27 @@ from ckptstage.protos.layout.manifest import _verified_body, decode_manifest, ma
 
 @dataclass(frozen=True)
 class CommittedPart:
-    """What a commit record says of one rank's part: its bytes and the digest of its manifest file."""
+    """What a commit record says of one rank's part: its bytes and the digest of its manifest file.
+
+    ``created`` and ``metrics`` repeat what the part's manifest says (when it
+    was saved, the trainer's metrics), so that a daemon learning of the step
+    from its record indexes every part without opening W manifests. Records
+    written before they were kept have ``created`` None: their parts are
+    indexed from their manifests.
+    """
 
     nbytes: int
     manifest_digest: str
+    created: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"bytes": self.nbytes, "manifest_xxh3_64": self.manifest_digest}
+        if self.created is not None:
+            out["created"] = self.created
+            if self.metrics:
+                out["metrics"] = dict(sorted(self.metrics.items()))
+        return out
 
 
 @dataclass(frozen=True)
@@ -61,8 +78,7 @@ class CommitRecord:
     def to_json(self) -> dict[str, Any]:
         out = {"format": FORMAT, "kind": "commit", "job": self.job, "step": self.step, "attempt": self.attempt,
                "world_size": self.world_size, "created": self.created,
-               "parts": {str(r): {"bytes": p.nbytes, "manifest_xxh3_64": p.manifest_digest}
-                         for r, p in sorted(self.parts.items())}}
+               "parts": {str(r): p.to_json() for r, p in sorted(self.parts.items())}}
         if self.replaces:
             out["replaces"] = list(self.replaces)
         return out
@@ -100,7 +116,12 @@ class CommitRecord:
             if type(nbytes) is not int or nbytes < 0 or not isinstance(digest, str) or \
                     not re.fullmatch(r"[0-9a-f]{16}", digest):
                 raise bad(f"has a malformed entry for rank {key}: {entry!r:.100}")
-            out[int(key)] = CommittedPart(nbytes, digest)
+            saved, metrics = entry.get("created"), entry.get("metrics", {})
+            if saved is not None and type(saved) not in (int, float) or not isinstance(metrics, dict) or \
+                    not all(isinstance(k, str) and type(v) in (int, float) for k, v in metrics.items()):
+                raise bad(f"has a malformed created or metrics for rank {key}: {entry!r:.100}")
+            out[int(key)] = CommittedPart(nbytes, digest, None if saved is None else float(saved),
+                                          {k: float(v) for k, v in metrics.items()})
         replaces = get("replaces") or []
         if not isinstance(replaces, list) or len(replaces) > MAX_REPLACES or \
                 not all(isinstance(r, str) and re.fullmatch(r"[0-9a-f]{16}", r) for r in replaces):

@@ -40,7 +40,7 @@ from __future__ import annotations
 import errno
 import json
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -154,8 +154,12 @@ class S3Tier:
     def list_jobs(self) -> list[str]:
         return self._index.list_jobs()
 
-    def list_steps(self, job: str, step: int | None = None) -> Iterator[layout.StepRef]:
-        return self._index.list_steps(job, step)
+    def list_steps(self, job: str, step: int | None = None, known: Mapping[Path, int] | None = None,
+                   trust: bool = False) -> Iterator[layout.StepRef]:
+        return self._index.list_steps(job, step)  # one listing names every object: nothing to check apart
+
+    def list_step(self, job: str, step: int) -> layout.StepRef | None:
+        return next(iter(self._index.list_steps(job, step)), None)
 
     def has_part(self, part: Path) -> bool:
         return self._index.has_part(part)
@@ -209,6 +213,13 @@ class S3Tier:
             return False
         return True
 
+    def claim_seal(self, step: Path) -> bool:
+        try:
+            self.objects.put(self.key(step / layout.SEAL_CLAIM_FILE), self.owner.encode(), if_absent=True)
+        except FileExistsError:
+            return False
+        return True
+
     def remove_commit_record(self, step: Path) -> None:
         """Deletes the record; the removals of the step's parts that this daemon left cut short (the store
         failed half way) are finished first: a record goes after its parts, every object of them."""
@@ -218,6 +229,13 @@ class S3Tier:
             raise FileNotFoundError(errno.ENOENT, f"no commit record in {self.url_of(step)}")
         self._cleanup.finish_removals(step)
         self.objects.delete(key, str(head["ETag"]))
+        self.release_seal(step)  # one a sealer that died left
+
+    def release_seal(self, step: Path) -> None:
+        try:
+            self.objects.delete(self.key(step / layout.SEAL_CLAIM_FILE))
+        except FileNotFoundError:
+            pass
 
     def read_job_json(self, job: str, name: str, default: Any) -> Any:
         try:
