@@ -32,7 +32,10 @@ class PartReader:
     """
 
     def __init__(self, rank: int, dirs: list[Path], report: Report | None = None,
-                 committed: Mapping[Path, str] | None = None, keep_open: int = 4) -> None:
+                 committed: Mapping[Path, str] | None = None, keep_open: int = 4,
+                 manifest: dict[str, Any] | None = None) -> None:
+        """``manifest``: the part's manifest, already checked against the digest its commit record names (the
+        step index's): no copy's manifest file is opened then; every copy has that same manifest."""
         if not dirs:
             raise layout.ManifestError(f"rank {rank}: no copy of this part to read")
         self.rank = rank
@@ -49,6 +52,7 @@ class PartReader:
         self._local = threading.local()
         self.bytes_read = 0
         self.manifest: dict[str, Any] = {}
+        self._known = manifest
         self._next_copy(None)
 
     def _next_copy(self, failure: BaseException | None) -> None:
@@ -59,7 +63,8 @@ class PartReader:
                 self._exhausted = failure or layout.ManifestError(f"rank {self.rank}: no copy to read")
                 raise self._exhausted
             try:
-                manifest = layout.read_manifest(self.dirs[self._copy], self._committed.get(self.dirs[self._copy], ""))
+                manifest = self._known or layout.read_manifest(self.dirs[self._copy],
+                                                               self._committed.get(self.dirs[self._copy], ""))
                 entry = layout.manifest_files(manifest)[layout.DATA_FILE]
                 extents = chunks.extents(self.dirs[self._copy], manifest)
             except (layout.ManifestError, KeyError) as e:

@@ -76,13 +76,17 @@ class StepView:
 
     @classmethod
     def open(cls, locations: dict[int, list[Path]], report: Report | None = None,
-             committed: Mapping[Path, str] | None = None) -> StepView:
+             committed: Mapping[Path, str] | None = None,
+             manifests: Mapping[int, dict[str, Any]] | None = None) -> StepView:
         """Opens every rank's part; ``committed``: each part directory's manifest digest as the commit record
-        names it (a copy whose manifest differs is a corrupt copy)."""
+        names it (a copy whose manifest differs is a corrupt copy). ``manifests``: ranks' manifests already
+        read and checked against those digests (from the step index): their files are not opened until
+        a read needs their bytes."""
         view = cls({})
         try:
             for rank, dirs in sorted(locations.items()):
-                view.readers[rank] = PartReader(rank, dirs, report, committed or {}, keep_open=_READERS)
+                view.readers[rank] = PartReader(rank, dirs, report, committed or {}, keep_open=_READERS,
+                                                manifest=(manifests or {}).get(rank))
         except BaseException:
             view.close()
             raise

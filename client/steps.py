@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptstage.client import errors, reshard
+from ckptstage.client import errors, reshard, stepindex
 from ckptstage.client.progress import size_text
 from ckptstage.client.rpc import FETCH_TIMEOUT_S, Connection
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
@@ -79,7 +79,8 @@ class OpenStep:
         self.located = located
         self._conn = conn
         self.view = reshard.StepView.open({r: [d for _, d in locs] for r, locs in located.parts.items()},
-                                          self._report, located.digests)
+                                          self._report, located.digests,
+                                          stepindex.manifests_of(located.parts, located.digests))
 
     def _report(self, rank: int, copy: int, detail: str) -> None:
         """A copy failed verification: the daemon re-reads it and quarantines it only if its own read fails."""

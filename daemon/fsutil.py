@@ -299,7 +299,12 @@ def read_json(path: Path, default: Any) -> Any:
 
 
 def write_json_atomic(path: Path, obj: Any, within: Path | None = None) -> None:
-    """Replaces a small JSON file atomically (write temp, fsync, rename, fsync dir).
+    """Replaces a small JSON file atomically (see :func:`write_atomic`)."""
+    write_atomic(path, json.dumps(obj, sort_keys=True).encode(), within)
+
+
+def write_atomic(path: Path, data: bytes, within: Path | None = None) -> None:
+    """Replaces a file atomically (write temp, fsync, rename, fsync dir).
 
     The directory is opened once without following a link (``O_NOFOLLOW``)
     and the temporary is created and renamed relative to it, so a link planted
@@ -318,7 +323,7 @@ def write_json_atomic(path: Path, obj: Any, within: Path | None = None) -> None:
     try:
         tmp = f".{path.name}.{uuid.uuid4().hex[:8]}"
         try:
-            write_file_durable(Path(tmp), json.dumps(obj, sort_keys=True).encode(), dir_fd=dir_fd)
+            write_file_durable(Path(tmp), data, dir_fd=dir_fd)
             os.rename(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except BaseException:
             with contextlib.suppress(OSError):

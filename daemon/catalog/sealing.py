@@ -15,7 +15,9 @@ W ranks drained by N nodes:
 * **One reader of the W manifests.** The node that finds every part claims
   the step (:data:`layout.SEAL_CLAIM_FILE`, created exactly once across
   nodes), reads each part's manifest once (a record is forever, so it pins the
-  manifests themselves, not what an index says of them), and writes the
+  manifests themselves, not what an index says of them), writes them all into
+  the step index (:mod:`ckptstage.protos.layout.stepindex`: a reader of
+  another world size opens that one file, not W manifests) and then the
   record. Nodes that find every part at the same moment lose the claim and
   leave the step to its holder. W manifest reads per step, not W per node.
 * **The claim is a hint, never a lock.** Its holder gives it back when it
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 from ckptstage.daemon.catalog.index import Catalog, Part, TierName
 from ckptstage.daemon.logs import fields
@@ -105,13 +108,22 @@ class SharedSeal:
             try:
                 sealed = self._seal_listed(job, step, listed)
             finally:
-                self.shared.release_seal(listed.path)
+                self._release(job, step, listed.path)
             if sealed is not None:
                 return sealed
             again = self.shared.list_step(job, step)
             if again is None or {(p.rank, p.ino) for p in again.parts} == {(p.rank, p.ino) for p in listed.parts}:
                 return None  # nothing changed while the claim was held: nobody lost it to us
         return None
+
+    def _release(self, job: str, step: int, where: Path) -> None:
+        """Gives the claim back; a tier that fails that now leaves it for the step's removal (or, for a step
+        not sealed, for a daemon's recovery at start), and the seal's outcome stands."""
+        try:
+            self.shared.release_seal(where)
+        except OSError as e:
+            log.warning("cannot remove the seal claim of %s step %d on the shared tier: %s", job, step, e,
+                        extra=fields(job=job, step=step, tier=TierName.SHARED, error=e))
 
     def _seal_listed(self, job: str, step: int, listed: layout.StepRef) -> layout.CommitRecord | None:
         """Reads each listed part's manifest once and writes the record if they make one attempt whole."""
@@ -147,4 +159,16 @@ class SharedSeal:
                              job, step, rank, len(gone),
                              extra=fields(job=job, step=step, rank=rank, tier=TierName.SHARED))
                     return None
+        self._write_index(job, step, attempt, listed, parts, manifests)
         return self._publish(job, step, attempt, world, parts)
+
+    def _write_index(self, job: str, step: int, attempt: str, listed: layout.StepRef, parts: dict[int, Part],
+                     manifests: dict[int, Manifest]) -> None:
+        """The step index, before the record (readers find it from the start); only where readers open the
+        tier's files themselves (an object store's parts are fetched to the node first, manifests and all)."""
+        if self.shared.readable_path(parts[0].path) is None:
+            return
+        index = layout.step_index_bytes(job, step, attempt, {r: manifests[r] for r in parts},
+                                        {r: p.digest for r, p in parts.items()})
+        if index is not None:
+            self.shared.write_step_index(listed.path, index)

@@ -120,12 +120,16 @@ class FsTier:
     def claim_seal(self, step: Path) -> bool:
         return fsutil.link_exactly_once(self._root, self._owner, step / layout.SEAL_CLAIM_FILE, self._owner.encode())
 
+    def write_step_index(self, step: Path, data: bytes) -> None:
+        fsutil.write_atomic(step / layout.STEP_INDEX_FILE, data, within=self._root)
+
     def release_seal(self, step: Path) -> None:
         fsutil.check_contained(self._root, step / layout.SEAL_CLAIM_FILE)
         (step / layout.SEAL_CLAIM_FILE).unlink(missing_ok=True)
 
     def remove_commit_record(self, step: Path) -> None:
         fsutil.remove_file(self._root, self._owner, step / layout.COMMIT_FILE)
+        (step / layout.STEP_INDEX_FILE).unlink(missing_ok=True)
         self.release_seal(step)  # one a sealer that died left
         try:
             step.rmdir()  # the step directory, when its parts went first

@@ -215,6 +215,9 @@ class PartStorage(Protocol):
         """Publishes the step's commit record unless one is there; True if this call created it (exactly
         once, also between daemons of several nodes)."""
 
+    def write_step_index(self, step: Path, data: bytes) -> None:
+        """Puts the step's index (:data:`layout.STEP_INDEX_FILE`) in place, replacing one there."""
+
     def claim_seal(self, step: Path) -> bool:
         """Creates the step's seal claim (:data:`layout.SEAL_CLAIM_FILE`) unless it is there; True if this call
         created it (exactly once across nodes, as a commit record)."""
@@ -223,8 +226,8 @@ class PartStorage(Protocol):
         """Deletes the step's seal claim (nothing when it is gone)."""
 
     def remove_commit_record(self, step: Path) -> None:
-        """Deletes the step's commit record (last, after its parts), its seal claim, and the step if it is
-        empty then. Raises FileNotFoundError when the record is gone already."""
+        """Deletes the step's commit record (last, after its parts), its index and seal claim, and the step
+        if it is empty then. Raises FileNotFoundError when the record is gone already."""
 
     def read_job_json(self, job: str, name: str, default: Any) -> Any:
         """A small JSON document published beside a job's steps (its retention rules); ``default`` if none."""

@@ -21,13 +21,14 @@ job, agreed by all its ranks) is committed on that tier, and naming each
 part's size and the digest of its manifest file.
 
 This package only re-exports: ``layout.X`` is the one name for each piece of the format, wherever it is
-written (:mod:`.names`, :mod:`.checksums`, :mod:`.manifest`, :mod:`.records`).
+written (:mod:`.names`, :mod:`.checksums`, :mod:`.manifest`, :mod:`.records`, :mod:`.stepindex`).
 """
 
 from ckptstage.protos.layout.names import (  # noqa: F401 - re-exported
     CHECKSUM,
     COMMIT_FILE,
     SEAL_CLAIM_FILE,
+    STEP_INDEX_FILE,
     CORRUPT_PREFIX,
     ChecksumMismatch,
     DATA_FILE,
@@ -94,6 +95,11 @@ from ckptstage.protos.layout.manifest import (  # noqa: F401 - re-exported
     read_manifest,
     read_manifest_and_digest,
     validate_tensor_table,
+)
+from ckptstage.protos.layout.stepindex import (  # noqa: F401 - re-exported
+    MAX_STEP_INDEX_BYTES,
+    parse_step_index,
+    step_index_bytes,
 )
 from ckptstage.protos.layout.records import (  # noqa: F401 - re-exported
     CommitRecord,

@@ -21,6 +21,8 @@ COMMIT_FILE = "commit.json"
 # A node about to read a step's W manifests to seal it claims the step first (created exactly once), so that
 # of several nodes finding every part there at once one reads them. A hint, never a lock: see Commits.
 SEAL_CLAIM_FILE = "seal.claim"
+# Every part's manifest of a step in one file, written by the node that seals it (see layout.stepindex).
+STEP_INDEX_FILE = "index.json"
 TMP_DIR = ".tmp"
 CORRUPT_PREFIX = ".corrupt-"  # a part moved aside as corrupt: <step>/.corrupt-rank-RRRRR-<random>
 # The unit the daemon streams and writes a part in (its [persist] chunk_bytes default).

@@ -213,6 +213,9 @@ class S3Tier:
             return False
         return True
 
+    def write_step_index(self, step: Path, data: bytes) -> None:
+        self.objects.put(self.key(step / layout.STEP_INDEX_FILE), data)  # one PUT: readers see all of it or none
+
     def claim_seal(self, step: Path) -> bool:
         try:
             self.objects.put(self.key(step / layout.SEAL_CLAIM_FILE), self.owner.encode(), if_absent=True)
@@ -229,7 +232,8 @@ class S3Tier:
             raise FileNotFoundError(errno.ENOENT, f"no commit record in {self.url_of(step)}")
         self._cleanup.finish_removals(step)
         self.objects.delete(key, str(head["ETag"]))
-        self.release_seal(step)  # one a sealer that died left
+        # The claim: one a sealer that died left.
+        self.objects.delete_many([self.key(step / layout.STEP_INDEX_FILE), self.key(step / layout.SEAL_CLAIM_FILE)])
 
     def release_seal(self, step: Path) -> None:
         try:

@@ -1,0 +1,96 @@
+"""The step index: a reader that needs every part of a step opens one file, not each part's manifest, and an
+index that is stale or damaged only costs it those opens, never a wrong read. Two real daemons for two
+nodes on one shared directory; files opened counted in-process."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptstage.client import Client
+from ckptstage.protos import layout
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from _syscounts import OpenCounter  # noqa: E402 - the bench's counter of files this process opens
+
+JOB, WORLD, STEP = "indexed", 4, 5
+
+
+def state_of(rank: int) -> dict[str, Any]:
+    return {"w": torch.full((256,), float(rank)), "rank": rank}
+
+
+def save_on_two_nodes(a: Any, b: Any) -> None:
+    clients = [Client(JOB, socket=(a if r < 2 else b).socket, rank=r, world_size=WORLD, attempt="run")
+               for r in range(WORLD)]
+    barrier = threading.Barrier(WORLD)
+    failed: list[BaseException] = []
+
+    def save(c: Client) -> None:
+        try:
+            barrier.wait(timeout=10)
+            c.save(STEP, state_of(c.rank)).wait("shared", timeout=60)
+        except BaseException as e:  # noqa: BLE001 - raised below, in the test's thread
+            failed.append(e)
+
+    threads = [threading.Thread(target=save, args=(c,)) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in clients:
+        c.close()
+    assert not failed, failed[0]
+
+
+def opened_reading_every_part(d: Any) -> tuple[list[str], list[float]]:
+    """Files this process opens while it opens the step whole and reads each rank's ``w``."""
+    with Client(JOB, socket=d.socket, rank=0, world_size=WORLD) as c:
+        with OpenCounter.get().counting([d.local, d.shared]) as opened, c.open_step(STEP) as step:
+            values = [float(step.view.read_full("w", tree_rank=r)[0]) for r in range(WORLD)]
+        return list(opened), values
+
+
+def test_a_reader_of_every_part_opens_the_index_not_each_manifest(daemon_factory: Any) -> None:
+    a = daemon_factory("node-a")
+    assert a.shared is not None
+    b = daemon_factory("node-b", **{"shared.dir": str(a.shared)})
+    a.start()
+    b.start()
+    save_on_two_nodes(a, b)
+    index = layout.step_dir(a.shared, JOB, STEP) / layout.STEP_INDEX_FILE
+    record = layout.read_commit_record(layout.step_dir(a.shared, JOB, STEP))
+    assert index.exists() and record is not None
+    manifests = layout.parse_step_index(index.read_bytes(), index,
+                                        {r: p.manifest_digest for r, p in record.parts.items()})
+    assert sorted(manifests) == list(range(WORLD))
+
+    opened, values = opened_reading_every_part(a)
+    assert values == [float(r) for r in range(WORLD)]
+    assert [p for p in opened if p.endswith(layout.MANIFEST_FILE)] == []
+    assert [p for p in opened if p.endswith(layout.STEP_INDEX_FILE)] == [str(index)]
+    assert len([p for p in opened if p.endswith(layout.DATA_FILE)]) == WORLD  # the bytes it read
+
+    # A damaged index (or one left by an earlier commit of the step) vouches for nothing: each part's
+    # own manifest is read, and the reads are right.
+    raw = bytearray(index.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    index.write_bytes(bytes(raw))
+    opened, values = opened_reading_every_part(a)
+    assert values == [float(r) for r in range(WORLD)]
+    assert len([p for p in opened if p.endswith(layout.MANIFEST_FILE)]) == WORLD
+    assert "quarantined" not in a.log.read_text()  # the index is no copy of a part: nothing to quarantine
+
+
+def test_a_step_only_on_the_local_tier_is_read_from_its_manifests(daemon_factory: Any) -> None:
+    d = daemon_factory("solo", **{"shared.dir": ""}).start()
+    with Client(JOB, socket=d.socket, rank=0, world_size=1) as c:
+        c.save(STEP, state_of(0)).wait("local", timeout=30)
+        with OpenCounter.get().counting([d.local]) as opened, c.open_step(STEP) as step:
+            assert float(step.view.read_full("w")[0]) == 0.0
+    assert len([p for p in opened if p.endswith(layout.MANIFEST_FILE)]) == 1
+    assert not (layout.step_dir(d.local, JOB, STEP) / layout.STEP_INDEX_FILE).exists()
