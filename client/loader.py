@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -31,8 +32,11 @@ log = logging.getLogger(__name__)
 # How long a reader whose copy failed verification asks whether the step was replaced meanwhile, before it
 # takes the copy for corrupt (the daemon indexes a replacement's commit just after putting its parts in place).
 _REPLACED_SETTLE_S = 1.0
-# Times a load locates the step again after a copy vanished or the step was replaced while it was read.
-_TRIES = 3
+# Times a load locates the step again after a copy vanished or the step was replaced while it was read,
+# waiting a little longer each time (jittered: a reader must not fall in step with a writer replacing the
+# step again and again, every read landing on a swap).
+_TRIES = 6
+_RETRY_WAIT_S = 0.01
 
 
 class Loader:
@@ -56,6 +60,8 @@ class Loader:
         target = tree.flatten_state(into) if into is not None else None
         tries = _TRIES
         for attempt in range(1, tries + 1):
+            if attempt > 1:
+                time.sleep(random.uniform(0.5, 1.5) * _RETRY_WAIT_S * 2 ** (attempt - 2))
             located = steps.locate(self._conn, self.job, step, self.rank, all_ranks=False, memory=True)
             step = located.step  # pinned down: a retry reads the same step
             tree_rank = located.tree_rank(self.rank, self.world_size)
