@@ -220,12 +220,16 @@ status=$(show StatusText)
 if [[ "$status" == serving:* ]]; then pass status-line "StatusText=$status"; else fail status-line "StatusText='$status'"; fi
 
 # 4. The drop-in loaded.
+# The unit's text is read whole first: `grep -q` stops at the first match, and
+# under pipefail the writer's SIGPIPE would fail the check at random.
 allow=$(show IPAddressAllow)
-if ct systemctl cat "$UNIT_NAME" | grep -q '^# /etc/systemd/system/ckptstaged@.service.d/metrics.conf' \
+unit_text=$(ct systemctl cat "$UNIT_NAME")
+if grep -q '^# /etc/systemd/system/ckptstaged@.service.d/metrics.conf' <<<"$unit_text" \
     && [[ " $allow " == *" 198.18.$SUBNET.0/24 "* ]] && [[ "$(show IPAddressDeny)" == *0.0.0.0/0* ]]; then
     pass metrics-drop-in "systemctl cat shows metrics.conf; IPAddressAllow=$allow; IPAddressDeny=$(show IPAddressDeny)"
 else
-    fail metrics-drop-in "IPAddressAllow='$allow' IPAddressDeny='$(show IPAddressDeny)'"
+    shown=$(grep -q '^# .*/metrics.conf$' <<<"$unit_text" && echo shown || echo missing)
+    fail metrics-drop-in "metrics.conf $shown in systemctl cat; IPAddressAllow='$allow' IPAddressDeny='$(show IPAddressDeny)'"
 fi
 
 # 5. Scrapes from this host over the veth link: from inside the allowed network, and from outside it.
