@@ -65,10 +65,18 @@ def locate(conn: Connection, job: str, step: int | None, rank: int = 0, all_rank
     by_rank = {p.rank: p.locations for p in resp.parts}
     if not all_ranks and resp.locations:
         by_rank[rank] = resp.locations
-    parts = {r: [(loc.tier, Path(loc.dir)) for loc in locs if loc.tier != pb.MEMORY] for r, locs in by_rank.items()}
-    kept = {r: Path(loc.dir) for r, locs in by_rank.items() for loc in locs if loc.tier == pb.MEMORY}
-    digests = {Path(loc.dir): loc.manifest_digest for locs in by_rank.values() for loc in locs
-               if loc.tier != pb.MEMORY}
+    parts: dict[int, list[tuple[pb.Tier, Path]]] = {}
+    kept: dict[int, Path] = {}
+    digests: dict[Path, str] = {}
+    for r, locs in by_rank.items():  # each path made once: a W-rank step names thousands
+        copies = parts[r] = []
+        for loc in locs:
+            path = Path(loc.dir)
+            if loc.tier == pb.MEMORY:
+                kept[r] = path
+            else:
+                copies.append((loc.tier, path))
+                digests[path] = loc.manifest_digest
     return LocatedStep(job, int(resp.step), int(resp.world_size), resp.attempt, parts, resp.commit, kept, digests)
 
 

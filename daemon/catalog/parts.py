@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from ckptstage.daemon.tiers.interface import Manifest, PartIndex, TierName
@@ -77,24 +78,31 @@ class Checkpoint:
     pinned: bool
     records: dict[TierName, layout.CommitRecord] = field(default_factory=dict)
 
+    # A view is a copy that nothing changes once made (:func:`view`), so what is derived from all its parts is
+    # worked out once per view: a reader locating every rank of a W-rank step asks for each rank's copies.
+
     def complete_on(self, tier: TierName) -> bool:
-        record = self.records.get(tier)
-        if record is None:
-            return False
-        return all(r in self.parts and tier in self.parts[r] and self.parts[r][tier].matches(record)
-                   for r in range(record.world_size))
+        return tier in self._complete_tiers
+
+    @cached_property
+    def _complete_tiers(self) -> frozenset[TierName]:
+        def complete(tier: TierName, record: layout.CommitRecord) -> bool:
+            return all(r in self.parts and tier in self.parts[r] and self.parts[r][tier].matches(record)
+                       for r in range(record.world_size))
+
+        return frozenset(t for t, record in self.records.items() if complete(t, record))
 
     @property
     def complete(self) -> bool:
         """Its commit record is on some tier this daemon reads, with every part it names."""
-        return any(self.complete_on(t) for t in self.records)
+        return bool(self._complete_tiers)
 
-    @property
+    @cached_property
     def record(self) -> layout.CommitRecord | None:
         """The commit record that makes the step complete (the local one first), if any."""
         return next((self.records[t] for t in (TierName.LOCAL, TierName.SHARED) if self.complete_on(t)), None)
 
-    @property
+    @cached_property
     def attempt(self) -> str:
         """The committed attempt; for an incomplete step, the attempt of its newest part."""
         record = self.record
@@ -106,7 +114,8 @@ class Checkpoint:
             return newest.attempt
         return next(iter(self.records.values())).attempt if self.records else ""
 
-    def _of_attempt(self) -> dict[int, dict[TierName, Part]]:
+    @cached_property
+    def _attempt_parts(self) -> dict[int, dict[TierName, Part]]:
         record, attempt = self.record, self.attempt
         out: dict[int, dict[TierName, Part]] = {}
         for rank, tiers in self.parts.items():
@@ -124,7 +133,7 @@ class Checkpoint:
         """
         if self.record is None:
             return []
-        tiers = self._of_attempt().get(rank, {})
+        tiers = self._attempt_parts.get(rank, {})
         return [tiers[t] for t in (TierName.LOCAL, TierName.SHARED) if t in tiers]
 
     def stragglers(self) -> list[Part]:
@@ -147,11 +156,11 @@ class Checkpoint:
 
     def ranks_on(self, tier: TierName) -> list[int]:
         """Ranks of this step's attempt (:attr:`attempt`) with a part on ``tier``."""
-        return sorted(r for r, tiers in self._of_attempt().items() if tier in tiers)
+        return sorted(r for r, tiers in self._attempt_parts.items() if tier in tiers)
 
     def ranks_missing(self) -> list[int]:
         """Ranks of this step's attempt with no part on any tier this daemon reads."""
-        have = self._of_attempt()
+        have = self._attempt_parts
         return [r for r in range(self.world_size) if r not in have]
 
     def on_tier(self, tier: TierName) -> list[Part]:
@@ -161,18 +170,18 @@ class Checkpoint:
     def nbytes(self, tier: TierName | None = None) -> int:
         """Bytes of every part on ``tier``; with no tier, of one copy of each part of the step's attempt."""
         if tier is None:
-            return sum(max(p.nbytes for p in tiers.values()) for tiers in self._of_attempt().values())
+            return sum(max(p.nbytes for p in tiers.values()) for tiers in self._attempt_parts.values())
         return sum(tiers[tier].nbytes for tiers in self.parts.values() if tier in tiers)
 
     @property
     def created(self) -> float:
-        mine = [p.created for tiers in self._of_attempt().values() for p in tiers.values()]
+        mine = [p.created for tiers in self._attempt_parts.values() for p in tiers.values()]
         return min(mine) if mine else min((r.created for r in self.records.values()), default=0.0)
 
     @property
     def metrics(self) -> dict[str, float]:
         merged: dict[str, float] = {}
-        for _, tiers in sorted(self._of_attempt().items(), reverse=True):
+        for _, tiers in sorted(self._attempt_parts.items(), reverse=True):
             for p in tiers.values():
                 merged.update(p.metrics)
         return merged

@@ -48,6 +48,7 @@ from ckptstage.daemon.node.sessiondesk import SessionDesk
 from ckptstage.daemon.node.status import NodeStatus, StatusReader, TierReport
 from ckptstage.daemon.node.steps import StepOps
 from ckptstage.daemon.node.timers import Timers
+from ckptstage.daemon.retention.coalesce import PassGate
 from ckptstage.daemon.retention.janitor import Deleted, GcAction, Janitor
 from ckptstage.daemon.retention.job_rules import JobRules
 from ckptstage.daemon.save import arena as arena_mod
@@ -143,8 +144,9 @@ class Node:
         self.save_desk = SaveDesk(config, self.sessions, self.saves, self.persister, catalog, self.commits,
                                   self.memory, local, self.chunk_stores[TierName.LOCAL], self.metrics, self.drainer,
                                   self._check_running, self._stopping)
+        self._passes = PassGate()
         self.booking = CommitBooking(self.saves, catalog, self.commits, self.memory, self.metrics, local,
-                                     self.drainer, self.apply_retention, clock, config.local.persist_every)
+                                     self.drainer, self._retention_after, clock, config.local.persist_every)
         self.steps = StepOps(catalog, self.lookup, self.saves, self.memory, self.janitor, self.quarantine,
                              self.commits, self.fetcher)
         self._status = StatusReader(self.tiers, catalog, self.sessions, self.budget, self.memory, drain,
@@ -161,7 +163,7 @@ class Node:
         on(persister_mod.Progressed, lambda e: self.saves.owner(e.save).notify())
         on(persister_mod.Committed, lambda e: self.booking.committed(e.save))
         on(persister_mod.Failed, lambda e: self.booking.failed(e.save))
-        on(drainer_mod.Drained, lambda e: self.apply_retention(e.part.job, trigger="drain"))
+        on(drainer_mod.Drained, lambda e: self._retention_after(e.part.job, trigger="drain"))
         on(drainer_mod.CorruptCopy,
            lambda e: self.report_corrupt(e.part.job, e.part.step, e.part.rank, TierName.LOCAL, e.detail))
         on(drainer_mod.Indexed, lambda e: self._on_shared_indexed())
@@ -327,6 +329,10 @@ class Node:
                         local: bool = True, shared: bool = True) -> list[GcAction]:
         """Runs the retention rules for one job (see :meth:`Janitor.apply`)."""
         return self.janitor.apply(job, dry_run, trigger, local=local, shared=shared)
+
+    def _retention_after(self, job: str, trigger: str, shared: bool = True) -> None:
+        """The pass that follows a commit or a drain, coalesced (:mod:`ckptstage.daemon.retention.coalesce`)."""
+        self._passes.run((job, shared), lambda: self.apply_retention(job, trigger=trigger, shared=shared))
 
     def gc(self, dry_run: bool) -> list[GcAction]:
         return self.janitor.gc(dry_run)

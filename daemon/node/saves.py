@@ -2,8 +2,9 @@
 
 A save is registered when it begins and settles exactly once, committed or
 failed (:meth:`SaveTable.settle`); what waits for saves (``WaitSave``,
-deletions, the daemon's shutdown) sleeps on the table's condition instead of
-polling. A settled save leaves a small :class:`SettledSave` behind, so that a
+deletions, the daemon's shutdown) sleeps on that save's own event instead of
+polling (one condition for all would wake every waiter of a node at each
+rank's commit: hundreds of threads, hundreds of times a step). A settled save leaves a small :class:`SettledSave` behind, so that a
 late ``WaitSave`` or ``FinishSave`` still gets its outcome.
 """
 
@@ -47,12 +48,13 @@ class SaveTable:
         self._settled: OrderedDict[str, SettledSave] = OrderedDict()
         self._owners: dict[str, Session] = {}  # save id -> its session, even after the session closed
         self._lock = threading.Lock()
-        self._settled_cond = threading.Condition(self._lock)  # notified as each save settles
+        self._settling: dict[str, threading.Event] = {}  # save id -> set when it settles (in flight only)
 
     def add(self, save: Save, session: Session) -> None:
         with self._lock:
             self._saves[save.id] = save
             self._owners[save.id] = session
+            self._settling[save.id] = threading.Event()
 
     def owner(self, save: Save) -> Session:
         with self._lock:
@@ -105,17 +107,19 @@ class SaveTable:
                 while len(self._settled) > MAX_SETTLED_SAVES:
                     old, _ = self._settled.popitem(last=False)
                     self._owners.pop(old, None)
-            self._settled_cond.notify_all()
+            settling = self._settling.pop(save.id, None)
+        if settling is not None:
+            settling.set()
         owner.settle(save)
 
     def wait_settled(self, save: Save, timeout: float) -> bool:
         """Blocks until ``save`` failed or committed with its whole commit path run (indexed, queued for
         draining, local retention applied); False at the timeout. Woken by :meth:`settle`, no polling."""
         deadline = time.monotonic() + timeout
-        with self._settled_cond:
-            if not self._settled_cond.wait_for(lambda: save.id not in self._saves or save.error is not None,
-                                               timeout):
-                return False
+        with self._lock:
+            settling = self._settling.get(save.id)
+        if settling is not None and save.error is None and not settling.wait(timeout):
+            return False
         if save.error is not None:
             return True
         # Settled and committed: the persister marks it done as soon as the node's commit path returns.
