@@ -3,7 +3,10 @@
 For the scale simulator (``bench_scale.py``): a call counts when a path argument,
 or a descriptor's path (``strace -y``), lies under the directory watched, and is
 filed as create, open, stat, list (``getdents64`` calls), rename, remove, sync
-or other; the files this process opens are counted by an audit hook.
+or other; the files this process opens are counted by an audit hook. The bytes
+read from files under a directory (:data:`READS`, :func:`count_reads`) are
+summed per file, with the byte ranges they cover (a file's position is
+followed through ``openat``, ``lseek`` and the reads themselves).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,7 @@ _KIND = {"mkdir": "create", "mkdirat": "create", "link": "create", "linkat": "cr
 _STATS = {"stat", "lstat", "fstat", "newfstatat", "statx", "access", "faccessat", "faccessat2", "readlink",
           "readlinkat", "statfs", "fstatfs", "getxattr", "lgetxattr", "fgetxattr", "listxattr", "llistxattr",
           "flistxattr"}
+READS = "read,readv,pread64,preadv,preadv2,lseek,openat,sendfile,copy_file_range"
 _LINE = re.compile(r"^(?:\d+\s+)?(\d+\.\d+)\s+(\w+)\((.*)$")
 _QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
 _FD_PATH = re.compile(r"<(/[^>]*)>")
@@ -79,16 +84,107 @@ def metadata(c: Counter[str]) -> int:
     return sum(c[k] for k in CATEGORIES)
 
 
+# ------------------------------------------------------------------ bytes read
+
+
+@dataclass
+class FileReads:
+    """What one or more processes read of one file: bytes returned (every read), and the ranges read."""
+
+    total: int = 0
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+
+    def add(self, lo: int, n: int) -> None:
+        self.total += n
+        self.ranges.append((lo, lo + n))
+
+    def merge(self, other: FileReads) -> None:
+        self.total += other.total
+        self.ranges += other.ranges
+
+    @property
+    def unique(self) -> int:
+        """Bytes of the file read at least once."""
+        out, end = 0, -1
+        for lo, hi in sorted(self.ranges):
+            if hi > end:
+                out += hi - max(lo, end)
+                end = hi
+        return out
+
+
+_READ_AT = {"pread64": 3, "preadv": 3, "preadv2": 3}  # the offset's argument
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"(?:\.\.\.)?')
+_BRACKETS = re.compile(r"\[[^\]]*\]|\{[^}]*\}")
+_RESULT = re.compile(r"\)\s+=\s+(-?\d+)(?:<(/[^>]*)>)?")
+
+
+def count_reads(path: Path, under: Path, windows: dict[str, tuple[float, float]]) -> dict[str, dict[str, FileReads]]:
+    """Bytes read from files under ``under`` in an ``strace -f -ttt -y -e trace=READS`` log of one process,
+    per window (unix seconds) and file: ``read``/``readv`` at the descriptor's position (followed through
+    ``openat`` and ``lseek``), ``pread64``/``preadv``/``preadv2`` at their offset, ``sendfile`` and
+    ``copy_file_range`` from their source descriptor. A call split by another thread is joined again."""
+    root = str(under) + "/"
+    out: dict[str, dict[str, FileReads]] = {name: {} for name in windows}
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return out
+    pending: dict[str, str] = {}
+    position: dict[int, int] = {}
+    for line in lines:
+        tid, _, rest = line.partition(" ")
+        if "<unfinished ...>" in rest:
+            pending[tid] = rest.replace("<unfinished ...>", "")
+            continue
+        if "resumed>" in rest and tid in pending:
+            rest = pending.pop(tid) + rest.partition("resumed>")[2]
+        m = _LINE.match(f"{tid} {rest}")
+        if m is None:
+            continue
+        ts, call, body = float(m.group(1)), m.group(2), m.group(3)
+        body = _BRACKETS.sub("X", _STRINGS.sub("X", body))
+        result = _RESULT.search(body)
+        if result is None or int(result.group(1)) < 0:
+            continue
+        ret = int(result.group(1))
+        args = [a.strip() for a in body[:result.start()].split(",")]
+        if call == "openat":
+            position[ret] = 0
+            continue
+        fd_m = re.match(r"(\d+)<(/[^>]*)>", args[1] if call in ("sendfile",) else args[0])
+        if fd_m is None:
+            continue
+        fd, file = int(fd_m.group(1)), fd_m.group(2)
+        if call == "lseek":
+            position[fd] = ret
+            continue
+        if call in _READ_AT:
+            lo = int(args[_READ_AT[call]])
+        elif call in ("sendfile", "copy_file_range"):  # the offset, when given, is shown as [N]: not followed
+            lo = position.get(fd, 0)
+        else:
+            lo = position.get(fd, 0)
+            position[fd] = lo + ret
+        if not file.startswith(root):
+            continue
+        for name, (a, b) in windows.items():
+            if a <= ts <= b:
+                out[name].setdefault(file, FileReads()).add(lo, ret)
+    return out
+
+
 class Tracer:
     """``strace -f`` attached to running processes, one log each, until :meth:`stop` (times are never taken
     under it: ptrace stops every traced call)."""
 
-    def __init__(self, pids: Sequence[int], logs: Path) -> None:
+    def __init__(self, pids: Sequence[int], logs: Path, calls: str = TRACED, strings: int = 1024) -> None:
         logs.mkdir(parents=True, exist_ok=True)
         self.logs = [logs / f"{pid}.strace" for pid in pids]
-        self.procs = [subprocess.Popen(["strace", "-f", "-qq", "-ttt", "-y", "-s", "1024", "-e", f"trace={TRACED}",
-                                        "-o", str(log), "-p", str(pid)], stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.DEVNULL) for pid, log in zip(pids, self.logs)]
+        self.procs = [subprocess.Popen(["strace", "-f", "-qq", "-ttt", "-y", "-s", str(strings), "-e",
+                                        f"trace={calls}", "-o", str(log), "-p", str(pid)],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                      for pid, log in zip(pids, self.logs)]
         self.pids = list(pids)
         self._wait_attached(60.0)
 

@@ -1,0 +1,183 @@
+"""The scale simulator's two references: a fresh daemon against a big shared tier, and DCP's file-system peer.
+
+For ``bench_scale.py`` (directory mode): ``--tier-jobs`` x ``--tier-steps``
+one-part steps written straight in the format, then a fresh daemon's READY,
+first ``latest()`` and idle shared-tier operations (:func:`big_tier`); DCP's
+``FileSystemWriter``/``FileSystemReader`` at a few gloo world sizes, timed,
+then counted under ``strace -f`` (:func:`dcp_peer`; its ranks run as
+``bench_scale.py --dcp-child``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import _harness as h
+from _scale_ranks import COLS, rank_flat, wait_commit
+from _syscounts import TRACED, Tracer, count_trace, metadata
+
+ENTRY = Path(__file__).resolve().with_name("bench_scale.py")  # runs dcp_main for --dcp-child
+
+# ------------------------------------------------------------------ a big shared tier
+
+
+def write_big_tier(shared: Path, seed_root: Path, jobs: int, steps_per_job: int) -> int:
+    """``jobs`` x ``steps_per_job`` one-part steps written in the format: a seed part saved by a real daemon,
+    its manifest re-addressed per step, its data file hard-linked; returns the steps written."""
+    from ckptstage.client import Client
+    from ckptstage.protos import layout
+
+    seed_shared = seed_root / "shared"
+    settings: dict[str, Any] = {"arena.min_session_bytes": "64KiB", "persist.chunk_bytes": "256KiB",
+                                "arena.max_bytes": "4MiB"}
+    with h.Daemon(seed_root / "d", seed_root / "local", seed_shared, **settings) as d:
+        with Client("seed", socket=d.socket, rank=0, world_size=1, arena_bytes=1 << 20) as c:
+            c.save_flat(1, rank_flat(0, 1, 16)).wait("local")
+        wait_commit(seed_shared, 1, "seed", timeout=60.0)
+    part = layout.part_dir(seed_shared, "seed", 1, 0)
+    manifest = layout.read_manifest(part)
+    record = layout.read_commit_record(part.parent)
+    assert record is not None
+    nbytes = record.parts[0].nbytes
+    source = part / layout.DATA_FILE
+    for j in range(jobs):
+        job = f"job{j:05d}"
+        for s in range(1, steps_per_job + 1):
+            dst = layout.part_dir(shared, job, s, 0)
+            dst.mkdir(parents=True)
+            if (j * steps_per_job + s) % 60000 == 0:  # ext4 allows 65,000 links to one file
+                source = shared / f".seed-{j}-{s}"
+                shutil.copyfile(part / layout.DATA_FILE, source)
+            os.link(source, dst / layout.DATA_FILE)
+            raw = layout.manifest_file_bytes({**manifest, "job": job, "step": s})
+            (dst / layout.MANIFEST_FILE).write_bytes(raw)
+            rec = layout.CommitRecord(job, s, str(manifest["attempt"]), 1, time.time(),
+                                      {0: layout.CommittedPart(nbytes, layout.chunk_digest(raw))})
+            layout.commit_path(shared, job, s).write_bytes(layout.commit_record_bytes(rec))
+    return jobs * steps_per_job
+
+
+def big_tier(work: Path, droot: Path, args: argparse.Namespace) -> dict[str, float]:
+    """READY, first ``latest()`` and idle shared-tier operations of a fresh daemon against a big shared tier."""
+    from ckptstage.client import errors, steps
+    from ckptstage.client.rpc import Connection
+
+    shared = work / "big-shared"
+    with h.Timer() as wt:
+        n = write_big_tier(shared, work / "seed", args.tier_jobs, args.tier_steps)
+    d = h.Daemon(droot / "big", droot / "big" / "local", shared)
+    out: dict[str, float] = {"jobs": args.tier_jobs, "steps": n, "write_s": wt.s}
+    with h.Timer() as t:
+        d.start()
+    try:
+        out["ready_s"] = t.s
+        job = f"job{args.tier_jobs // 2:05d}"
+        with Connection(d.socket) as conn:
+            for name in ("first_latest_s", "second_latest_s"):
+                t0 = time.perf_counter()
+                try:
+                    got = steps.complete_steps(conn, job, 1)
+                except errors.CkptStageError:
+                    got = []
+                out[name] = time.perf_counter() - t0
+                out[name.replace("_s", "_found")] = float(got == [args.tier_steps])
+        tracer = Tracer([d.pid], work / "strace-big")
+        t0 = time.time()
+        time.sleep(args.idle_s)
+        window = (t0, time.time())
+        tracer.stop()
+        counts = count_trace(tracer.logs[0], shared, {"idle": window})["idle"]
+        out["idle_ops_per_s"] = metadata(counts) / (window[1] - window[0])
+    finally:
+        d.stop()
+    shutil.rmtree(shared, ignore_errors=True)
+    return out
+
+
+# ------------------------------------------------------------------ the DCP peer
+
+
+def dcp_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        rows = spec["rows"]
+
+        def state(fill: float) -> dict[str, Any]:
+            local = torch.full((rows, COLS), fill)
+            return {"w": DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                            shape=torch.Size([world * rows, COLS]), stride=(COLS, 1))}
+
+        dcp.save(state(float(rank)), storage_writer=dcp.FileSystemWriter(Path(spec["dir"]) / "warm-up"))
+        path = Path(spec["dir"]) / "step-1"
+        dist.barrier()
+        t0, w0 = time.perf_counter(), time.time()
+        dcp.save(state(float(rank)), storage_writer=dcp.FileSystemWriter(path))
+        save_s = time.perf_counter() - t0
+        dist.barrier()
+        w1 = time.time()
+        into = state(-1.0)
+        dist.barrier()
+        t0, w2 = time.perf_counter(), time.time()
+        dcp.load(into, storage_reader=dcp.FileSystemReader(path))
+        load_s = time.perf_counter() - t0
+        dist.barrier()
+        w3 = time.time()
+        ok = bool(into["w"].to_local()[0, 0].item() == rank)
+        got: list[Any] = [None] * world
+        dist.all_gather_object(got, {"save_s": save_s, "load_s": load_s, "ok": ok})
+        if rank == 0:
+            Path(spec["out"]).write_text(json.dumps({"ranks": got, "save": [w0, w1], "load": [w2, w3]}))
+    finally:
+        dist.destroy_process_group()
+
+
+def dcp_main(world: int, directory: Path, out: Path, rows: int) -> None:
+    import torch.multiprocessing as tmp
+
+    spec = {"port": h.free_port(), "dir": str(directory), "out": str(out), "rows": rows}
+    tmp.spawn(dcp_rank, args=(world, spec), nprocs=world, join=True)
+
+
+def dcp_peer(world: int, work: Path, rows: int) -> dict[str, float]:
+    """DCP's FileSystemWriter/Reader at ``world`` gloo ranks: times (untraced), then metadata operations
+    (a second run under ``strace -f``), on the checkpoint's directory."""
+    out: dict[str, float] = {"world": world}
+    for traced in (False, True):
+        d = work / f"dcp-{world}-{int(traced)}"
+        d.mkdir(parents=True)
+        result, log = work / f"dcp-{world}.json", work / f"dcp-{world}.strace"
+        cmd = [sys.executable, str(ENTRY), "--dcp-child", str(world), str(d), str(result), str(rows)]
+        if traced:
+            cmd = ["strace", "-f", "--seccomp-bpf", "-qq", "-ttt", "-y", "-s", "1024", "-e", f"trace={TRACED}",
+                   "-o", str(log), *cmd]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+        res = json.loads(result.read_text())
+        if not all(r["ok"] for r in res["ranks"]):
+            raise RuntimeError("DCP load read wrong values")
+        if traced:
+            counts = count_trace(log, d, {"save": tuple(res["save"]), "load": tuple(res["load"])})
+            out["save_ops"], out["load_ops"] = metadata(counts["save"]), metadata(counts["load"])
+            out["load_opens_per_rank"] = (counts["load"]["open"] + counts["load"]["create"]) / world
+        else:
+            out["save_s"] = max(r["save_s"] for r in res["ranks"])
+            out["load_s"] = max(r["load_s"] for r in res["ranks"])
+        shutil.rmtree(d, ignore_errors=True)
+    return out
+
