@@ -289,7 +289,7 @@ class Client:
         ``opened.view`` is a :class:`~ckptstage.client.reshard.StepView`. Close it
         (or use ``with``).
         """
-        return steps.open_step(self._conn, self.job, step, self.rank)
+        return steps.open_step(self._conn, self.job, step, self.rank, self.world_size)
 
     def pin(self, step: int) -> None:
         self._conn.call("SetPin", pb.PinRequest(job=self.job, step=step, pinned=True))

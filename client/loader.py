@@ -62,18 +62,21 @@ class Loader:
         for attempt in range(1, tries + 1):
             if attempt > 1:
                 time.sleep(random.uniform(0.5, 1.5) * _RETRY_WAIT_S * 2 ** (attempt - 2))
-            located = steps.locate(self._conn, self.job, step, self.rank, all_ranks=False, memory=True)
+            # This rank's part, if the step has one: a rank beyond the step's world size reads rank 0's.
+            located = steps.locate(self._conn, self.job, step, self.rank, ranks=[self.rank], memory=True)
             step = located.step  # pinned down: a retry reads the same step
             tree_rank = located.tree_rank(self.rank, self.world_size)
-            if tree_rank != self.rank:
-                located = steps.locate(self._conn, self.job, step, tree_rank, all_ranks=False, memory=True)
+            if located.world_size != self.world_size:  # rank 0's values, which every rank here reads: a node copy
+                located = steps.locate(self._conn, self.job, step, tree_rank, all_ranks=False, memory=True,
+                                       node_copy=True)
             if tree_rank not in located.parts:
                 raise errors.CheckpointNotFound(f"{self.job} step {step}: the daemon did not say where rank "
                                                 f"{tree_rank}'s part is")
             try:
                 if (target is not None and target.sharded) or _is_sharded(located.parts[tree_rank]):
                     located = steps.locate(self._conn, self.job, step, self.rank)  # every part, now
-                    with steps.OpenStep(self._conn, located) as opened:
+                    with steps.OpenStep(self._conn, located, node_copy=located.world_size != self.world_size) \
+                            as opened:
                         return opened.view.load(tree_rank, target, union=located.world_size != self.world_size)
             except layout.ManifestError as e:
                 if not layout.is_verification_failure(e):

@@ -23,7 +23,7 @@ import json
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,17 +72,23 @@ class StepView:
     sources: dict[int, list[Source]] = field(default_factory=dict)      # rank -> tensor number -> where it is
     ambiguous: set[str] = field(default_factory=set)  # fqns two different tensors share (keys "a.b" and a -> b)
     sharded: dict[str, dict[str, Any]] = field(default_factory=dict)    # fqn -> the "D" node (dtype, shape)
+    # Asked, before parts are read, for better copies of them (rank -> its copies, best first): see open().
+    copies_for: Callable[[Collection[int]], Mapping[int, list[Path]]] | None = None
+    report: Report | None = None
     _names: dict[int, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = field(default_factory=dict)
 
     @classmethod
     def open(cls, locations: dict[int, list[Path]], report: Report | None = None,
              committed: Mapping[Path, str] | None = None,
-             manifests: Mapping[int, dict[str, Any]] | None = None) -> StepView:
+             manifests: Mapping[int, dict[str, Any]] | None = None,
+             copies_for: Callable[[Collection[int]], Mapping[int, list[Path]]] | None = None) -> StepView:
         """Opens every rank's part; ``committed``: each part directory's manifest digest as the commit record
         names it (a copy whose manifest differs is a corrupt copy). ``manifests``: ranks' manifests already
         read and checked against those digests (from the step index): their files are not opened until
-        a read needs their bytes."""
-        view = cls({})
+        a read needs their bytes. ``copies_for(ranks)``: asked before a read of those ranks' parts, it may
+        name better copies of some (the node's own, just fetched); they are read instead, with the manifest
+        already verified."""
+        view = cls({}, copies_for=copies_for, report=report)
         try:
             for rank, dirs in sorted(locations.items()):
                 view.readers[rank] = PartReader(rank, dirs, report, committed or {}, keep_open=_READERS,
@@ -250,6 +256,8 @@ class StepView:
         by_rank: dict[int, list[_Task]] = defaultdict(list)
         for task in tasks:
             by_rank[task.source.rank].extend(_split(task))
+        if self.copies_for is not None and by_rank:
+            self._switch(self.copies_for(by_rank.keys()))
         groups: list[list[_Task]] = []
         for rank_tasks in by_rank.values():
             rank_tasks.sort(key=lambda t: (t.source.entry.offset, t.box[0]))
@@ -260,6 +268,13 @@ class StepView:
             return
         with ThreadPoolExecutor(max_workers=min(_READERS, len(groups))) as pool:
             list(pool.map(self._read_group, groups))
+
+    def _switch(self, copies: Mapping[int, list[Path]]) -> None:
+        """Reads ``copies`` of those ranks' parts from now on (their manifests are the ones already read)."""
+        for rank, dirs in copies.items():
+            old = self.readers[rank]
+            self.readers[rank] = PartReader(rank, dirs, self.report, keep_open=_READERS, manifest=old.manifest)
+            old.close()
 
     def _read_group(self, tasks: list[_Task]) -> None:
         reader = self.readers[tasks[0].source.rank]

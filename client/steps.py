@@ -9,7 +9,8 @@ over them whose verification failures are reported to the daemon.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,15 +44,17 @@ class LocatedStep:
 
 
 def locate(conn: Connection, job: str, step: int | None, rank: int = 0, all_ranks: bool = True,
-           memory: bool = False) -> LocatedStep:
-    """Where the parts of ``step`` (the newest complete one when None) lie: every rank's, or only
-    ``rank``'s (a whole-part load need not hear of a thousand others); raises CheckpointNotFound.
-    ``memory``: also where the memory tier keeps them (:attr:`LocatedStep.memory`).
+           memory: bool = False, ranks: Sequence[int] = (), node_copy: bool = False) -> LocatedStep:
+    """Where the parts of ``step`` (the newest complete one when None) lie: every rank's (only ``ranks``'
+    when given), or only ``rank``'s (a whole-part load need not hear of a thousand others); raises
+    CheckpointNotFound. ``memory``: also where the memory tier keeps them (:attr:`LocatedStep.memory`).
 
     Parts whose only copies are where a reader cannot open them (an object store) are fetched onto
-    the node's local tier first, verified, by the daemon (``Prefetch`` of just those ranks)."""
+    the node's local tier first, verified, by the daemon (``Prefetch`` of just those ranks); with
+    ``node_copy`` (other ranks of this node read the same parts) so is every part the node holds no
+    copy of, so that the node reads it from the shared tier once."""
     request = pb.LocateRequest(job=job, rank=rank, latest=step is None, step=step or 0, all_ranks=all_ranks,
-                               memory=memory)
+                               memory=memory, ranks=list(ranks), node_copy=node_copy)
     resp = conn.call("Locate", request)
     for _ in range(_FETCH_ROUNDS):
         if not resp.fetch_ranks:
@@ -81,14 +84,43 @@ def locate(conn: Connection, job: str, step: int | None, rank: int = 0, all_rank
 
 
 class OpenStep:
-    """A located step with every part open for verified reads; close it (or use ``with``)."""
+    """A located step with every part open for verified reads; close it (or use ``with``).
 
-    def __init__(self, conn: Connection, located: LocatedStep) -> None:
+    ``node_copy``: the reader loads at another world size than the step's, so other ranks of its node
+    most likely read the same parts: before the view reads a part whose best copy is the shared tier's,
+    the daemon copies it onto the local tier (once for the whole node, however many ranks ask) and the
+    view reads that copy (:meth:`_node_copies`).
+    """
+
+    def __init__(self, conn: Connection, located: LocatedStep, node_copy: bool = False) -> None:
         self.located = located
         self._conn = conn
+        self._asked: set[int] = set()  # ranks whose node copy was asked for (once each)
         self.view = reshard.StepView.open({r: [d for _, d in locs] for r, locs in located.parts.items()},
                                           self._report, located.digests,
-                                          stepindex.manifests_of(located.parts, located.digests))
+                                          stepindex.manifests_of(located.parts, located.digests),
+                                          self._node_copies if node_copy else None)
+
+    def _node_copies(self, ranks: Collection[int]) -> Mapping[int, list[Path]]:
+        """The copies to read of those of ``ranks`` whose best copy is on the shared tier, once the daemon
+        has put them on this node's local tier; {} when none is, or when the step changed meanwhile."""
+        located = self.located
+        remote = sorted(r for r in ranks if r not in self._asked and located.parts.get(r)
+                        and located.parts[r][0][0] == pb.SHARED)
+        if not remote:
+            return {}
+        self._asked.update(remote)
+        try:
+            again = locate(self._conn, located.job, located.step, all_ranks=True, ranks=remote, node_copy=True)
+        except errors.CkptStageError as e:  # the local tier full, say: the shared copies are read as they are
+            log.warning("%s step %d: reading %d part(s) from the shared tier, not from a copy on this node: %s",
+                        located.job, located.step, len(remote), e)
+            return {}
+        if again.commit != located.commit:
+            return {}  # replaced meanwhile: the reads find out and the load starts again
+        self.located = replace(located, parts={**located.parts, **again.parts},
+                               digests={**located.digests, **again.digests})
+        return {r: [d for _, d in again.parts[r]] for r in remote if again.parts.get(r)}
 
     def _report(self, rank: int, copy: int, detail: str) -> None:
         """A copy failed verification: the daemon re-reads it and quarantines it only if its own read fails."""
@@ -106,8 +138,12 @@ class OpenStep:
         self.close()
 
 
-def open_step(conn: Connection, job: str, step: int | None, rank: int = 0) -> OpenStep:
-    return OpenStep(conn, locate(conn, job, step, rank))
+def open_step(conn: Connection, job: str, step: int | None, rank: int = 0,
+              world_size: int | None = None) -> OpenStep:
+    """The step open for reads by ``rank`` of a job now ``world_size`` ranks (None: unknown): at another
+    world size than the step's, the node reads each part it needs from the shared tier once."""
+    located = locate(conn, job, step, rank)
+    return OpenStep(conn, located, node_copy=world_size is not None and world_size != located.world_size)
 
 
 def complete_steps(conn: Connection, job: str, most: int = 256) -> list[int]:

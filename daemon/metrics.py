@@ -80,6 +80,10 @@ class Metrics:
         self.drain_seconds = Histogram("ckptstage_drain_duration_seconds",
                                        "Copy of one part to the shared tier, verified and committed.",
                                        buckets=_DURATION_BUCKETS, registry=r)
+        self.fetched_parts = Counter("ckptstage_fetched_parts", "Parts copied from the shared tier onto the local "
+                                     "tier for readers (Prefetch, and loads that read another rank's part).",
+                                     registry=r)
+        self.fetched_bytes = Counter("ckptstage_fetched_bytes", "Bytes of the parts fetched.", registry=r)
         self.drain_retries = Counter("ckptstage_drain_retries", "Drain attempts that failed and will be retried.",
                                      registry=r)
         self.drain_bandwidth = Gauge("ckptstage_drain_bandwidth_bytes_per_second",

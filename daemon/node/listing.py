@@ -96,13 +96,21 @@ def locations(parts: Sequence[Part], in_memory: bool, tiers: Mapping[TierName, T
 
 
 def located(ckpt: Checkpoint, rank: int, all_ranks: bool, in_memory: Callable[[int], bool],
-            tiers: Mapping[TierName, Tier]) -> Located:
-    """Where the committed step's parts are; ``in_memory(rank)``: whether the memory tier serves that rank's;
-    ``tiers``: the storage of each disk tier, which says where its parts are read. A part committed only
-    where no reader can open it is named in :attr:`Located.fetch`."""
-    committed = {r: ckpt.committed(r) for r in (range(ckpt.world_size) if all_ranks else [rank])}
+            tiers: Mapping[TierName, Tier], ranks: Sequence[int] = (), node_copy: bool = False) -> Located:
+    """Where the committed step's parts are (``rank``'s; with ``all_ranks``, those of ``ranks``, or every
+    rank's); ``in_memory(rank)``: whether the memory tier serves that rank's; ``tiers``: the storage of each
+    disk tier, which says where its parts are read. Named in :attr:`Located.fetch`: a part committed only
+    where no reader can open it, and with ``node_copy`` (several ranks of this node read it) one this node
+    holds no copy of."""
+    asked = (ranks or range(ckpt.world_size)) if all_ranks else [rank]
+    committed = {r: ckpt.committed(r) for r in asked}
     found = {r: locations(parts, in_memory(r), tiers) for r, parts in committed.items()}
-    fetch = {r: parts[0].nbytes for r, parts in committed.items() if parts and not found[r]}
+
+    def here(r: int) -> bool:
+        return any(loc.tier in (TierName.LOCAL, TierName.MEMORY) for loc in found[r])
+
+    fetch = {r: parts[0].nbytes for r, parts in committed.items()
+             if parts and (not found[r] or node_copy and not here(r))}
     record = ckpt.record
     return Located(ckpt.step, ckpt.world_size, ckpt.attempt, record.fingerprint() if record else "",
                    found.get(rank, []), found if all_ranks else {}, fetch)

@@ -9,6 +9,7 @@ memory tier to a reader that can map it.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 from ckptstage.daemon.catalog.commits import Commits
 from ckptstage.daemon.catalog.index import Catalog, Checkpoint, Part, TierName
@@ -76,18 +77,21 @@ class Lookup:
         return listing.Listing(entries, self._quarantine.moved(job))
 
     def locate_parts(self, job: str, step: int | None, rank: int, all_ranks: bool = False,
-                     memory: bool = False) -> listing.Located:
+                     memory: bool = False, ranks: Sequence[int] = (), node_copy: bool = False) -> listing.Located:
         """Where a reader finds ``rank``'s part of the complete ``step`` (the newest when None), best copy
-        first; with ``all_ranks`` every rank's too. ``memory``: the reader can read the memory tier, so a step
-        kept in memory only (newer than any on disk, or the one asked for) is answered from there, and a
-        part the memory tier holds is listed first."""
+        first; with ``all_ranks`` every rank's too (only ``ranks``' when given; a rank outside the step's
+        world size has no copies, which is no error: a reader at another world size). ``memory``: the reader can
+        read the memory tier, so a step kept in memory only (newer than any on disk, or the one asked for)
+        is answered from there, and a part the memory tier holds is listed first. ``node_copy``: see
+        :func:`listing.located` (only where a shared tier can be fetched from)."""
         if memory:
             kept = self._memory.step_for(job, step)
             if kept is not None:
                 return listing.memory_located(kept, rank, all_ranks)
         ckpt, _ = self.locate(job, step, rank, all_ranks)
         return listing.located(ckpt, rank, all_ranks,
-                               lambda r: memory and self._memory.has(ckpt.job, ckpt.step, r), self._tiers)
+                               lambda r: memory and self._memory.has(ckpt.job, ckpt.step, r), self._tiers,
+                               ranks, node_copy and self._drainer is not None)
 
     def locate(self, job: str, step: int | None, rank: int, all_ranks: bool = False) -> tuple[Checkpoint, list[Part]]:
         """The complete step (the newest when ``step`` is None) and ``rank``'s copies of the committed

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ckptstage.daemon.catalog.chunkstore import ChunkStore
 from ckptstage.daemon.catalog.commits import Commits
-from ckptstage.daemon.catalog.index import Catalog, Checkpoint, TierName
+from ckptstage.daemon.catalog.index import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.catalog.quarantine import Quarantine
 from ckptstage.daemon.config import Config
 from ckptstage.daemon.drain import drainer as drainer_mod
@@ -126,7 +126,7 @@ class Node:
         drain = self.drainer.queue if self.drainer is not None else None  # what retention and status read
         self.fetcher: Fetcher | None = None
         if (drainer := self.drainer) is not None:
-            self.fetcher = Fetcher(lambda part: catalog.add(drainer.fetch(part)),
+            self.fetcher = Fetcher(lambda part: self._fetched(drainer.fetch(part)),
                                    lambda part, detail: self.report_corrupt(part.job, part.step, part.rank, part.tier,
                                                                             detail))
         self.quarantine = Quarantine(catalog, self.metrics, tiers=self.tiers)
@@ -287,8 +287,8 @@ class Node:
         return self.lookup.list_checkpoints(job, memory)
 
     def locate_parts(self, job: str, step: int | None, rank: int, all_ranks: bool = False,
-                     memory: bool = False) -> listing.Located:
-        return self.lookup.locate_parts(job, step, rank, all_ranks, memory)
+                     memory: bool = False, ranks: Sequence[int] = (), node_copy: bool = False) -> listing.Located:
+        return self.lookup.locate_parts(job, step, rank, all_ranks, memory, ranks, node_copy)
 
     def wait_step(self, job: str, step: int, tier: TierName | None, timeout: float) -> Checkpoint | None:
         return self.lookup.wait_step(job, step, tier, timeout)
@@ -329,6 +329,12 @@ class Node:
                         local: bool = True, shared: bool = True) -> list[GcAction]:
         """Runs the retention rules for one job (see :meth:`Janitor.apply`)."""
         return self.janitor.apply(job, dry_run, trigger, local=local, shared=shared)
+
+    def _fetched(self, part: Part) -> None:
+        """A part a reader needs, copied from the shared tier: indexed here, counted."""
+        self.catalog.add(part)
+        self.metrics.fetched_parts.inc()
+        self.metrics.fetched_bytes.inc(part.nbytes)
 
     def _retention_after(self, job: str, trigger: str, shared: bool = True) -> None:
         """The pass that follows a commit or a drain, coalesced (:mod:`ckptstage.daemon.retention.coalesce`)."""

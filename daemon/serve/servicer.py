@@ -270,7 +270,8 @@ class Servicer(pb_grpc.CheckpointerServicer):
     @_mapped
     async def Locate(self, request: pb.LocateRequest, context: grpc.aio.ServicerContext) -> pb.LocateResponse:
         found = await self._run(self.node.locate_parts, request.job, None if request.latest else request.step,
-                                request.rank, request.all_ranks, request.memory)
+                                request.rank, request.all_ranks, request.memory, list(request.ranks),
+                                request.node_copy)
         return _located(found, str(handoff_socket(self.socket_path)))
 
     @_mapped

@@ -291,20 +291,24 @@ class QuarantinedCopy(_message.Message):
     def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., path: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class LocateRequest(_message.Message):
-    __slots__ = ("job", "step", "latest", "rank", "all_ranks", "memory")
+    __slots__ = ("job", "step", "latest", "rank", "all_ranks", "memory", "ranks", "node_copy")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     ALL_RANKS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    NODE_COPY_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     latest: bool
     rank: int
     all_ranks: bool
     memory: bool
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., rank: _Optional[int] = ..., all_ranks: _Optional[bool] = ..., memory: _Optional[bool] = ...) -> None: ...
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    node_copy: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., rank: _Optional[int] = ..., all_ranks: _Optional[bool] = ..., memory: _Optional[bool] = ..., ranks: _Optional[_Iterable[int]] = ..., node_copy: _Optional[bool] = ...) -> None: ...
 
 class RankParts(_message.Message):
     __slots__ = ("rank", "locations")
