@@ -115,10 +115,10 @@ def rank_host(conn: Any, spec: dict[str, Any]) -> None:
     world, rows = spec["world"], spec["rows"]
     pool = ThreadPoolExecutor(max_workers=max(1, len(ranks)))
 
-    def open_all(world_size: int, attempt: str) -> dict[int, Any]:
+    def open_all(world_size: int, attempt: str, arena_bytes: int) -> dict[int, Any]:
         def open_one(rs: tuple[int, str]) -> tuple[int, Any]:
             return rs[0], Client(JOB, socket=rs[1], rank=rs[0], world_size=world_size, attempt=attempt,
-                                 arena_bytes=spec["arena_bytes"], connect_timeout=120.0)
+                                 arena_bytes=arena_bytes, connect_timeout=120.0)
 
         return dict(pool.map(open_one, ranks))
 
@@ -126,7 +126,7 @@ def rank_host(conn: Any, spec: dict[str, Any]) -> None:
         clients[r].save(step, rank_plain(r, rows)).wait("local")
 
     try:
-        clients = open_all(world, ATTEMPT)
+        clients = open_all(world, ATTEMPT, spec["arena_bytes"])
         conn.send("ready")
         while True:
             cmd, arg = conn.recv()
@@ -139,7 +139,9 @@ def rank_host(conn: Any, spec: dict[str, Any]) -> None:
                 conn.send({r: _latest_times(clients[r], LATEST_CALLS) for r in arg if r in clients})
             elif cmd == "reopen":  # the same ranks, as clients of another world size (a restart of the job)
                 list(pool.map(lambda c: c.close(), clients.values()))
-                clients = open_all(arg, RESTORE_ATTEMPT)
+                # readers only: no arena (0 reserves none), so the budget the closed sessions held, and the
+                # memory tier's copies of their parts, need not be given back before they open
+                clients = open_all(arg, RESTORE_ATTEMPT, 0)
                 conn.send("ready")
             elif cmd == "load_plain":
                 step, some = arg

@@ -183,13 +183,14 @@ def print_restores(figs: Sequence[Figures]) -> None:
         for phase, got in f.restore.items():
             cells = []
             for n in got["nodes"]:
-                extra = (f" (distinct {n['unique_data'] / 1024:.0f}; meta {n['read_meta'] / 1024:.0f},"
-                         f" distinct {n['unique_meta'] / 1024:.0f})" if f.tier == "dir" else
+                extra = (f" (distinct {n['unique_data'] / 1024:.0f}; meta {n['read_meta'] / 1024:.1f},"
+                         f" distinct {n['unique_meta'] / 1024:.1f})" if f.tier == "dir" else
                          f" (fetched {n['read_data'] / 1024:.0f}; requests {_kinds(n['requests'])})")
                 got_kib = (n["read"] if f.tier == "s3" else n["read_data"]) / 1024
                 cells.append(f"n{n['node']}: {got_kib:.0f}/{n['need'] / 1024:.0f} = {_ratio(n['ratio'])}{extra}"
                              f" {n['tiers'] or ''}{'' if n['ok'] else ' WRONG VALUES'}")
-            print(f"  W={f.world:<4} N={f.nodes:<3} {phase:5} max {_ratio(got['max_ratio'])}: " + "; ".join(cells))
+            idle = f", {got['needless_nodes']} node(s) needing none read" if got.get("needless_nodes") else ""
+            print(f"  W={f.world:<4} N={f.nodes:<3} {phase:5} max {_ratio(got['max_ratio'])}{idle}: " + "; ".join(cells))
 
 
 def _kinds(requests: dict[str, int]) -> str:
@@ -225,6 +226,10 @@ def targets(figs: Sequence[Figures], slopes: dict[str, tuple[float, float]],
             if ratios:
                 out.append(h.verdict(f"restore at 2W ({phase}): shared bytes read per node / needed, worst",
                                      max(ratios), "<=", TARGETS["restore_ratio"]))
+            idle = sum(f.restore.get(phase, {}).get("needless_nodes", 0) for f in figs)
+            if idle:
+                out.append((f"  MISS  restore at 2W ({phase}): {idle} node(s) whose ranks need nothing from the "
+                            "shared tier read from it", False))
     if big:
         out.append(h.verdict(f"READY against {big['steps']:.0f} steps, s", big["ready_s"], "<=", TARGETS["ready_s"]))
         out.append(h.verdict("first latest() there, ms", big["first_latest_s"] * 1e3, "<=",

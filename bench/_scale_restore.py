@@ -201,13 +201,19 @@ def _dir_reads(out: dict[str, list[NodeReads]], logs: Sequence[Path], hosts: int
 
 
 def worst(figs: Sequence[NodeReads]) -> float:
-    """The largest ratio over the nodes (NaN where no node needs or reads anything)."""
-    ratios = [f.ratio for f in figs if not math.isnan(f.ratio)]
+    """The largest ratio over the nodes that need something (NaN where none does); the nodes that need
+    nothing and read all the same are :func:`needless`."""
+    ratios = [f.ratio for f in figs if math.isfinite(f.ratio)]
     return max(ratios) if ratios else math.nan
 
 
+def needless(figs: Sequence[NodeReads]) -> int:
+    """Nodes whose ranks need nothing from the shared tier, but that read from it (over 1 KiB)."""
+    return sum(math.isinf(f.ratio) for f in figs)
+
+
 def summary(restores: dict[str, list[NodeReads]]) -> dict[str, Any]:
-    """For the JSON record: per load, every node's figures and the worst ratio."""
+    """For the JSON record: per load, every node's figures, the worst ratio and the needless readers."""
     return {phase: {"nodes": [vars(f) | {"ratio": f.ratio, "repeats": f.repeats} for f in figs],
-                     "max_ratio": worst(figs)}
+                    "max_ratio": worst(figs), "needless_nodes": needless(figs)}
             for phase, figs in restores.items()}

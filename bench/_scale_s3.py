@@ -18,7 +18,7 @@ import time
 import urllib.request
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import _harness as h
@@ -158,9 +158,3 @@ class S3Shared:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"step {step} never completed on the shared tier (s3://{self.server.bucket}/{key})")
             time.sleep(POLL_S)
-
-    def object_size(self, job: str, step: int, rank: int, name: str) -> int:
-        from ckptstage.protos import layout
-
-        key = (PurePosixPath(self.prefix) / layout.part_dir(Path(""), job, step, rank).as_posix() / name).as_posix()
-        return int(self.server.client.head_object(Bucket=self.server.bucket, Key=key)["ContentLength"])
