@@ -63,9 +63,14 @@ class _Task:
 
 @dataclass
 class StepView:
-    """Every part of one step, indexed by fqn: the fragments of each sharded tensor, and the plain tensors."""
+    """Every part of one step, indexed by fqn: the fragments of each sharded tensor, and the plain tensors.
 
-    readers: dict[int, PartReader]
+    A part is opened for reading (:class:`PartReader`) at its first read: a rank reading two parts of a
+    thousand-rank step makes two readers, not a thousand."""
+
+    readers: dict[int, PartReader]      # the parts opened so far
+    manifests: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its verified manifest
+    dirs: dict[int, list[Path]] = field(default_factory=dict)           # rank -> its copies, best first
     fragments: dict[str, list[Source]] = field(default_factory=dict)
     plain: dict[int, dict[str, Source]] = field(default_factory=dict)   # rank -> fqn -> its plain tensor
     plain_index: dict[int, list[str]] = field(default_factory=dict)     # rank -> tensor number -> fqn
@@ -76,6 +81,7 @@ class StepView:
     copies_for: Callable[[Collection[int]], Mapping[int, list[Path]]] | None = None
     report: Report | None = None
     _names: dict[int, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = field(default_factory=dict)
+    _boxes: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = field(default_factory=dict)  # fqn -> stored
 
     @classmethod
     def open(cls, locations: dict[int, list[Path]], report: Report | None = None,
@@ -88,16 +94,21 @@ class StepView:
         a read needs their bytes. ``copies_for(ranks)``: asked before a read of those ranks' parts, it may
         name better copies of some (the node's own, just fetched); they are read instead, with the manifest
         already verified."""
-        view = cls({}, copies_for=copies_for, report=report)
+        view = cls({}, dirs=dict(locations), copies_for=copies_for, report=report)
+        known = manifests or {}
         try:
             for rank, dirs in sorted(locations.items()):
-                view.readers[rank] = PartReader(rank, dirs, report, committed or {}, keep_open=_READERS,
-                                                manifest=(manifests or {}).get(rank))
+                if rank in known:
+                    view.manifests[rank] = known[rank]
+                else:  # its manifest is read from its best copy that verifies, now
+                    reader = view.readers[rank] = PartReader(rank, dirs, report, committed or {},
+                                                             keep_open=_READERS)
+                    view.manifests[rank] = reader.manifest
         except BaseException:
             view.close()
             raise
-        for rank, reader in view.readers.items():
-            view._index(rank, reader.manifest)
+        for rank, manifest in sorted(view.manifests.items()):
+            view._index(rank, manifest)
         return view
 
     def _index(self, rank: int, manifest: dict[str, Any]) -> None:
@@ -111,11 +122,13 @@ class StepView:
             self.sources[rank].append(Source(rank, entry, (0,) * len(entry.shape)))
             if "global_shape" in raw:
                 src = Source(rank, entry, tuple(int(o) for o in raw["global_offset"]))
-                known = self.fragments.setdefault(fqn, [])
                 # The same box stored by several ranks (replicas a mesh does not call Replicate, e.g. a
-                # module on a sub-mesh): any one copy serves.
-                if not any(k.origin == src.origin and k.entry.shape == entry.shape for k in known):
-                    known.append(src)
+                # module on a sub-mesh): any one copy serves. Looked up, not compared pairwise: a tensor of
+                # a thousand-rank step has a thousand fragments.
+                seen = self._boxes.setdefault(fqn, set())
+                if (src.origin, entry.shape) not in seen:
+                    seen.add((src.origin, entry.shape))
+                    self.fragments.setdefault(fqn, []).append(src)
             elif fqn in self.plain[rank]:
                 self.ambiguous.add(fqn)  # a tree node finds its tensor by number; by name, it is refused
             else:
@@ -133,7 +146,7 @@ class StepView:
         return sum(r.bytes_read for r in self.readers.values())
 
     def tree_of(self, rank: int) -> Any:
-        return self.readers[rank].manifest["tree"]
+        return self.manifests[rank]["tree"]
 
     def names(self, tree_rank: int = 0) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Every tensor of the step as ``tree_rank`` sees it, by fqn: (dtype, global shape); plain ones first."""
@@ -203,7 +216,7 @@ class StepView:
 
         skeleton = self.tree_of(tree_rank)
         if union:
-            for rank in self.readers:
+            for rank in self.manifests:
                 if rank != tree_rank:
                     skeleton = _with_sharded_of(skeleton, self.tree_of(rank), rank)
         state = tree.unflatten(skeleton, plain, sharded)
@@ -258,6 +271,10 @@ class StepView:
             by_rank[task.source.rank].extend(_split(task))
         if self.copies_for is not None and by_rank:
             self._switch(self.copies_for(by_rank.keys()))
+        for rank in by_rank:  # opened here, before the reading threads share them
+            if rank not in self.readers:
+                self.readers[rank] = PartReader(rank, self.dirs[rank], self.report, keep_open=_READERS,
+                                                manifest=self.manifests[rank])
         groups: list[list[_Task]] = []
         for rank_tasks in by_rank.values():
             rank_tasks.sort(key=lambda t: (t.source.entry.offset, t.box[0]))
@@ -272,9 +289,10 @@ class StepView:
     def _switch(self, copies: Mapping[int, list[Path]]) -> None:
         """Reads ``copies`` of those ranks' parts from now on (their manifests are the ones already read)."""
         for rank, dirs in copies.items():
-            old = self.readers[rank]
-            self.readers[rank] = PartReader(rank, dirs, self.report, keep_open=_READERS, manifest=old.manifest)
-            old.close()
+            self.dirs[rank] = dirs
+            old = self.readers.pop(rank, None)
+            if old is not None:
+                old.close()
 
     def _read_group(self, tasks: list[_Task]) -> None:
         reader = self.readers[tasks[0].source.rank]
