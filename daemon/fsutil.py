@@ -48,13 +48,25 @@ def makedirs_durable(path: Path, within: Path | None = None) -> None:
     With ``within`` (a tier's root), refuses first if a component of ``path``
     below it is a symbolic link (:func:`tierpath.check_contained`).
     """
-    if within is not None:
-        check_contained(within, path)
     missing = []
     p = path
-    while not os.path.lexists(p):  # a dangling link is not "missing": mkdir must not go through it
-        missing.append(p)
-        p = p.parent
+    first = check_contained(within, path) if within is not None else None  # from the root down, once
+    if within is not None and path != within:
+        if first is None:
+            return
+        while p != first:
+            missing.append(p)
+            p = p.parent
+        missing.append(first)
+        p = first.parent
+        if p == within:  # the check looks below the tier's root, not at it: a new tier is made here too
+            while not os.path.lexists(p):
+                missing.append(p)
+                p = p.parent
+    else:
+        while not os.path.lexists(p):  # a dangling link is not "missing": mkdir must not go through it
+            missing.append(p)
+            p = p.parent
     for d in reversed(missing):
         try:
             d.mkdir(mode=PRIVATE_DIR)
@@ -184,15 +196,15 @@ class PartWriter:
         return DataFile(self.path(name), size, direct_io, reserve)
 
     def commit(self, manifest: dict[str, Any]) -> Path:
-        check_contained(self.tier_dir, self.final)
-        if self.final.exists() and not (self.replace is not None and self.replace(self.final)):
-            raise FileExistsError(f"{self.final} is already committed")
         raw = layout.manifest_file_bytes(manifest)
         write_file_durable(self.tmp / layout.MANIFEST_FILE, raw)
         fsync_dir(self.tmp)
         makedirs_durable(self.final.parent, within=self.tier_dir)
-        check_contained(self.tier_dir, self.final)  # again, just before the rename: the step dir is new
-        if self.final.exists():
+        # Checked once, just before the rename (the step directory may be new): a thousand-rank step's
+        # parts each pay these lookups on the shared tier's metadata server.
+        if check_contained(self.tier_dir, self.final) is None:
+            if not (self.replace is not None and self.replace(self.final)):
+                raise FileExistsError(f"{self.final} is already committed")
             # Only a part ``replace`` accepted: renamed into .tmp and removed first (readers see the
             # old part or nothing, then the new one), so the rename below never merges directories.
             remove_part(self.tier_dir, self.owner, self.final, rmdir_step=False)

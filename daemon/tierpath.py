@@ -37,8 +37,10 @@ class TiersOverlap(ValueError):
                          f"(really {real_local}): the tiers must be separate directories")
 
 
-def check_contained(tier_dir: Path, path: Path) -> None:
-    """Raises OSError(ELOOP) naming the link if a component of ``path`` below ``tier_dir`` is one.
+def check_contained(tier_dir: Path, path: Path) -> Path | None:
+    """Raises OSError(ELOOP) naming the link if a component of ``path`` below ``tier_dir`` is one; returns
+    the first component that does not exist (None: ``path`` exists), which a caller about to create it
+    need not look up again.
 
     Components are checked with ``lstat`` from the root down; nothing below a
     missing component can be a link yet. A path that is not below the tier
@@ -56,10 +58,11 @@ def check_contained(tier_dir: Path, path: Path) -> None:
         try:
             mode = os.lstat(current).st_mode
         except FileNotFoundError:
-            return
+            return current
         if stat.S_ISLNK(mode):
             raise OSError(errno.ELOOP, f"{current} is a symbolic link inside the tier {tier_dir}; "
                                        "ckptstage never follows one out of a tier (remove it)")
+    return None
 
 
 def tiers_overlap(a: Path, b: Path) -> bool:
