@@ -74,7 +74,7 @@ class Loader:
                                                 f"{tree_rank}'s part is")
             try:
                 if (target is not None and target.sharded) or _is_sharded(located.parts[tree_rank]):
-                    located = steps.locate(self._conn, self.job, step, self.rank)  # every part, now
+                    located = steps.locate(self._conn, self.job, step, self.rank, step_index=True)  # every part
                     with steps.OpenStep(self._conn, located, node_copy=located.world_size != self.world_size) \
                             as opened:
                         return opened.view.load(tree_rank, target, union=located.world_size != self.world_size)

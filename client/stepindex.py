@@ -21,23 +21,25 @@ from ckptstage.protos.v1 import ckptstage_pb2 as pb
 log = logging.getLogger(__name__)
 
 
-def manifests_of(parts: Mapping[int, list[tuple[pb.Tier, Path]]], named_digests: Mapping[Path, str]
+def manifests_of(parts: Mapping[int, list[tuple[pb.Tier, Path]]], named_digests: Mapping[Path, str],
+                 node_copy: Path | None = None, rank_digests: Mapping[int, str] | None = None
                  ) -> dict[int, dict[str, Any]]:
     """Rank -> its verified manifest, for every rank of a located step (``parts``: rank -> its copies,
-    ``named_digests``: part dir -> the manifest digest the commit record names); empty when no index
-    serves (a step only on the local tier, an index missing, too large, stale or damaged)."""
+    ``named_digests``: part dir -> the manifest digest the commit record names, ``rank_digests``: rank ->
+    the same, where the daemon said it per rank); empty when no index serves (a step only on the local
+    tier, an index missing, too large, stale or damaged). ``node_copy``: this node's copy of the index
+    (the daemon's), read first; else the shared tier's beside the parts."""
     digests: dict[int, str] = {}
-    steps: list[Path] = []
+    steps: list[Path] = [node_copy] if node_copy is not None else []
     for rank, copies in parts.items():
-        named = {named_digests.get(d, "") for _, d in copies}
+        named = {named_digests.get(d, "") for _, d in copies} or {(rank_digests or {}).get(rank, "")}
         if len(named) != 1 or "" in named:
             return {}  # the daemon did not say which manifest the record names: nothing to check against
         digests[rank] = named.pop()
         for tier, d in copies:
-            if tier == pb.SHARED and d.parent not in steps:
-                steps.append(d.parent)
-    for step in steps:
-        path = step / layout.STEP_INDEX_FILE
+            if tier == pb.SHARED and d.parent / layout.STEP_INDEX_FILE not in steps:
+                steps.append(d.parent / layout.STEP_INDEX_FILE)
+    for path in steps:
         try:
             with open(path, "rb") as f:
                 raw = f.read(layout.MAX_STEP_INDEX_BYTES + 1)

@@ -37,6 +37,8 @@ class LocatedStep:
     memory: dict[int, Path] = field(default_factory=dict)  # rank -> handoff socket of its memory-tier copy
     # part dir -> the digest of its manifest.json that the commit record names ("" where not said)
     digests: dict[Path, str] = field(default_factory=dict)
+    named: dict[int, str] = field(default_factory=dict)  # rank -> that digest, where the daemon said it per rank
+    index: Path | None = None  # this node's copy of the step's index (asked for with step_index)
 
     def tree_rank(self, rank: int, world_size: int) -> int:
         """Whose plain values a reader gets: its own rank's at the saving world size, else rank 0's."""
@@ -44,7 +46,8 @@ class LocatedStep:
 
 
 def locate(conn: Connection, job: str, step: int | None, rank: int = 0, all_ranks: bool = True,
-           memory: bool = False, ranks: Sequence[int] = (), node_copy: bool = False) -> LocatedStep:
+           memory: bool = False, ranks: Sequence[int] = (), node_copy: bool = False,
+           step_index: bool = False) -> LocatedStep:
     """Where the parts of ``step`` (the newest complete one when None) lie: every rank's (only ``ranks``'
     when given), or only ``rank``'s (a whole-part load need not hear of a thousand others); raises
     CheckpointNotFound. ``memory``: also where the memory tier keeps them (:attr:`LocatedStep.memory`).
@@ -52,9 +55,11 @@ def locate(conn: Connection, job: str, step: int | None, rank: int = 0, all_rank
     Parts whose only copies are where a reader cannot open them (an object store) are fetched onto
     the node's local tier first, verified, by the daemon (``Prefetch`` of just those ranks); with
     ``node_copy`` (other ranks of this node read the same parts) so is every part the node holds no
-    copy of, so that the node reads it from the shared tier once."""
+    copy of, so that the node reads it from the shared tier once. With ``step_index`` nothing is fetched:
+    the reader plans from the node's copy of the step's index (:attr:`LocatedStep.index`) and asks for
+    the parts it reads (:class:`OpenStep`)."""
     request = pb.LocateRequest(job=job, rank=rank, latest=step is None, step=step or 0, all_ranks=all_ranks,
-                               memory=memory, ranks=list(ranks), node_copy=node_copy)
+                               memory=memory, ranks=list(ranks), node_copy=node_copy, step_index=step_index)
     resp = conn.call("Locate", request)
     for _ in range(_FETCH_ROUNDS):
         if not resp.fetch_ranks:
@@ -80,33 +85,44 @@ def locate(conn: Connection, job: str, step: int | None, rank: int = 0, all_rank
             else:
                 copies.append((loc.tier, path))
                 digests[path] = loc.manifest_digest
-    return LocatedStep(job, int(resp.step), int(resp.world_size), resp.attempt, parts, resp.commit, kept, digests)
+    named = {p.rank: p.manifest_digest for p in resp.parts if p.manifest_digest}
+    return LocatedStep(job, int(resp.step), int(resp.world_size), resp.attempt, parts, resp.commit, kept, digests,
+                       named, Path(resp.step_index) if resp.step_index else None)
 
 
 class OpenStep:
     """A located step with every part open for verified reads; close it (or use ``with``).
 
-    ``node_copy``: the reader loads at another world size than the step's, so other ranks of its node
-    most likely read the same parts: before the view reads a part whose best copy is the shared tier's,
-    the daemon copies it onto the local tier (once for the whole node, however many ranks ask) and the
-    view reads that copy (:meth:`_node_copies`).
+    Located with ``step_index`` (:func:`locate`), a part no reader can open (an object store's) is
+    fetched onto the node's local tier only when the view first reads it. ``node_copy``: the reader
+    loads at another world size than the step's, so other ranks of its node most likely read the same
+    parts: a part whose best copy is the shared tier's is copied too (once for the whole node, however
+    many ranks ask) and the view reads that copy (:meth:`_node_copies`).
     """
 
     def __init__(self, conn: Connection, located: LocatedStep, node_copy: bool = False) -> None:
+        manifests = stepindex.manifests_of(located.parts, located.digests, located.index, located.named)
+        if not manifests and any(not copies for copies in located.parts.values()):
+            # Nothing to plan from but each part's manifest, and some parts cannot be opened where they
+            # are: every part is fetched now.
+            located = locate(conn, located.job, located.step)
         self.located = located
         self._conn = conn
-        self._asked: set[int] = set()  # ranks whose node copy was asked for (once each)
+        self._node_copy = node_copy
+        self._asked: set[int] = set()  # ranks whose copy was asked for (once each)
         self.view = reshard.StepView.open({r: [d for _, d in locs] for r, locs in located.parts.items()},
-                                          self._report, located.digests,
-                                          stepindex.manifests_of(located.parts, located.digests),
-                                          self._node_copies if node_copy else None)
+                                          self._report, located.digests, manifests, self._node_copies)
 
     def _node_copies(self, ranks: Collection[int]) -> Mapping[int, list[Path]]:
         """The copies to read of those of ``ranks`` whose best copy is on the shared tier, once the daemon
         has put them on this node's local tier; {} when none is, or when the step changed meanwhile."""
         located = self.located
-        remote = sorted(r for r in ranks if r not in self._asked and located.parts.get(r)
-                        and located.parts[r][0][0] == pb.SHARED)
+
+        def wanted(r: int) -> bool:  # no copy a reader can open, or (node_copy) only the shared tier's
+            copies = located.parts.get(r)
+            return not copies or self._node_copy and copies[0][0] == pb.SHARED
+
+        remote = sorted(r for r in ranks if r not in self._asked and wanted(r))
         if not remote:
             return {}
         self._asked.update(remote)
@@ -142,7 +158,7 @@ def open_step(conn: Connection, job: str, step: int | None, rank: int = 0,
               world_size: int | None = None) -> OpenStep:
     """The step open for reads by ``rank`` of a job now ``world_size`` ranks (None: unknown): at another
     world size than the step's, the node reads each part it needs from the shared tier once."""
-    located = locate(conn, job, step, rank)
+    located = locate(conn, job, step, rank, step_index=True)
     return OpenStep(conn, located, node_copy=world_size is not None and world_size != located.world_size)
 
 

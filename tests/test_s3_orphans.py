@@ -93,6 +93,7 @@ def test_a_killed_daemons_writing_is_cleaned_by_another_once_abandoned_and_a_liv
 
         assert _uploads(reader) == ["live/step-000000000001/rank-00000/" + layout.DATA_FILE]  # the live one's
         assert _keys(reader, "dead/") == ["dead/step-000000000001/commit.json",
+                                          "dead/step-000000000001/index.json",
                                           "dead/step-000000000001/rank-00000/data.safetensors",
                                           "dead/step-000000000001/rank-00000/manifest.json"]
         reader.verify_part(reader.part_location("dead", 1, 0))

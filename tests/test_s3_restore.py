@@ -152,6 +152,8 @@ def test_many_readers_of_every_part_at_once_fetch_each_part_once(nodes: Nodes) -
             barrier.wait()
             try:
                 with client.open_step() as opened:  # every rank's part, as the DCP reader and consolidation do
+                    values = [opened.view.read_full("w", tree_rank=r) for r in range(3)]  # fetched as first read
+                    assert all(torch.equal(v, _state(r, 5)["w"]) for r, v in enumerate(values))
                     seen.append(sorted(opened.located.parts))
             except Exception as e:  # noqa: BLE001 - reported below
                 seen.append(e)
@@ -222,3 +224,36 @@ def test_incremental_parts_are_restored_chunk_by_chunk(s3_server: S3Server, tmp_
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_resharding_reader_fetches_only_the_parts_its_box_crosses(nodes: Nodes) -> None:
+    """It plans from the step's index, which B's daemon copies from the store once, and asks B's daemon
+    for a part only when it reads from it: one part of four, not every part of the step."""
+    from ckptstage.client import shards, tree
+
+    rows, cols, world = 8, 16, 4
+
+    def fragment(rank: int) -> tree.Flat:
+        flat = tree.Flat({"d": [[{"s": "w"}, {"D": {"fqn": "w", "dtype": "float32",
+                                                    "shape": [world * rows, cols]}}]]})
+        flat.tensors.append(torch.full((rows, cols), float(rank)))
+        flat.paths.append("['w']")
+        flat.fqns.append("w")
+        flat.fragments.append(shards.Fragment("w", (world * rows, cols), (rank * rows, 0)))
+        return flat
+
+    savers = [Client("boxes", socket=nodes.a.socket, rank=r, world_size=world, attempt="run") for r in range(world)]
+    try:
+        for h in [c.save_flat(6, fragment(c.rank)) for c in savers]:
+            h.wait("shared", timeout=60)
+    finally:
+        for c in savers:
+            c.close()
+    with Client("boxes", socket=nodes.b.socket, rank=0, world_size=world) as reader:
+        wait_until(lambda: _complete(reader) == [6], 20, "B listing the store")
+        with reader.open_step(6) as opened:
+            out = torch.empty(rows // 2, cols)
+            opened.view.read_box("w", ((2 * rows + rows // 4, 0), (rows // 2, cols)), out)  # inside rank 2's rows
+            assert out.eq(2.0).all()
+    assert [_data_gets(nodes.proxy, "boxes", r) > 0 for r in range(world)] == [False, False, True, False]
+    assert list(_entry(nodes.b.socket, "boxes", 6).ranks_local) == [2]

@@ -203,6 +203,20 @@ def test_deleting_parts_then_the_record_removes_the_step(tier: Tier) -> None:
         tier.remove_commit_record(where.parent)
 
 
+def test_a_step_index_reads_back_as_written_and_goes_with_the_record(tier: Tier) -> None:
+    where, digest = _publish(tier, 10)
+    step = where.parent
+    assert tier.read_step_index(step) is None
+    tier.write_step_index(step, b'{"first": 1}')
+    tier.write_step_index(step, b'{"second": 2}')  # replaced whole
+    assert tier.read_step_index(step) == b'{"second": 2}'
+    tier.create_commit_record(step, layout.CommitRecord(JOB, 10, "run-1", 1, 1.0,
+                                                        {0: layout.CommittedPart(len(DATA), digest)}))
+    tier.remove_part(where)
+    tier.remove_commit_record(step)
+    assert tier.read_step_index(step) is None
+
+
 def test_a_corrupt_byte_fails_verification_naming_the_block(tier: Tier) -> None:
     where, _ = _publish(tier, 4)
     path = where / layout.DATA_FILE

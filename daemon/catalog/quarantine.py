@@ -150,13 +150,17 @@ class Quarantine:
             except OSError as e:
                 log.error("cannot quarantine the chunk %s: %s", storage.name_of(failure.path), e,
                           extra=_fields(part, error=e))
-        self._catalog.remove(part)
+        # Moved first, dropped from the index after, as a deletion is: a re-read of the tier in between
+        # finds the part still indexed or gone, never a part it does not know of, which it would index again
+        # (from the step's record, unread) and keep listing once the copy was moved aside.
         try:
             target = storage.quarantine_part(part.path)
         except OSError as e:
             log.error("cannot quarantine %s: %s (it is no longer indexed)", storage.name_of(part.path), e,
                       extra=_fields(part, error=e))
             return
+        finally:
+            self._catalog.remove(part)
         with self._lock:
             self._moved.append(Quarantined(part.job, part.step, part.rank, part.tier.value, storage.name_of(target),
                                            why))

@@ -164,10 +164,8 @@ class SharedSeal:
 
     def _write_index(self, job: str, step: int, attempt: str, listed: layout.StepRef, parts: dict[int, Part],
                      manifests: dict[int, Manifest]) -> None:
-        """The step index, before the record (readers find it from the start); only where readers open the
-        tier's files themselves (an object store's parts are fetched to the node first, manifests and all)."""
-        if self.shared.readable_path(parts[0].path) is None:
-            return
+        """The step index, before the record (readers find it from the start), on every tier: a reader of an
+        object store plans from the node's copy of it and fetches only the parts it reads."""
         index = layout.step_index_bytes(job, step, attempt, {r: manifests[r] for r in parts},
                                         {r: p.digest for r, p in parts.items()})
         if index is not None:

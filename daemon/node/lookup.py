@@ -16,6 +16,7 @@ from ckptstage.daemon.catalog.index import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.catalog.quarantine import Quarantine
 from ckptstage.daemon.config import Config
 from ckptstage.daemon.drain.drainer import Drainer
+from ckptstage.daemon.drain.indexcopy import IndexCopies
 from ckptstage.daemon.drain import sharedsync
 from ckptstage.daemon.drain.sharedsync import SharedSync
 from ckptstage.daemon.errors import CheckpointNotFound, InvalidRequest
@@ -44,7 +45,8 @@ class Lookup:
 
     def __init__(self, config: Config, catalog: Catalog, commits: Commits, memory: MemoryTier,
                  quarantine: Quarantine, tiers: dict[TierName, Tier], drainer: Drainer | None,
-                 shared_sync: SharedSync | None, stopping: threading.Event) -> None:
+                 shared_sync: SharedSync | None, stopping: threading.Event,
+                 index_copies: IndexCopies | None = None) -> None:
         self._config = config
         self._catalog = catalog
         self._commits = commits
@@ -54,6 +56,7 @@ class Lookup:
         self._drainer = drainer
         self._sync = shared_sync
         self._stopping = stopping
+        self._index_copies = index_copies
 
     def checkpoints(self, job: str) -> list[Checkpoint]:
         layout.check_job(job)
@@ -76,22 +79,35 @@ class Lookup:
                              key=lambda e: e.step)
         return listing.Listing(entries, self._quarantine.moved(job))
 
-    def locate_parts(self, job: str, step: int | None, rank: int, all_ranks: bool = False,
-                     memory: bool = False, ranks: Sequence[int] = (), node_copy: bool = False) -> listing.Located:
+    def locate_parts(self, job: str, step: int | None, rank: int, all_ranks: bool = False, memory: bool = False,
+                     ranks: Sequence[int] = (), node_copy: bool = False, step_index: bool = False) -> listing.Located:
         """Where a reader finds ``rank``'s part of the complete ``step`` (the newest when None), best copy
         first; with ``all_ranks`` every rank's too (only ``ranks``' when given; a rank outside the step's
-        world size has no copies, which is no error: a reader at another world size). ``memory``: the reader can
-        read the memory tier, so a step kept in memory only (newer than any on disk, or the one asked for)
-        is answered from there, and a part the memory tier holds is listed first. ``node_copy``: see
-        :func:`listing.located` (only where a shared tier can be fetched from)."""
+        world size has no copies, which is no error: a reader at another world size). ``memory``: the
+        reader can read the memory tier, so a step kept in memory only (newer than any on disk, or the one
+        asked for) is answered from there, and a part the memory tier holds is listed first.
+        ``node_copy`` and ``step_index`` (the path of this node's copy of the step's index is answered:
+        :mod:`ckptstage.daemon.drain.indexcopy`): see :func:`listing.located`; only where there is a shared
+        tier."""
         if memory:
             kept = self._memory.step_for(job, step)
             if kept is not None:
                 return listing.memory_located(kept, rank, all_ranks)
         ckpt, _ = self.locate(job, step, rank, all_ranks)
+        index = self._index_copy(ckpt) if step_index and all_ranks else None
         return listing.located(ckpt, rank, all_ranks,
                                lambda r: memory and self._memory.has(ckpt.job, ckpt.step, r), self._tiers,
-                               ranks, node_copy and self._drainer is not None)
+                               ranks, node_copy and self._drainer is not None, index)
+
+    def _index_copy(self, ckpt: Checkpoint) -> str | None:
+        """This node's copy of the shared tier's index of ``ckpt``, when it is the commit being read."""
+        shared = ckpt.records.get(TierName.SHARED)
+        if self._index_copies is None or shared is None or not ckpt.complete_on(TierName.SHARED):
+            return None
+        if ckpt.record is None or shared.fingerprint() != ckpt.record.fingerprint():
+            return None  # the local tier holds another commit of the step (a replacement not drained yet)
+        copy = self._index_copies.path_of(ckpt.job, ckpt.step, shared.fingerprint())
+        return str(copy) if copy is not None else None
 
     def locate(self, job: str, step: int | None, rank: int, all_ranks: bool = False) -> tuple[Checkpoint, list[Part]]:
         """The complete step (the newest when ``step`` is None) and ``rank``'s copies of the committed

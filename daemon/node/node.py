@@ -31,7 +31,9 @@ from ckptstage.daemon.config import Config
 from ckptstage.daemon.drain import drainer as drainer_mod
 from ckptstage.daemon.drain import stopdrain
 from ckptstage.daemon.drain.drainer import Drainer
+from ckptstage.daemon.drain import indexcopy
 from ckptstage.daemon.drain.fetcher import Fetcher
+from ckptstage.daemon.drain.indexcopy import IndexCopies
 from ckptstage.daemon.drain.sharedsync import SharedSync
 from ckptstage.daemon.errors import ShuttingDown
 from ckptstage.daemon.events import Bus
@@ -137,8 +139,10 @@ class Node:
                                self.chunk_stores, tiers=self.tiers)
         self.timers = Timers(config.retention.interval_s, catalog, self.apply_retention, self.memory, self.incomplete,
                              self._stopping)
+        index_copies = IndexCopies(shared, config.local.dir / STATE_DIR / indexcopy.DIR, config.local.dir) \
+            if shared is not None else None
         self.lookup = Lookup(config, catalog, self.commits, self.memory, self.quarantine, self.tiers, self.drainer,
-                             self.shared_sync, self._stopping)
+                             self.shared_sync, self._stopping, index_copies)
         self.session_desk = SessionDesk(config, self.sessions, self.budget, self.memory, catalog, self.job_rules,
                                         self.persister, self.metrics, self._check_running, self.timers.shared_wake)
         self.save_desk = SaveDesk(config, self.sessions, self.saves, self.persister, catalog, self.commits,
@@ -286,9 +290,9 @@ class Node:
     def list_checkpoints(self, job: str, memory: bool = False) -> listing.Listing:
         return self.lookup.list_checkpoints(job, memory)
 
-    def locate_parts(self, job: str, step: int | None, rank: int, all_ranks: bool = False,
-                     memory: bool = False, ranks: Sequence[int] = (), node_copy: bool = False) -> listing.Located:
-        return self.lookup.locate_parts(job, step, rank, all_ranks, memory, ranks, node_copy)
+    def locate_parts(self, job: str, step: int | None, rank: int, all_ranks: bool = False, memory: bool = False,
+                     ranks: Sequence[int] = (), node_copy: bool = False, step_index: bool = False) -> listing.Located:
+        return self.lookup.locate_parts(job, step, rank, all_ranks, memory, ranks, node_copy, step_index)
 
     def wait_step(self, job: str, step: int, tier: TierName | None, timeout: float) -> Checkpoint | None:
         return self.lookup.wait_step(job, step, tier, timeout)

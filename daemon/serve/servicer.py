@@ -271,7 +271,7 @@ class Servicer(pb_grpc.CheckpointerServicer):
     async def Locate(self, request: pb.LocateRequest, context: grpc.aio.ServicerContext) -> pb.LocateResponse:
         found = await self._run(self.node.locate_parts, request.job, None if request.latest else request.step,
                                 request.rank, request.all_ranks, request.memory, list(request.ranks),
-                                request.node_copy)
+                                request.node_copy, request.step_index)
         return _located(found, str(handoff_socket(self.socket_path)))
 
     @_mapped
@@ -347,8 +347,10 @@ def _located(found: Located, handoff: str) -> pb.LocateResponse:
 
     return pb.LocateResponse(step=found.step, world_size=found.world_size, locations=where(found.locations),
                              attempt=found.attempt, commit=found.commit,
-                             parts=[pb.RankParts(rank=r, locations=where(locs)) for r, locs in found.parts.items()],
-                             fetch_ranks=sorted(found.fetch), fetch_bytes=sum(found.fetch.values()))
+                             parts=[pb.RankParts(rank=r, locations=where(locs), manifest_digest=found.digests.get(r, ""))
+                                    for r, locs in found.parts.items()],
+                             fetch_ranks=sorted(found.fetch), fetch_bytes=sum(found.fetch.values()),
+                             step_index=found.step_index)
 
 
 def _tier_status(t: TierReport) -> pb.TierStatus:

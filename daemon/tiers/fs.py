@@ -123,6 +123,15 @@ class FsTier:
     def write_step_index(self, step: Path, data: bytes) -> None:
         fsutil.write_atomic(step / layout.STEP_INDEX_FILE, data, within=self._root)
 
+    def read_step_index(self, step: Path) -> bytes | None:
+        path = step / layout.STEP_INDEX_FILE
+        fsutil.check_contained(self._root, path)
+        try:
+            with open(path, "rb") as f:
+                return f.read(layout.MAX_STEP_INDEX_BYTES + 1)
+        except FileNotFoundError:
+            return None
+
     def release_seal(self, step: Path) -> None:
         fsutil.check_contained(self._root, step / layout.SEAL_CLAIM_FILE)
         (step / layout.SEAL_CLAIM_FILE).unlink(missing_ok=True)

@@ -218,6 +218,10 @@ class PartStorage(Protocol):
     def write_step_index(self, step: Path, data: bytes) -> None:
         """Puts the step's index (:data:`layout.STEP_INDEX_FILE`) in place, replacing one there."""
 
+    def read_step_index(self, step: Path) -> bytes | None:
+        """The step's index as written (None when it has none); at most :data:`layout.MAX_STEP_INDEX_BYTES`
+        + 1 bytes are read, so a larger one reads as too large."""
+
     def claim_seal(self, step: Path) -> bool:
         """Creates the step's seal claim (:data:`layout.SEAL_CLAIM_FILE`) unless it is there; True if this call
         created it (exactly once across nodes, as a commit record)."""

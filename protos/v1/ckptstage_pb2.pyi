@@ -291,7 +291,7 @@ class QuarantinedCopy(_message.Message):
     def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., path: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class LocateRequest(_message.Message):
-    __slots__ = ("job", "step", "latest", "rank", "all_ranks", "memory", "ranks", "node_copy")
+    __slots__ = ("job", "step", "latest", "rank", "all_ranks", "memory", "ranks", "node_copy", "step_index")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +300,7 @@ class LocateRequest(_message.Message):
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     NODE_COPY_FIELD_NUMBER: _ClassVar[int]
+    STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     latest: bool
@@ -308,15 +309,18 @@ class LocateRequest(_message.Message):
     memory: bool
     ranks: _containers.RepeatedScalarFieldContainer[int]
     node_copy: bool
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., rank: _Optional[int] = ..., all_ranks: _Optional[bool] = ..., memory: _Optional[bool] = ..., ranks: _Optional[_Iterable[int]] = ..., node_copy: _Optional[bool] = ...) -> None: ...
+    step_index: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., rank: _Optional[int] = ..., all_ranks: _Optional[bool] = ..., memory: _Optional[bool] = ..., ranks: _Optional[_Iterable[int]] = ..., node_copy: _Optional[bool] = ..., step_index: _Optional[bool] = ...) -> None: ...
 
 class RankParts(_message.Message):
-    __slots__ = ("rank", "locations")
+    __slots__ = ("rank", "locations", "manifest_digest")
     RANK_FIELD_NUMBER: _ClassVar[int]
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
     rank: int
     locations: _containers.RepeatedCompositeFieldContainer[PartLocation]
-    def __init__(self, rank: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[PartLocation, _Mapping]]] = ...) -> None: ...
+    manifest_digest: str
+    def __init__(self, rank: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[PartLocation, _Mapping]]] = ..., manifest_digest: _Optional[str] = ...) -> None: ...
 
 class PartLocation(_message.Message):
     __slots__ = ("tier", "dir", "manifest_digest")
@@ -329,7 +333,7 @@ class PartLocation(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., dir: _Optional[str] = ..., manifest_digest: _Optional[str] = ...) -> None: ...
 
 class LocateResponse(_message.Message):
-    __slots__ = ("step", "world_size", "locations", "attempt", "parts", "commit", "fetch_ranks", "fetch_bytes")
+    __slots__ = ("step", "world_size", "locations", "attempt", "parts", "commit", "fetch_ranks", "fetch_bytes", "step_index")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -338,6 +342,7 @@ class LocateResponse(_message.Message):
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     FETCH_RANKS_FIELD_NUMBER: _ClassVar[int]
     FETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
     step: int
     world_size: int
     locations: _containers.RepeatedCompositeFieldContainer[PartLocation]
@@ -346,7 +351,8 @@ class LocateResponse(_message.Message):
     commit: str
     fetch_ranks: _containers.RepeatedScalarFieldContainer[int]
     fetch_bytes: int
-    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[PartLocation, _Mapping]]] = ..., attempt: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[RankParts, _Mapping]]] = ..., commit: _Optional[str] = ..., fetch_ranks: _Optional[_Iterable[int]] = ..., fetch_bytes: _Optional[int] = ...) -> None: ...
+    step_index: str
+    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[PartLocation, _Mapping]]] = ..., attempt: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[RankParts, _Mapping]]] = ..., commit: _Optional[str] = ..., fetch_ranks: _Optional[_Iterable[int]] = ..., fetch_bytes: _Optional[int] = ..., step_index: _Optional[str] = ...) -> None: ...
 
 class WaitStepRequest(_message.Message):
     __slots__ = ("job", "step", "tier", "timeout_s")

@@ -72,6 +72,14 @@ class Objects:
             got = dict(conn.client.get_object(Bucket=conn.bucket, Key=key))
             return bytes(got.pop("Body").read()), got
 
+    def create(self, key: str, data: bytes) -> bool:
+        """Writes a small object unless one is there; True if this call created it (exactly once)."""
+        try:
+            self.put(key, data, if_absent=True)
+        except FileExistsError:
+            return False
+        return True
+
     def put(self, key: str, data: bytes, if_absent: bool = False, if_match: str | None = None) -> str:
         """Writes a small object whole; returns its ETag. ``if_absent``: FileExistsError when one is there;
         ``if_match``: FileExistsError (or FileNotFoundError) unless the object there has that ETag."""

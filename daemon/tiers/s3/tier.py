@@ -207,21 +207,19 @@ class S3Tier:
         self._cleanup.remove_published(part, str(head["ETag"]))
 
     def create_commit_record(self, step: Path, record: layout.CommitRecord) -> bool:
-        try:
-            self.objects.put(self.key(step / layout.COMMIT_FILE), layout.commit_record_bytes(record), if_absent=True)
-        except FileExistsError:
-            return False
-        return True
+        return self.objects.create(self.key(step / layout.COMMIT_FILE), layout.commit_record_bytes(record))
 
     def write_step_index(self, step: Path, data: bytes) -> None:
         self.objects.put(self.key(step / layout.STEP_INDEX_FILE), data)  # one PUT: readers see all of it or none
 
-    def claim_seal(self, step: Path) -> bool:
+    def read_step_index(self, step: Path) -> bytes | None:
         try:
-            self.objects.put(self.key(step / layout.SEAL_CLAIM_FILE), self.owner.encode(), if_absent=True)
-        except FileExistsError:
-            return False
-        return True
+            return self.objects.get(self.key(step / layout.STEP_INDEX_FILE))  # written under the 256 MiB bound
+        except FileNotFoundError:
+            return None
+
+    def claim_seal(self, step: Path) -> bool:
+        return self.objects.create(self.key(step / layout.SEAL_CLAIM_FILE), self.owner.encode())
 
     def remove_commit_record(self, step: Path) -> None:
         """Deletes the record; the removals of the step's parts that this daemon left cut short (the store
