@@ -28,17 +28,18 @@ LATEST_CALLS = 5
 RANKS_PER_HOST = 256
 
 
-def rank_flat(rank: int, world: int, rows: int) -> Any:
-    """Rank ``rank``'s state: rows ``[rank * rows, (rank + 1) * rows)`` of ``w``, each row holding its rank."""
+def rank_flat(rank: int, world: int, rows: int, cols: int = COLS) -> Any:
+    """Rank ``rank``'s state: rows ``[rank * rows, (rank + 1) * rows)`` of ``w`` (``[world * rows, cols]``),
+    each row holding its rank: what FSDP saves of a tensor sharded on dim 0, built without a process group."""
     import torch
 
     from ckptstage.client import shards, tree
 
-    flat = tree.Flat({"d": [[{"s": "w"}, {"D": {"fqn": "w", "dtype": "float32", "shape": [world * rows, COLS]}}]]})
-    flat.tensors.append(torch.full((rows, COLS), float(rank)))
+    flat = tree.Flat({"d": [[{"s": "w"}, {"D": {"fqn": "w", "dtype": "float32", "shape": [world * rows, cols]}}]]})
+    flat.tensors.append(torch.full((rows, cols), float(rank)))
     flat.paths.append("['w']")
     flat.fqns.append("w")
-    flat.fragments.append(shards.Fragment("w", (world * rows, COLS), (rank * rows, 0)))
+    flat.fragments.append(shards.Fragment("w", (world * rows, cols), (rank * rows, 0)))
     return flat
 
 

@@ -4,16 +4,21 @@ one shared directory: node A saves at world size 2; node B, which holds no copy,
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from ckptstage.client import Client, shards, tree
+from ckptstage.client import Client, tree
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 from support import metric, scrape
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from _scale_ranks import rank_flat  # noqa: E402 - the scale simulator's sharded state, not a copy
 
 JOB, STEP, ROWS, COLS = "nodecopy", 4, 8, 64
 
@@ -24,12 +29,7 @@ def plain_state(rank: int) -> dict[str, Any]:
 
 def sharded_state(rank: int, world: int) -> tree.Flat:
     """Rank ``rank``'s rows of one global tensor ``w`` of ``[world * ROWS, COLS]``, as FSDP shards it on dim 0."""
-    flat = tree.Flat({"d": [[{"s": "w"}, {"D": {"fqn": "w", "dtype": "float32", "shape": [world * ROWS, COLS]}}]]})
-    flat.tensors.append(torch.full((ROWS, COLS), float(rank)))
-    flat.paths.append("['w']")
-    flat.fqns.append("w")
-    flat.fragments.append(shards.Fragment("w", (world * ROWS, COLS), (rank * ROWS, 0)))
-    return flat
+    return rank_flat(rank, world, ROWS, COLS)
 
 
 def on_threads(n: int, work: Callable[[int], Any]) -> list[Any]:

@@ -229,18 +229,12 @@ def test_incremental_parts_are_restored_chunk_by_chunk(s3_server: S3Server, tmp_
 def test_a_resharding_reader_fetches_only_the_parts_its_box_crosses(nodes: Nodes) -> None:
     """It plans from the step's index, which B's daemon copies from the store once, and asks B's daemon
     for a part only when it reads from it: one part of four, not every part of the step."""
-    from ckptstage.client import shards, tree
+    from test_node_copy import rank_flat  # the scale simulator's sharded state
 
     rows, cols, world = 8, 16, 4
 
-    def fragment(rank: int) -> tree.Flat:
-        flat = tree.Flat({"d": [[{"s": "w"}, {"D": {"fqn": "w", "dtype": "float32",
-                                                    "shape": [world * rows, cols]}}]]})
-        flat.tensors.append(torch.full((rows, cols), float(rank)))
-        flat.paths.append("['w']")
-        flat.fqns.append("w")
-        flat.fragments.append(shards.Fragment("w", (world * rows, cols), (rank * rows, 0)))
-        return flat
+    def fragment(rank: int) -> Any:
+        return rank_flat(rank, world, rows, cols)
 
     savers = [Client("boxes", socket=nodes.a.socket, rank=r, world_size=world, attempt="run") for r in range(world)]
     try:
