@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -82,6 +83,7 @@ class StepView:
     report: Report | None = None
     _names: dict[int, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = field(default_factory=dict)
     _boxes: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = field(default_factory=dict)  # fqn -> stored
+    _opening: threading.Lock = field(default_factory=threading.Lock)  # held while parts are opened or switched
 
     @classmethod
     def open(cls, locations: dict[int, list[Path]], report: Report | None = None,
@@ -269,12 +271,13 @@ class StepView:
         by_rank: dict[int, list[_Task]] = defaultdict(list)
         for task in tasks:
             by_rank[task.source.rank].extend(_split(task))
-        if self.copies_for is not None and by_rank:
-            self._switch(self.copies_for(by_rank.keys()))
-        for rank in by_rank:  # opened here, before the reading threads share them
-            if rank not in self.readers:
-                self.readers[rank] = PartReader(rank, self.dirs[rank], self.report, keep_open=_READERS,
-                                                manifest=self.manifests[rank])
+        with self._opening:  # the view may be read from several threads
+            if self.copies_for is not None and by_rank:
+                self._switch(self.copies_for(by_rank.keys()))
+            for rank in by_rank:  # opened here, before the reading threads share them
+                if rank not in self.readers:
+                    self.readers[rank] = PartReader(rank, self.dirs[rank], self.report, keep_open=_READERS,
+                                                    manifest=self.manifests[rank])
         groups: list[list[_Task]] = []
         for rank_tasks in by_rank.values():
             rank_tasks.sort(key=lambda t: (t.source.entry.offset, t.box[0]))

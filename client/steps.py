@@ -9,6 +9,7 @@ over them whose verification failures are reported to the daemon.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -97,7 +98,7 @@ class OpenStep:
     fetched onto the node's local tier only when the view first reads it. ``node_copy``: the reader
     loads at another world size than the step's, so other ranks of its node most likely read the same
     parts: a part whose best copy is the shared tier's is copied too (once for the whole node, however
-    many ranks ask) and the view reads that copy (:meth:`_node_copies`).
+    many ranks ask) and the view reads that copy (:meth:`_copies_to_read`).
     """
 
     def __init__(self, conn: Connection, located: LocatedStep, node_copy: bool = False) -> None:
@@ -110,12 +111,19 @@ class OpenStep:
         self._conn = conn
         self._node_copy = node_copy
         self._asked: set[int] = set()  # ranks whose copy was asked for (once each)
+        self._lock = threading.Lock()  # a view may be read from several threads
         self.view = reshard.StepView.open({r: [d for _, d in locs] for r, locs in located.parts.items()},
-                                          self._report, located.digests, manifests, self._node_copies)
+                                          self._report, located.digests, manifests, self._copies_to_read)
 
-    def _node_copies(self, ranks: Collection[int]) -> Mapping[int, list[Path]]:
-        """The copies to read of those of ``ranks`` whose best copy is on the shared tier, once the daemon
-        has put them on this node's local tier; {} when none is, or when the step changed meanwhile."""
+    def _copies_to_read(self, ranks: Collection[int]) -> Mapping[int, list[Path]]:
+        """The copies to read of those of ``ranks`` that have no copy a reader can open (an object store's),
+        or (``node_copy``) whose best is the shared tier's, once the daemon has put them on this node's
+        local tier; {} when none needs it, when the copy failed (a shared file is read where it is) or
+        when the step changed meanwhile."""
+        with self._lock:
+            return self._copy_to_node(ranks)
+
+    def _copy_to_node(self, ranks: Collection[int]) -> Mapping[int, list[Path]]:
         located = self.located
 
         def wanted(r: int) -> bool:  # no copy a reader can open, or (node_copy) only the shared tier's
@@ -128,9 +136,9 @@ class OpenStep:
         self._asked.update(remote)
         try:
             again = locate(self._conn, located.job, located.step, all_ranks=True, ranks=remote, node_copy=True)
-        except errors.CkptStageError as e:  # the local tier full, say: the shared copies are read as they are
-            log.warning("%s step %d: reading %d part(s) from the shared tier, not from a copy on this node: %s",
-                        located.job, located.step, len(remote), e)
+        except errors.CkptStageError as e:  # the local tier full, say: a shared file is read where it is
+            log.warning("%s step %d: cannot copy %d part(s) onto this node: %s", located.job, located.step,
+                        len(remote), e)
             return {}
         if again.commit != located.commit:
             return {}  # replaced meanwhile: the reads find out and the load starts again
