@@ -67,8 +67,16 @@ def locate(conn: Connection, job: str, step: int | None, rank: int = 0, all_rank
             break
         log.info("fetching %d part(s) of %s step %d (%s) from the shared tier onto the local tier",
                  len(resp.fetch_ranks), job, resp.step, size_text(resp.fetch_bytes))
-        conn.call("Prefetch", pb.PrefetchRequest(job=job, step=resp.step, ranks=resp.fetch_ranks),
-                  timeout=FETCH_TIMEOUT_S)
+        try:
+            conn.call("Prefetch", pb.PrefetchRequest(job=job, step=resp.step, ranks=resp.fetch_ranks),
+                      timeout=FETCH_TIMEOUT_S)
+        except errors.CkptStageError as e:
+            if not request.node_copy:
+                raise  # nothing else can be read
+            # A node copy is an economy, not a need (the local tier full, say): read the shared files.
+            log.warning("cannot copy %d part(s) of %s step %d onto this node (%s): reading them where they are",
+                        len(resp.fetch_ranks), job, resp.step, e)
+            request.node_copy = False
         request.latest, request.step = False, resp.step  # the step whose parts were fetched
         resp = conn.call("Locate", request)
     by_rank = {p.rank: p.locations for p in resp.parts}

@@ -122,3 +122,25 @@ def test_a_resharding_load_reads_each_needed_part_from_the_shared_tier_once_per_
         assert out[: ROWS // 2].eq(0).all() and out[ROWS // 2:].eq(1).all()
         assert {copies[0][0] for copies in opened.located.parts.values()} == {pb.LOCAL}
     assert fetched(port)[0] == 2
+
+
+def test_a_node_copy_that_cannot_be_made_falls_back_to_the_shared_copy(daemon_factory: Any, tmp_path: Path) -> None:
+    """Node B's local tier is full (a small tmpfs): the copy fails with ENOSPC, the load reads rank 0's part
+    from the shared tier where it is, and gets the right values."""
+    from support import small_tmpfs
+
+    a = daemon_factory("node-a").start()
+
+    def save(rank: int) -> None:
+        with Client(JOB, socket=a.socket, rank=rank, world_size=2, attempt="run") as c:
+            c.save(STEP, {"w": torch.full((1 << 20,), float(rank))}).wait("shared", timeout=60)  # 4 MiB parts
+
+    on_threads(2, save)
+    with small_tmpfs(tmp_path / "b-local", "1m") as local:
+        b = daemon_factory("node-b", **{"shared.dir": str(a.shared), "local.dir": str(local),
+                                        "local.min_free_bytes": 0}).start()
+        with Client(JOB, socket=b.socket, rank=1, world_size=3) as c:
+            state = c.load(STEP)
+            assert state["w"].eq(0.0).all() and state["w"].numel() == 1 << 20
+            assert c.last_load_tier == "shared"
+        b.stop()
