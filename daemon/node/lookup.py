@@ -104,9 +104,10 @@ class Lookup:
         shared = ckpt.records.get(TierName.SHARED)
         if self._index_copies is None or shared is None or not ckpt.complete_on(TierName.SHARED):
             return None
-        if ckpt.record is None or shared.fingerprint() != ckpt.record.fingerprint():
+        fingerprint = shared.fingerprint()  # a hash over all W parts: once
+        if ckpt.record is None or (ckpt.record is not shared and ckpt.record.fingerprint() != fingerprint):
             return None  # the local tier holds another commit of the step (a replacement not drained yet)
-        copy = self._index_copies.path_of(ckpt.job, ckpt.step, shared.fingerprint())
+        copy = self._index_copies.path_of(ckpt.job, ckpt.step, fingerprint)
         return str(copy) if copy is not None else None
 
     def locate(self, job: str, step: int | None, rank: int, all_ranks: bool = False) -> tuple[Checkpoint, list[Part]]:
