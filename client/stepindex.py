@@ -41,9 +41,7 @@ def manifests_of(parts: Mapping[int, list[tuple[pb.Tier, Path]]], named_digests:
                 steps.append(d.parent / layout.STEP_INDEX_FILE)
     for path in steps:
         try:
-            with open(path, "rb") as f:
-                raw = f.read(layout.MAX_STEP_INDEX_BYTES + 1)
-            return layout.parse_step_index(raw, path, digests)
+            return layout.parse_step_index(layout.read_step_index_file(path), path, digests)
         except FileNotFoundError:
             continue
         except (OSError, layout.ManifestError) as e:

@@ -127,8 +127,7 @@ class FsTier:
         path = step / layout.STEP_INDEX_FILE
         fsutil.check_contained(self._root, path)
         try:
-            with open(path, "rb") as f:
-                return f.read(layout.MAX_STEP_INDEX_BYTES + 1)
+            return layout.read_step_index_file(path)
         except FileNotFoundError:
             return None
 

@@ -99,6 +99,7 @@ from ckptstage.protos.layout.manifest import (  # noqa: F401 - re-exported
 from ckptstage.protos.layout.stepindex import (  # noqa: F401 - re-exported
     MAX_STEP_INDEX_BYTES,
     parse_step_index,
+    read_step_index_file,
     step_index_bytes,
 )
 from ckptstage.protos.layout.records import (  # noqa: F401 - re-exported

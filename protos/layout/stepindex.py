@@ -39,6 +39,13 @@ def step_index_bytes(job: str, step: int, attempt: str, manifests: Mapping[int, 
     return raw if len(raw) <= MAX_STEP_INDEX_BYTES else None
 
 
+def read_step_index_file(path: Path) -> bytes:
+    """A step index file's bytes, at most :data:`MAX_STEP_INDEX_BYTES` + 1 (so a larger one parses as too
+    large); FileNotFoundError when there is none."""
+    with open(path, "rb") as f:
+        return f.read(MAX_STEP_INDEX_BYTES + 1)
+
+
 def parse_step_index(raw: bytes, path: Path, digests: Mapping[int, str]) -> dict[int, dict[str, Any]]:
     """The manifests of the ranks in ``digests`` (rank -> the manifest digest the commit record names), each
     checked against it; raises :class:`ManifestError` naming the rank that does not match."""
