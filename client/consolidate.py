@@ -151,7 +151,7 @@ def consolidate(job: str, step: int | None = None, *, out: str | os.PathLike[str
 def _select(view: reshard.StepView, prefix: str, job: str, step: int) -> tuple[list[_Tensor], dict[str, str]]:
     """The tensors to write, in the step's order, with their output names; and the aliases left out."""
     names = view.names(0)
-    clashes = sorted(fqn for fqn, n in Counter(view.plain_index[0]).items() if n > 1)
+    clashes = sorted(fqn for fqn, n in Counter(view.plain_fqns(0)).items() if n > 1)
     chosen: list[_Tensor] = []
     for fqn, (dtype, shape) in names.items():
         if not fqn.startswith(prefix):
@@ -173,7 +173,7 @@ def _select(view: reshard.StepView, prefix: str, job: str, step: int) -> tuple[l
             f" whose key starts with {prefix!r} (its keys: {some}{', ...' if len(names) > 5 else ''})"
             if prefix and names else ""))
     aliases = {a[len(prefix):]: first[len(prefix):] for a, first in _aliases(view.tree_of(0),
-                                                                              view.plain_index[0]).items()
+                                                                              view.plain_fqns(0)).items()
                if a.startswith(prefix) and first.startswith(prefix)}
     return chosen, aliases
 

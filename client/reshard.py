@@ -1,9 +1,12 @@
 """Loading a sharded step into any mesh, placements or world size: boxes filled from fragments.
 
-Every part of the step is opened (its manifest read and verified); each
-tensor the caller wants is a *box* of a global tensor (a DTensor's local
-shard, or the whole tensor), filled from every stored fragment that overlaps
-it, reading only the byte range of each fragment that holds the overlap.
+The step is planned from its index (every sharded tensor's stored boxes, in
+one file the commit record vouches for), or where it has none from every
+part's manifest; a part's manifest is parsed, and the part opened, when a
+read needs it. Each tensor the caller wants is a *box* of a global tensor (a
+DTensor's local shard, or the whole tensor), filled from every stored
+fragment that overlaps it, reading only the byte range of each fragment that
+holds the overlap.
 Plain (non-DTensor) tensors and values come from one part: the caller's own
 rank at the same world size, rank 0's at another (DCP's rule for replicated
 state). Reads are verified against the manifest's digest blocks (1 MiB); a
@@ -28,7 +31,7 @@ from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -47,11 +50,20 @@ _PIECE = 32 << 20     # a box is read in row pieces of about this size, so one t
 
 @dataclass(frozen=True)
 class Source:
-    """One stored tensor that holds part of a global tensor: the box it covers and where its bytes are."""
+    """One stored tensor, resolved: the part it is in, its entry there, and its global offset."""
 
     rank: int
     entry: layout.TensorEntry
     origin: tuple[int, ...]  # global offset of its element 0
+
+
+class Fragment(NamedTuple):
+    """A stored box of a tensor, before its part's manifest is read: tensor ``number`` of rank ``rank``'s part."""
+
+    rank: int
+    number: int
+    origin: tuple[int, ...]  # global offset of its element 0 (zeros for a plain tensor)
+    shape: tuple[int, ...]
 
 
 @dataclass
@@ -63,81 +75,109 @@ class _Task:
 
 
 @dataclass
-class StepView:
-    """Every part of one step, indexed by fqn: the fragments of each sharded tensor, and the plain tensors.
+class _Part:
+    """What a view knows of one rank's part once its manifest is read."""
 
-    A part is opened for reading (:class:`PartReader`) at its first read: a rank reading two parts of a
-    thousand-rank step makes two readers, not a thousand."""
+    manifest: dict[str, Any]
+    sources: list[Source]   # tensor number -> where it is
+    fqns: list[str]         # tensor number -> fqn
+    plain: dict[str, int]   # fqn -> the number of its plain (unsharded) tensor
+    ambiguous: set[str]     # fqns two different plain tensors share (keys "a.b" and a -> b)
+
+    @classmethod
+    def of(cls, rank: int, manifest: dict[str, Any]) -> _Part:
+        part = cls(manifest, [], [], {}, set())
+        for raw in manifest["tensors"]:
+            entry = layout.TensorEntry.from_json(raw)
+            fqn = str(raw.get("fqn", entry.name))
+            sharded = "global_shape" in raw
+            origin = tuple(int(o) for o in raw["global_offset"]) if sharded else (0,) * len(entry.shape)
+            part.sources.append(Source(rank, entry, origin))
+            part.fqns.append(fqn)
+            if sharded:
+                continue
+            if fqn in part.plain:
+                part.ambiguous.add(fqn)  # a tree node finds its tensor by number; by name, it is refused
+            else:
+                part.plain[fqn] = len(part.fqns) - 1
+        return part
+
+
+@dataclass
+class StepView:
+    """Every part of one step: the fragments of each sharded tensor, and each part's plain tensors.
+
+    Planned from the step's index (:class:`layout.StepIndex`) where the commit record vouches for one: a
+    part's manifest is parsed, and its file opened (:class:`PartReader`), at the first read from it; a
+    rank reading two parts of a thousand-rank step touches two manifests, not a thousand. Without an index
+    every part's manifest is read when the view opens."""
 
     readers: dict[int, PartReader]      # the parts opened so far
-    manifests: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its verified manifest
     dirs: dict[int, list[Path]] = field(default_factory=dict)           # rank -> its copies, best first
-    fragments: dict[str, list[Source]] = field(default_factory=dict)
-    plain: dict[int, dict[str, Source]] = field(default_factory=dict)   # rank -> fqn -> its plain tensor
-    plain_index: dict[int, list[str]] = field(default_factory=dict)     # rank -> tensor number -> fqn
-    sources: dict[int, list[Source]] = field(default_factory=dict)      # rank -> tensor number -> where it is
-    ambiguous: set[str] = field(default_factory=set)  # fqns two different tensors share (keys "a.b" and a -> b)
-    sharded: dict[str, dict[str, Any]] = field(default_factory=dict)    # fqn -> the "D" node (dtype, shape)
+    sharded: dict[str, dict[str, Any]] = field(default_factory=dict)    # fqn -> "fqn", "dtype", global "shape"
     # Asked, before parts are read, for better copies of them (rank -> its copies, best first): see open().
     copies_for: Callable[[Collection[int]], Mapping[int, list[Path]]] | None = None
     report: Report | None = None
+    world_size: int = 0
+    _index: layout.StepIndex | None = None
+    _table: layout.Fragments = field(default_factory=dict)  # fqn -> [[rank, n, origin, shape], ...], as stored
+    _fragments: dict[str, list[Fragment]] = field(default_factory=dict)  # the same, made on first use
+    _parts: dict[int, _Part] = field(default_factory=dict)
     _names: dict[int, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = field(default_factory=dict)
-    _boxes: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = field(default_factory=dict)  # fqn -> stored
     _opening: threading.Lock = field(default_factory=threading.Lock)  # held while parts are opened or switched
 
     @classmethod
     def open(cls, locations: dict[int, list[Path]], report: Report | None = None,
-             committed: Mapping[Path, str] | None = None,
-             manifests: Mapping[int, dict[str, Any]] | None = None,
+             committed: Mapping[Path, str] | None = None, index: layout.StepIndex | None = None,
              copies_for: Callable[[Collection[int]], Mapping[int, list[Path]]] | None = None) -> StepView:
-        """Opens every rank's part; ``committed``: each part directory's manifest digest as the commit record
-        names it (a copy whose manifest differs is a corrupt copy). ``manifests``: ranks' manifests already
-        read and checked against those digests (from the step index): their files are not opened until
-        a read needs their bytes. ``copies_for(ranks)``: asked before a read of those ranks' parts, it may
-        name better copies of some (the node's own, just fetched); they are read instead, with the manifest
-        already verified."""
-        view = cls({}, dirs=dict(locations), copies_for=copies_for, report=report)
-        known = manifests or {}
-        try:
-            for rank, dirs in sorted(locations.items()):
-                if rank in known:
-                    view.manifests[rank] = known[rank]
-                else:  # its manifest is read from its best copy that verifies, now
+        """The step whose parts have these copies (rank -> part dirs, best first). ``committed``: each part
+        directory's manifest digest as the commit record names it (a copy whose manifest differs is a
+        corrupt copy). ``index``: the step's index, which the commit record vouches for: the view plans
+        from it, and ``locations`` may name only some ranks (the others are asked of ``copies_for``).
+        ``copies_for(ranks)``: asked before a read of those ranks' parts, it may name better copies of some
+        (the node's own, just fetched), or copies of ranks not located yet; they are read instead, with the
+        manifest already verified."""
+        view = cls({}, dirs=dict(locations), copies_for=copies_for, report=report, _index=index)
+        if index is not None:
+            view.world_size, view._table, sharded = index.world_size, index.fragments, index.sharded
+        else:
+            try:
+                for rank, dirs in sorted(locations.items()):  # each manifest read from its best copy that verifies
                     reader = view.readers[rank] = PartReader(rank, dirs, report, committed or {},
                                                              keep_open=_READERS)
-                    view.manifests[rank] = reader.manifest
-        except BaseException:
-            view.close()
-            raise
-        for rank, manifest in sorted(view.manifests.items()):
-            view._index(rank, manifest)
+                    view._parts[rank] = _Part.of(rank, reader.manifest)
+            except BaseException:
+                view.close()
+                raise
+            view.world_size = len(locations)
+            view._table, sharded = layout.step_table({r: p.manifest for r, p in view._parts.items()})
+        view.sharded = {fqn: {"fqn": fqn, **node} for fqn, node in sharded.items()}
         return view
 
-    def _index(self, rank: int, manifest: dict[str, Any]) -> None:
-        fqns: list[str] = []
-        self.plain[rank] = {}
-        self.sources[rank] = []
-        for raw in manifest["tensors"]:
-            entry = layout.TensorEntry.from_json(raw)
-            fqn = str(raw.get("fqn", entry.name))
-            fqns.append(fqn)
-            self.sources[rank].append(Source(rank, entry, (0,) * len(entry.shape)))
-            if "global_shape" in raw:
-                src = Source(rank, entry, tuple(int(o) for o in raw["global_offset"]))
-                # The same box stored by several ranks (replicas a mesh does not call Replicate, e.g. a
-                # module on a sub-mesh): any one copy serves. Looked up, not compared pairwise: a tensor of
-                # a thousand-rank step has a thousand fragments.
-                seen = self._boxes.setdefault(fqn, set())
-                if (src.origin, entry.shape) not in seen:
-                    seen.add((src.origin, entry.shape))
-                    self.fragments.setdefault(fqn, []).append(src)
-            elif fqn in self.plain[rank]:
-                self.ambiguous.add(fqn)  # a tree node finds its tensor by number; by name, it is refused
-            else:
-                self.plain[rank][fqn] = self.sources[rank][-1]
-        self.plain_index[rank] = fqns
-        for node in _sharded_nodes(manifest["tree"]):
-            self.sharded.setdefault(str(node["fqn"]), node)
+    def _part(self, rank: int) -> _Part:
+        part = self._parts.get(rank)
+        if part is None:
+            if self._index is None:
+                raise KeyError(f"the step has no part for rank {rank} (world size {self.world_size})")
+            part = self._parts[rank] = _Part.of(rank, self._index.manifest(rank))
+        return part
+
+    def fragments_of(self, fqn: str) -> list[Fragment]:
+        """The stored boxes of sharded tensor ``fqn`` (each distinct box once), [] for any other."""
+        found = self._fragments.get(fqn)
+        if found is None:
+            found = self._fragments[fqn] = [Fragment(int(r), int(n), tuple(o), tuple(s))
+                                            for r, n, o, s in self._table.get(fqn, [])]
+        return found
+
+    def _source(self, frag: Fragment) -> Source:
+        """Where the bytes of ``frag`` are, from its part's manifest (which must agree with the table)."""
+        sources = self._part(frag.rank).sources
+        src = sources[frag.number] if frag.number < len(sources) else None
+        if src is None or src.origin != frag.origin or src.entry.shape != frag.shape:
+            raise layout.ManifestError(f"rank {frag.rank}'s part has no tensor {frag.number} at {frag.origin} of "
+                                       f"shape {frag.shape}, which the step's table names")
+        return src
 
     def close(self) -> None:
         for reader in self.readers.values():
@@ -148,17 +188,23 @@ class StepView:
         return sum(r.bytes_read for r in self.readers.values())
 
     def tree_of(self, rank: int) -> Any:
-        return self.manifests[rank]["tree"]
+        return self._part(rank).manifest["tree"]
+
+    def plain_fqns(self, rank: int) -> list[str]:
+        """Rank ``rank``'s part's tensors' fqns, by tensor number (sharded ones too)."""
+        return self._part(rank).fqns
 
     def names(self, tree_rank: int = 0) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Every tensor of the step as ``tree_rank`` sees it, by fqn: (dtype, global shape); plain ones first."""
         if tree_rank in self._names:
             return self._names[tree_rank]
         out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = self._names.setdefault(tree_rank, {})
-        for fqn in self.plain_index[tree_rank]:
-            src = self.plain[tree_rank].get(fqn)
-            if src is not None:
-                out.setdefault(fqn, (dtype_from_name(src.entry.dtype), src.entry.shape))
+        part = self._part(tree_rank)
+        for fqn in part.fqns:
+            n = part.plain.get(fqn)
+            if n is not None:
+                entry = part.sources[n].entry
+                out.setdefault(fqn, (dtype_from_name(entry.dtype), entry.shape))
         for fqn, node in self.sharded.items():
             out[fqn] = (dtype_from_name(str(node["dtype"])), tuple(int(n) for n in node["shape"]))
         return out
@@ -166,35 +212,47 @@ class StepView:
     def read_full(self, fqn: str, tree_rank: int = 0) -> torch.Tensor:
         """One whole (unsharded) tensor, assembled from its fragments or ``tree_rank``'s plain copy."""
         dtype, shape = self.names(tree_rank)[fqn]
-        sources = self._by_name(fqn, tree_rank)
+        found = self._by_name(fqn, tree_rank)
         tasks: list[_Task] = []
-        out = self._fill(fqn, dtype, shape, sources, _Targets(None), tasks, [], [])
+        out = self._fill(fqn, dtype, shape, found, _Targets(None), tasks, [], [])
         self._run(tasks)
         return out
 
     def read_box(self, fqn: str, box: shards.Box, out: torch.Tensor, tree_rank: int = 0) -> None:
         """Fills ``out`` (a CPU tensor of the box's sizes) with ``box`` of tensor ``fqn``, from every overlapping
         fragment (or ``tree_rank``'s plain copy)."""
-        sources = self._by_name(fqn, tree_rank)
-        tasks = [_Task(src, part, out, box[0]) for src in sources
-                 if (part := shards.overlap(box, (src.origin, src.entry.shape))) is not None]
+        tasks = [_Task(self._source(f), part, out, box[0]) for f in self._by_name(fqn, tree_rank)
+                 if (part := shards.overlap(box, (f.origin, f.shape))) is not None]
         self._run(tasks)
 
-    def _by_name(self, fqn: str, tree_rank: int) -> list[Source]:
-        if fqn in self.ambiguous:
+    def _by_name(self, fqn: str, tree_rank: int) -> list[Fragment]:
+        found = self.fragments_of(fqn)
+        if found:
+            return found
+        part = self._part(tree_rank)
+        if fqn in part.ambiguous:
             raise ValueError(f"key {fqn!r} names several tensors of the checkpoint once their key paths are joined "
                              "by dots (e.g. keys 'a.b' and a -> b, or 0 and '0'); rename one to read it by name")
-        return self.fragments.get(fqn) or [self.plain[tree_rank][fqn]]
+        return [self._plain(tree_rank, part.plain[fqn])]
+
+    def _plain(self, rank: int, n: int) -> Fragment:
+        src = self._part(rank).sources[n]
+        return Fragment(rank, n, src.origin, src.entry.shape)
+
+    def _ranks(self) -> list[int]:
+        return list(range(self._index.world_size)) if self._index is not None else sorted(self._parts)
 
     def load(self, tree_rank: int, into: tree.Flat | None, union: bool = False) -> Any:
         """The state of ``tree_rank``'s tree, sharded tensors filled from every part (into ``into``'s where given).
 
         ``union`` (a load at another world size): sharded tensors that only
         other ranks' trees name (a pipeline stage's layers) are added where
-        their key paths lead, so the state holds every sharded tensor.
+        their key paths lead, so the state holds every sharded tensor (then
+        every rank's tree is read; where ``tree_rank``'s names them all, none).
         """
-        if into is not None and self.ambiguous & set(into.fqns):
-            self._by_name(sorted(self.ambiguous & set(into.fqns))[0], tree_rank)  # raises, naming the key
+        clash = self._part(tree_rank).ambiguous & set(into.fqns) if into is not None else set()
+        if clash:
+            self._by_name(sorted(clash)[0], tree_rank)  # raises, naming the key
         wanted = _Targets(into)
         tasks: list[_Task] = []
         done: list[Callable[[], None]] = []
@@ -203,22 +261,22 @@ class StepView:
         def sharded(node: dict[str, Any]) -> Any:
             fqn = str(node["fqn"])
             dtype, shape = dtype_from_name(str(node["dtype"])), tuple(int(n) for n in node["shape"])
-            return self._fill(fqn, dtype, shape, self.fragments.get(fqn, []), wanted, tasks, done, fresh)
+            return self._fill(fqn, dtype, shape, self.fragments_of(fqn), wanted, tasks, done, fresh)
 
         loaded: dict[Any, Any] = {}
 
         def plain(i: int | tuple[int, int]) -> Any:
             if i not in loaded:  # a tensor stored once under several keys (tied weights) is read once
                 rank, n = i if isinstance(i, tuple) else (tree_rank, i)  # (rank, n): from a merged subtree
-                src = self.sources[rank][n]  # by number: two tensors may share a joined key path
-                dtype = dtype_from_name(src.entry.dtype)
-                loaded[i] = self._fill(self.plain_index[rank][n], dtype, src.entry.shape, [src], wanted, tasks, done,
+                frag = self._plain(rank, n)  # by number: two tensors may share a joined key path
+                dtype = dtype_from_name(self._part(rank).sources[n].entry.dtype)
+                loaded[i] = self._fill(self._part(rank).fqns[n], dtype, frag.shape, [frag], wanted, tasks, done,
                                        fresh)
             return loaded[i]
 
         skeleton = self.tree_of(tree_rank)
-        if union:
-            for rank in self.manifests:
+        if union and not self.sharded.keys() <= {str(d["fqn"]) for d in layout.sharded_nodes(skeleton)}:
+            for rank in self._ranks():
                 if rank != tree_rank:
                     skeleton = _with_sharded_of(skeleton, self.tree_of(rank), rank)
         state = tree.unflatten(skeleton, plain, sharded)
@@ -233,7 +291,7 @@ class StepView:
             finish()
         return state
 
-    def _fill(self, fqn: str, dtype: torch.dtype, shape: tuple[int, ...], sources: list[Source],
+    def _fill(self, fqn: str, dtype: torch.dtype, shape: tuple[int, ...], found: list[Fragment],
               wanted: _Targets, tasks: list[_Task], done: list[Callable[[], None]],
               fresh: list[torch.Tensor]) -> Any:
         target = wanted.take(fqn)
@@ -255,10 +313,10 @@ class StepView:
                 done.append(lambda: local.copy_(out))
             result = target
         covered = 0
-        for src in sources:
-            part = shards.overlap(box, (src.origin, src.entry.shape))
+        for frag in found:
+            part = shards.overlap(box, (frag.origin, frag.shape))
             if part is not None:
-                tasks.append(_Task(src, part, out, box[0]))
+                tasks.append(_Task(self._source(frag), part, out, box[0]))
                 covered += math.prod(part[1])
         if covered != math.prod(box[1]):
             raise layout.ManifestError(f"key {fqn!r}: the checkpoint's fragments cover {covered} of the "
@@ -276,8 +334,11 @@ class StepView:
                 self._switch(self.copies_for(by_rank.keys()))
             for rank in by_rank:  # opened here, before the reading threads share them
                 if rank not in self.readers:
+                    if not self.dirs.get(rank):  # not located: the step was replaced or removed meanwhile
+                        raise FileNotFoundError(f"no copy of rank {rank}'s part of the step is known to this "
+                                                "node now (replaced or removed since it was located)")
                     self.readers[rank] = PartReader(rank, self.dirs[rank], self.report, keep_open=_READERS,
-                                                    manifest=self.manifests[rank])
+                                                    manifest=self._part(rank).manifest)
         groups: list[list[_Task]] = []
         for rank_tasks in by_rank.values():
             rank_tasks.sort(key=lambda t: (t.source.entry.offset, t.box[0]))
@@ -390,7 +451,7 @@ def _with_sharded_of(mine: Any, theirs: Any, rank: int) -> Any:
         at = index.get(json.dumps(key, sort_keys=True))
         if at is not None:
             merged[at][1] = _with_sharded_of(merged[at][1], value, rank)
-        elif _sharded_nodes(value):
+        elif next(layout.sharded_nodes(value), None) is not None:
             index[json.dumps(key, sort_keys=True)] = len(merged)
             merged.append([key, _foreign(value, rank)])
     return {tag: merged}
@@ -403,17 +464,6 @@ def _foreign(node: Any, rank: int) -> Any:
     return tree.map_children(node, lambda x: _foreign(x, rank))
 
 
-def _sharded_nodes(node: Any) -> list[dict[str, Any]]:
-    """Every "D" node of a tree, without recursion (trees may nest deeply)."""
-    out, stack = [], [node]
-    while stack:
-        n = stack.pop()
-        if "D" in n:
-            out.append(n["D"])
-        else:
-            stack.extend(x for _, x in tree.children(n))
-    return out
-
-
 def has_sharded(manifest: dict[str, Any]) -> bool:
-    return any("global_shape" in t for t in manifest["tensors"]) or bool(_sharded_nodes(manifest["tree"]))
+    return any("global_shape" in t for t in manifest["tensors"]) or \
+        next(layout.sharded_nodes(manifest["tree"]), None) is not None

@@ -38,8 +38,14 @@ class LocatedStep:
     memory: dict[int, Path] = field(default_factory=dict)  # rank -> handoff socket of its memory-tier copy
     # part dir -> the digest of its manifest.json that the commit record names ("" where not said)
     digests: dict[Path, str] = field(default_factory=dict)
-    named: dict[int, str] = field(default_factory=dict)  # rank -> that digest, where the daemon said it per rank
     index: Path | None = None  # this node's copy of the step's index (asked for with step_index)
+    index_digest: str = ""     # its digest as the commit record names it
+
+    @property
+    def every_part(self) -> bool:
+        """Whether every rank's part is listed with a copy a reader can open (else the index names them,
+        or a part must be fetched first)."""
+        return len(self.parts) == self.world_size and all(self.parts.values())
 
     def tree_rank(self, rank: int, world_size: int) -> int:
         """Whose plain values a reader gets: its own rank's at the saving world size, else rank 0's."""
@@ -57,8 +63,8 @@ def locate(conn: Connection, job: str, step: int | None, rank: int = 0, all_rank
     the node's local tier first, verified, by the daemon (``Prefetch`` of just those ranks); with
     ``node_copy`` (other ranks of this node read the same parts) so is every part the node holds no
     copy of, so that the node reads it from the shared tier once. With ``step_index`` nothing is fetched:
-    the reader plans from the node's copy of the step's index (:attr:`LocatedStep.index`) and asks for
-    the parts it reads (:class:`OpenStep`)."""
+    the reader plans from the node's copy of the step's index (:attr:`LocatedStep.index`; where there is
+    one, only ``rank``'s part is listed) and asks for the parts it reads (:class:`OpenStep`)."""
     request = pb.LocateRequest(job=job, rank=rank, latest=step is None, step=step or 0, all_ranks=all_ranks,
                                memory=memory, ranks=list(ranks), node_copy=node_copy, step_index=step_index)
     resp = conn.call("Locate", request)
@@ -94,9 +100,8 @@ def locate(conn: Connection, job: str, step: int | None, rank: int = 0, all_rank
             else:
                 copies.append((loc.tier, path))
                 digests[path] = loc.manifest_digest
-    named = {p.rank: p.manifest_digest for p in resp.parts if p.manifest_digest}
     return LocatedStep(job, int(resp.step), int(resp.world_size), resp.attempt, parts, resp.commit, kept, digests,
-                       named, Path(resp.step_index) if resp.step_index else None)
+                       Path(resp.step_index) if resp.step_index else None, resp.step_index_digest)
 
 
 class OpenStep:
@@ -110,10 +115,10 @@ class OpenStep:
     """
 
     def __init__(self, conn: Connection, located: LocatedStep, node_copy: bool = False) -> None:
-        manifests = stepindex.manifests_of(located.parts, located.digests, located.index, located.named)
-        if not manifests and any(not copies for copies in located.parts.values()):
-            # Nothing to plan from but each part's manifest, and some parts cannot be opened where they
-            # are: every part is fetched now.
+        index = stepindex.read_index(located.index, located.index_digest)
+        if index is None and not located.every_part:
+            # Nothing to plan from but each part's manifest, and some parts are not listed or cannot be
+            # opened where they are: every part is located (and fetched) now.
             located = locate(conn, located.job, located.step)
         self.located = located
         self._conn = conn
@@ -121,21 +126,21 @@ class OpenStep:
         self._asked: set[int] = set()  # ranks whose copy was asked for (once each)
         self._lock = threading.Lock()  # a view may be read from several threads
         self.view = reshard.StepView.open({r: [d for _, d in locs] for r, locs in located.parts.items()},
-                                          self._report, located.digests, manifests, self._copies_to_read)
+                                          self._report, located.digests, index, self._copies_to_read)
 
     def _copies_to_read(self, ranks: Collection[int]) -> Mapping[int, list[Path]]:
-        """The copies to read of those of ``ranks`` that have no copy a reader can open (an object store's),
-        or (``node_copy``) whose best is the shared tier's, once the daemon has put them on this node's
-        local tier; {} when none needs it, when the copy failed (a shared file is read where it is) or
-        when the step changed meanwhile."""
+        """The copies to read of those of ``ranks`` that are not listed yet (the step's index named them),
+        have no copy a reader can open (an object store's), or (``node_copy``) whose best is the shared
+        tier's, once the daemon has put them on this node's local tier; {} when none needs it, when the
+        copy failed (a shared file is read where it is) or when the step changed meanwhile."""
         with self._lock:
             return self._copy_to_node(ranks)
 
     def _copy_to_node(self, ranks: Collection[int]) -> Mapping[int, list[Path]]:
         located = self.located
 
-        def wanted(r: int) -> bool:  # no copy a reader can open, or (node_copy) only the shared tier's
-            copies = located.parts.get(r)
+        def wanted(r: int) -> bool:  # not listed (the index names it), no copy a reader can open, or
+            copies = located.parts.get(r)  # (node_copy) only the shared tier's
             return not copies or self._node_copy and copies[0][0] == pb.SHARED
 
         remote = sorted(r for r in ranks if r not in self._asked and wanted(r))
@@ -143,7 +148,8 @@ class OpenStep:
             return {}
         self._asked.update(remote)
         try:
-            again = locate(self._conn, located.job, located.step, all_ranks=True, ranks=remote, node_copy=True)
+            again = locate(self._conn, located.job, located.step, all_ranks=True, ranks=remote,
+                           node_copy=self._node_copy)
         except errors.CkptStageError as e:  # the local tier full, say: a shared file is read where it is
             log.warning("%s step %d: cannot copy %d part(s) onto this node: %s", located.job, located.step,
                         len(remote), e)

@@ -67,7 +67,7 @@ class StepIndex:
 def build(view: reshard.StepView, tree_rank: int) -> tuple[Metadata, StepIndex]:
     """The ``Metadata`` of the step ``view`` opened, as rank ``tree_rank``'s tree names its keys."""
     index = StepIndex(tree_rank)
-    plain_fqns = view.plain_index[tree_rank]
+    plain_fqns = view.plain_fqns(tree_rank)
     names = view.names(tree_rank)
 
     def plain(i: int) -> TensorRef:
@@ -105,8 +105,8 @@ def build(view: reshard.StepView, tree_rank: int) -> tuple[Metadata, StepIndex]:
     md: dict[str, Any] = {}
     for key, ref in index.tensors.items():
         if ref.sharded:
-            chunks = [ChunkStorageMetadata(torch.Size(src.origin), torch.Size(src.entry.shape))
-                      for src in view.fragments.get(ref.fqn, [])]
+            chunks = [ChunkStorageMetadata(torch.Size(frag.origin), torch.Size(frag.shape))
+                      for frag in view.fragments_of(ref.fqn)]
         else:
             chunks = [ChunkStorageMetadata(torch.Size([0] * len(ref.shape)), torch.Size(ref.shape))]
         md[key] = TensorStorageMetadata(TensorProperties(dtype=ref.dtype), torch.Size(ref.shape), chunks)

@@ -11,10 +11,12 @@ from typing import Any
 
 import torch
 
-from ckptstage.client import Client
+from ckptstage.client import Client, steps
+from ckptstage.client.rpc import Connection
 from ckptstage.protos import layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from _scale_ranks import rank_flat  # noqa: E402 - a rank's fragment of a dim-0 sharded tensor, no process group
 from _syscounts import OpenCounter  # noqa: E402 - the bench's counter of files this process opens
 
 JOB, WORLD, STEP = "indexed", 4, 5
@@ -65,9 +67,12 @@ def test_a_reader_of_every_part_opens_the_index_not_each_manifest(daemon_factory
     index = layout.step_dir(a.shared, JOB, STEP) / layout.STEP_INDEX_FILE
     record = layout.read_commit_record(layout.step_dir(a.shared, JOB, STEP))
     assert index.exists() and record is not None
-    manifests = layout.parse_step_index(index.read_bytes(), index,
-                                        {r: p.manifest_digest for r, p in record.parts.items()})
-    assert sorted(manifests) == list(range(WORLD))
+    # The record vouches for the index by its digest; the index holds each part's manifest file as it is.
+    parsed = layout.parse_step_index(index.read_bytes(), index, record.index_digest)
+    assert parsed.world_size == WORLD and sorted(parsed.sharded) == []
+    for r in range(WORLD):
+        part = layout.step_dir(a.shared, JOB, STEP) / layout.rank_dirname(r)
+        assert parsed.manifest(r) == layout.read_manifest(part, record.parts[r].manifest_digest)
 
     opened, values = opened_reading_every_part(a)
     assert values == [float(r) for r in range(WORLD)]
@@ -97,3 +102,39 @@ def test_a_step_only_on_the_local_tier_is_read_from_its_manifests(daemon_factory
             assert float(step.view.read_full("w")[0]) == 0.0
     assert len([p for p in opened if p.endswith(layout.MANIFEST_FILE)]) == 1
     assert not (layout.step_dir(d.local, JOB, STEP) / layout.STEP_INDEX_FILE).exists()
+
+
+def test_a_box_reader_plans_from_the_index_and_touches_only_the_parts_it_reads(daemon_factory: Any) -> None:
+    """The Locate answer does not list every part, and a box across two fragments opens those two parts'
+    data files and the node's copy of the index: nothing grows with the step's world size but the index."""
+    world, rows = 8, 4
+    a = daemon_factory("node-a")
+    assert a.shared is not None
+    b = daemon_factory("node-b", **{"shared.dir": str(a.shared)})
+    a.start()
+    b.start()
+    clients = [Client(JOB, socket=(a if r < world // 2 else b).socket, rank=r, world_size=world, attempt="run")
+               for r in range(world)]
+    try:
+        handles = [c.save_flat(STEP, rank_flat(c.rank, world, rows, 16)) for c in clients]
+        for handle in handles:
+            handle.wait("shared", timeout=60)
+    finally:
+        for c in clients:
+            c.close()
+    record = layout.read_commit_record(layout.step_dir(a.shared, JOB, STEP))
+    assert record is not None and record.index_digest
+
+    with Connection(b.socket) as conn:
+        located = steps.locate(conn, JOB, STEP, rank=5, step_index=True)
+        assert located.index is not None and located.index_digest == record.index_digest
+        assert sorted(located.parts) == [5]  # the index names the other seven
+        out = torch.empty(rows, 16)
+        with OpenCounter.get().counting([b.local, a.shared]) as opened, steps.open_step(conn, JOB, STEP, 5) as step:
+            step.view.read_box("w", ((5 * rows + rows // 2, 0), (rows, 16)), out)  # half of rank 5's, half of 6's
+    assert out[: rows // 2].eq(5).all() and out[rows // 2:].eq(6).all()
+    assert not [p for p in opened if p.endswith(layout.MANIFEST_FILE)]
+    data = sorted(Path(p).parent.name for p in opened if p.endswith(layout.DATA_FILE))
+    assert data == [layout.rank_dirname(5), layout.rank_dirname(6)]
+    [index] = [p for p in opened if p.endswith(layout.STEP_INDEX_FILE) or "step-index" in p]
+    assert Path(index).is_relative_to(b.local)

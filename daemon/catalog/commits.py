@@ -207,13 +207,14 @@ class Commits:
                              ckpt.step, sealed.attempt, extra=fields(job=job, step=ckpt.step, tier=tier))
         return written
 
-    def _publish_shared(self, job: str, step: int, attempt: str, world: int,
-                        parts: dict[int, Part]) -> layout.CommitRecord | None:
-        return self._publish(TierName.SHARED, job, step, attempt, world, parts)
+    def _publish_shared(self, job: str, step: int, attempt: str, world: int, parts: dict[int, Part],
+                        index: str = "") -> layout.CommitRecord | None:
+        return self._publish(TierName.SHARED, job, step, attempt, world, parts, index)
 
     def _publish(self, tier: TierName, job: str, step: int, attempt: str, world: int,
-                 parts: dict[int, Part]) -> layout.CommitRecord | None:
-        record = layout.CommitRecord(job, step, attempt, world, self.clock(), committed_parts(parts))
+                 parts: dict[int, Part], index: str = "") -> layout.CommitRecord | None:
+        """Writes the step's record on ``tier`` (naming the digest of the step's ``index`` written there)."""
+        record = layout.CommitRecord(job, step, attempt, world, self.clock(), committed_parts(parts), index_digest=index)
         storage = self.tiers[tier]
         where = storage.step_location(job, step)
         final = where / layout.COMMIT_FILE  # what the log names

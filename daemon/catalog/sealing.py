@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 # How many times a node that gave its claim back looks at the step again (see the module docstring).
 _LOOKS = 3
 
-Publish = Callable[[str, int, str, int, dict[int, Part]], "layout.CommitRecord | None"]
+Publish = Callable[[str, int, str, int, dict[int, Part], str], "layout.CommitRecord | None"]
 
 
 def complete_attempt(parts: list[Part]) -> tuple[str, int, dict[int, Part]] | None:
@@ -159,14 +159,16 @@ class SharedSeal:
                              job, step, rank, len(gone),
                              extra=fields(job=job, step=step, rank=rank, tier=TierName.SHARED))
                     return None
-        self._write_index(job, step, attempt, listed, parts, manifests)
-        return self._publish(job, step, attempt, world, parts)
+        index = self._write_index(job, step, attempt, world, listed, parts, manifests)
+        return self._publish(job, step, attempt, world, parts, index)
 
-    def _write_index(self, job: str, step: int, attempt: str, listed: layout.StepRef, parts: dict[int, Part],
-                     manifests: dict[int, Manifest]) -> None:
-        """The step index, before the record (readers find it from the start), on every tier: a reader of an
-        object store plans from the node's copy of it and fetches only the parts it reads."""
-        index = layout.step_index_bytes(job, step, attempt, {r: manifests[r] for r in parts},
+    def _write_index(self, job: str, step: int, attempt: str, world: int, listed: layout.StepRef,
+                     parts: dict[int, Part], manifests: dict[int, Manifest]) -> str:
+        """The step index, before the record (which names its digest, returned; "" when none is written), on
+        every tier: a reader plans from the node's copy of it and opens (or fetches) only the parts it reads."""
+        index = layout.step_index_bytes(job, step, attempt, world, {r: manifests[r] for r in parts},
                                         {r: p.digest for r, p in parts.items()})
-        if index is not None:
-            self.shared.write_step_index(listed.path, index)
+        if index is None:
+            return ""
+        self.shared.write_step_index(listed.path, index)
+        return layout.step_index_digest(index)

@@ -65,8 +65,15 @@ class Located:
     parts: dict[int, list[Location]] = field(default_factory=dict)  # with all_ranks: every rank's
     # The asked parts that no reader can open where they are (only an object store holds them): rank -> bytes.
     fetch: dict[int, int] = field(default_factory=dict)
-    digests: dict[int, str] = field(default_factory=dict)  # with all_ranks: rank -> its manifest digest, as named
-    step_index: str = ""  # this node's copy of the step's index, when asked for and there is one
+    index: IndexCopy | None = None  # this node's copy of the step's index, when asked for and there is one
+
+
+@dataclass(frozen=True)
+class IndexCopy:
+    """This node's copy of a step's index (a file on the local tier), and its digest as the record names it."""
+
+    path: str
+    digest: str
 
 
 def entry(ckpt: Checkpoint, drain_state: str, ranks_memory: list[int]) -> CheckpointEntry:
@@ -99,14 +106,18 @@ def locations(parts: Sequence[Part], in_memory: bool, tiers: Mapping[TierName, T
 
 def located(ckpt: Checkpoint, rank: int, all_ranks: bool, in_memory: Callable[[int], bool],
             tiers: Mapping[TierName, Tier], ranks: Sequence[int] = (), node_copy: bool = False,
-            step_index: str | None = None) -> Located:
+            index: IndexCopy | None = None) -> Located:
     """Where the committed step's parts are (``rank``'s; with ``all_ranks``, those of ``ranks``, or every
     rank's); ``in_memory(rank)``: whether the memory tier serves that rank's; ``tiers``: the storage of each
     disk tier, which says where its parts are read. Named in :attr:`Located.fetch`: a part committed only
     where no reader can open it, and with ``node_copy`` (several ranks of this node read it) one this node
-    holds no copy of. ``step_index`` (the node's copy of the step's index): the reader asks for the parts it
-    reads itself, so nothing is named for fetching."""
-    asked = (ranks or range(ckpt.world_size)) if all_ranks else [rank]
+    holds no copy of. ``index`` (the node's copy of the step's index): the reader plans from it and asks
+    for the parts it reads, so only ``rank``'s (or ``ranks``') are answered and nothing is named for
+    fetching: a thousand-rank step's answer does not list a thousand parts."""
+    if index is not None:
+        asked: Sequence[int] = [r for r in ranks or [rank] if r < ckpt.world_size]
+    else:
+        asked = (ranks or range(ckpt.world_size)) if all_ranks else [rank]
     committed = {r: ckpt.committed(r) for r in asked}
     found = {r: locations(parts, in_memory(r), tiers) for r, parts in committed.items()}
 
@@ -114,11 +125,10 @@ def located(ckpt: Checkpoint, rank: int, all_ranks: bool, in_memory: Callable[[i
         return any(loc.tier in (TierName.LOCAL, TierName.MEMORY) for loc in found[r])
 
     fetch = {r: parts[0].nbytes for r, parts in committed.items()
-             if parts and (not found[r] or node_copy and not here(r))} if step_index is None else {}
+             if parts and (not found[r] or node_copy and not here(r))} if index is None else {}
     record = ckpt.record
-    named = {r: p.manifest_digest for r, p in record.parts.items() if r in committed} if record and all_ranks else {}
     return Located(ckpt.step, ckpt.world_size, ckpt.attempt, record.fingerprint() if record else "",
-                   found.get(rank, []), found if all_ranks else {}, fetch, named, step_index or "")
+                   found.get(rank, []), found if all_ranks else {}, fetch, index)
 
 
 def memory_located(kept: MemoryStep, rank: int, all_ranks: bool) -> Located:

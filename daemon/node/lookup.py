@@ -99,16 +99,18 @@ class Lookup:
                                lambda r: memory and self._memory.has(ckpt.job, ckpt.step, r), self._tiers,
                                ranks, node_copy and self._drainer is not None, index)
 
-    def _index_copy(self, ckpt: Checkpoint) -> str | None:
-        """This node's copy of the shared tier's index of ``ckpt``, when it is the commit being read."""
+    def _index_copy(self, ckpt: Checkpoint) -> listing.IndexCopy | None:
+        """This node's copy of the shared tier's index of ``ckpt``, when it is the commit being read and its
+        record names the index's digest."""
         shared = ckpt.records.get(TierName.SHARED)
-        if self._index_copies is None or shared is None or not ckpt.complete_on(TierName.SHARED):
+        if self._index_copies is None or shared is None or not shared.index_digest or \
+                not ckpt.complete_on(TierName.SHARED):
             return None
         fingerprint = shared.fingerprint()  # a hash over all W parts: once
         if ckpt.record is None or (ckpt.record is not shared and ckpt.record.fingerprint() != fingerprint):
             return None  # the local tier holds another commit of the step (a replacement not drained yet)
         copy = self._index_copies.path_of(ckpt.job, ckpt.step, fingerprint)
-        return str(copy) if copy is not None else None
+        return listing.IndexCopy(str(copy), shared.index_digest) if copy is not None else None
 
     def locate(self, job: str, step: int | None, rank: int, all_ranks: bool = False) -> tuple[Checkpoint, list[Part]]:
         """The complete step (the newest when ``step`` is None) and ``rank``'s copies of the committed

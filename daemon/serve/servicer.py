@@ -347,10 +347,10 @@ def _located(found: Located, handoff: str) -> pb.LocateResponse:
 
     return pb.LocateResponse(step=found.step, world_size=found.world_size, locations=where(found.locations),
                              attempt=found.attempt, commit=found.commit,
-                             parts=[pb.RankParts(rank=r, locations=where(locs), manifest_digest=found.digests.get(r, ""))
-                                    for r, locs in found.parts.items()],
+                             parts=[pb.RankParts(rank=r, locations=where(locs)) for r, locs in found.parts.items()],
                              fetch_ranks=sorted(found.fetch), fetch_bytes=sum(found.fetch.values()),
-                             step_index=found.step_index)
+                             step_index=found.index.path if found.index else "",
+                             step_index_digest=found.index.digest if found.index else "")
 
 
 def _tier_status(t: TierReport) -> pb.TierStatus:

@@ -98,9 +98,15 @@ from ckptstage.protos.layout.manifest import (  # noqa: F401 - re-exported
 )
 from ckptstage.protos.layout.stepindex import (  # noqa: F401 - re-exported
     MAX_STEP_INDEX_BYTES,
+    Fragments,
+    Sharded,
+    StepIndex,
     parse_step_index,
     read_step_index_file,
+    sharded_nodes,
     step_index_bytes,
+    step_index_digest,
+    step_table,
 )
 from ckptstage.protos.layout.records import (  # noqa: F401 - re-exported
     CommitRecord,

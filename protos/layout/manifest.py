@@ -71,7 +71,12 @@ def manifest_file_bytes(manifest: dict[str, Any]) -> bytes:
     vouches for the manifest: a reader checks it before trusting any field
     (step, tensor names, dtypes, offsets, plain values).
     """
-    body = encode_manifest(manifest)
+    return with_trailer(encode_manifest(manifest))
+
+
+def with_trailer(body: bytes) -> bytes:
+    """``body``, then a line with its ``xxh3_64:`` digest: the two-line form of every file of the format
+    that vouches for itself (manifests, commit records, step indexes)."""
     return body + b"\n" + _manifest_trailer(body) + b"\n"
 
 

@@ -69,6 +69,10 @@ class CommitRecord:
     # Fingerprints (:meth:`fingerprint`) of the commits of this step that this one replaced (save with
     # overwrite), newest first: a tier holding one of them may have it replaced by this one.
     replaces: tuple[str, ...] = ()
+    # The digest of the step's index (:mod:`.stepindex`) written before this record on its tier ("": none):
+    # a reader plans from that index alone. Not part of the fingerprint: the same commit on another tier
+    # has no index.
+    index_digest: str = ""
 
     def fingerprint(self) -> str:
         """What identifies the commit across tiers: its attempt and its parts (not when it was written)."""
@@ -81,6 +85,8 @@ class CommitRecord:
                "parts": {str(r): p.to_json() for r, p in sorted(self.parts.items())}}
         if self.replaces:
             out["replaces"] = list(self.replaces)
+        if self.index_digest:
+            out["index_xxh3_64"] = self.index_digest
         return out
 
     @classmethod
@@ -126,7 +132,10 @@ class CommitRecord:
         if not isinstance(replaces, list) or len(replaces) > MAX_REPLACES or \
                 not all(isinstance(r, str) and re.fullmatch(r"[0-9a-f]{16}", r) for r in replaces):
             raise bad(f"has a malformed replaces list: {replaces!r:.100}")
-        return cls(job, step, attempt, world, float(created), out, tuple(replaces))
+        index = get("index_xxh3_64") or ""
+        if not isinstance(index, str) or index and not re.fullmatch(r"[0-9a-f]{16}", index):
+            raise bad(f"has a malformed index_xxh3_64: {index!r:.100}")
+        return cls(job, step, attempt, world, float(created), out, tuple(replaces), index)
 
 
 def commit_record_bytes(record: CommitRecord) -> bytes:

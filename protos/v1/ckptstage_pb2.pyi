@@ -313,14 +313,12 @@ class LocateRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., rank: _Optional[int] = ..., all_ranks: _Optional[bool] = ..., memory: _Optional[bool] = ..., ranks: _Optional[_Iterable[int]] = ..., node_copy: _Optional[bool] = ..., step_index: _Optional[bool] = ...) -> None: ...
 
 class RankParts(_message.Message):
-    __slots__ = ("rank", "locations", "manifest_digest")
+    __slots__ = ("rank", "locations")
     RANK_FIELD_NUMBER: _ClassVar[int]
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
-    MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
     rank: int
     locations: _containers.RepeatedCompositeFieldContainer[PartLocation]
-    manifest_digest: str
-    def __init__(self, rank: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[PartLocation, _Mapping]]] = ..., manifest_digest: _Optional[str] = ...) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[PartLocation, _Mapping]]] = ...) -> None: ...
 
 class PartLocation(_message.Message):
     __slots__ = ("tier", "dir", "manifest_digest")
@@ -333,7 +331,7 @@ class PartLocation(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., dir: _Optional[str] = ..., manifest_digest: _Optional[str] = ...) -> None: ...
 
 class LocateResponse(_message.Message):
-    __slots__ = ("step", "world_size", "locations", "attempt", "parts", "commit", "fetch_ranks", "fetch_bytes", "step_index")
+    __slots__ = ("step", "world_size", "locations", "attempt", "parts", "commit", "fetch_ranks", "fetch_bytes", "step_index", "step_index_digest")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -343,6 +341,7 @@ class LocateResponse(_message.Message):
     FETCH_RANKS_FIELD_NUMBER: _ClassVar[int]
     FETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
     STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STEP_INDEX_DIGEST_FIELD_NUMBER: _ClassVar[int]
     step: int
     world_size: int
     locations: _containers.RepeatedCompositeFieldContainer[PartLocation]
@@ -352,7 +351,8 @@ class LocateResponse(_message.Message):
     fetch_ranks: _containers.RepeatedScalarFieldContainer[int]
     fetch_bytes: int
     step_index: str
-    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[PartLocation, _Mapping]]] = ..., attempt: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[RankParts, _Mapping]]] = ..., commit: _Optional[str] = ..., fetch_ranks: _Optional[_Iterable[int]] = ..., fetch_bytes: _Optional[int] = ..., step_index: _Optional[str] = ...) -> None: ...
+    step_index_digest: str
+    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[PartLocation, _Mapping]]] = ..., attempt: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[RankParts, _Mapping]]] = ..., commit: _Optional[str] = ..., fetch_ranks: _Optional[_Iterable[int]] = ..., fetch_bytes: _Optional[int] = ..., step_index: _Optional[str] = ..., step_index_digest: _Optional[str] = ...) -> None: ...
 
 class WaitStepRequest(_message.Message):
     __slots__ = ("job", "step", "tier", "timeout_s")
