@@ -18,11 +18,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import _harness as h
 from _scale_ranks import COLS, rank_flat, wait_commit
-from _syscounts import TRACED, Tracer, count_trace, metadata
+from _syscounts import Tracer, count_trace, metadata, strace_from_start
 
 ENTRY = Path(__file__).resolve().with_name("bench_scale.py")  # runs dcp_main for --dcp-child
 
@@ -105,6 +106,23 @@ def big_tier(work: Path, droot: Path, args: argparse.Namespace) -> dict[str, flo
 # ------------------------------------------------------------------ the DCP peer
 
 
+def _timed(cls: type) -> type:
+    """``cls`` (a DCP storage writer or reader) noting when DCP hands it the final plan: the end of planning
+    (the local plans, their gather, the global plan and its scatter)."""
+    class Timed(cls):  # type: ignore[misc, valid-type]
+        planned = float("nan")
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            self.planned = time.perf_counter()
+            return super().write_data(plan, planner)
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            self.planned = time.perf_counter()
+            return super().read_data(plan, planner)
+
+    return Timed
+
+
 def dcp_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
@@ -124,60 +142,73 @@ def dcp_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
             return {"w": DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
                                             shape=torch.Size([world * rows, COLS]), stride=(COLS, 1))}
 
+        def save_load(writer: Any, reader: Any) -> dict[str, Any]:
+            """One timed save and load (the planning: until DCP hands over the final plan), wall-clock windows."""
+            dist.barrier()
+            t0, w0 = time.perf_counter(), time.time()
+            dcp.save(state(float(rank)), storage_writer=writer)
+            out: dict[str, Any] = {"save_s": time.perf_counter() - t0, "save_plan_s": writer.planned - t0}
+            dist.barrier()
+            w1 = time.time()
+            into = state(-1.0)
+            dist.barrier()
+            t0, w2 = time.perf_counter(), time.time()
+            dcp.load(into, storage_reader=reader)
+            out.update(load_s=time.perf_counter() - t0, load_plan_s=reader.planned - t0)
+            dist.barrier()
+            out.update(ok=bool(into["w"].to_local()[0, 0].item() == rank), save=[w0, w1], load=[w2, time.time()])
+            return out
+
         dcp.save(state(float(rank)), storage_writer=dcp.FileSystemWriter(Path(spec["dir"]) / "warm-up"))
         path = Path(spec["dir"]) / "step-1"
-        dist.barrier()
-        t0, w0 = time.perf_counter(), time.time()
-        dcp.save(state(float(rank)), storage_writer=dcp.FileSystemWriter(path))
-        save_s = time.perf_counter() - t0
-        dist.barrier()
-        w1 = time.time()
-        into = state(-1.0)
-        dist.barrier()
-        t0, w2 = time.perf_counter(), time.time()
-        dcp.load(into, storage_reader=dcp.FileSystemReader(path))
-        load_s = time.perf_counter() - t0
-        dist.barrier()
-        w3 = time.time()
-        ok = bool(into["w"].to_local()[0, 0].item() == rank)
+        mine = save_load(_timed(dcp.FileSystemWriter)(path), _timed(dcp.FileSystemReader)(path))
+        if spec.get("sockets"):  # the same through ckptstage.dcp, each rank on its node's daemon
+            from ckptstage.dcp import Reader, Writer
+
+            sock = spec["sockets"][rank * len(spec["sockets"]) // world]
+            dcp.save(state(float(rank)), storage_writer=Writer("dcp-peer", 1, socket=sock))  # sessions made
+            ours = save_load(_timed(Writer)("dcp-peer", 2, socket=sock), _timed(Reader)("dcp-peer", 2, socket=sock))
+            mine.update({f"ours_{k}": v for k, v in ours.items()})
         got: list[Any] = [None] * world
-        dist.all_gather_object(got, {"save_s": save_s, "load_s": load_s, "ok": ok})
+        dist.all_gather_object(got, mine)
         if rank == 0:
-            Path(spec["out"]).write_text(json.dumps({"ranks": got, "save": [w0, w1], "load": [w2, w3]}))
+            Path(spec["out"]).write_text(json.dumps({"ranks": got, "save": mine["save"], "load": mine["load"]}))
     finally:
         dist.destroy_process_group()
 
 
-def dcp_main(world: int, directory: Path, out: Path, rows: int) -> None:
+def dcp_main(world: int, directory: Path, out: Path, rows: int, sockets: list[str]) -> None:
     import torch.multiprocessing as tmp
 
-    spec = {"port": h.free_port(), "dir": str(directory), "out": str(out), "rows": rows}
+    spec = {"port": h.free_port(), "dir": str(directory), "out": str(out), "rows": rows, "sockets": sockets}
     tmp.spawn(dcp_rank, args=(world, spec), nprocs=world, join=True)
 
 
-def dcp_peer(world: int, work: Path, rows: int) -> dict[str, float]:
-    """DCP's FileSystemWriter/Reader at ``world`` gloo ranks: times (untraced), then metadata operations
-    (a second run under ``strace -f``), on the checkpoint's directory."""
-    out: dict[str, float] = {"world": world}
+def dcp_peer(world: int, work: Path, rows: int, sockets: Sequence[Path] = ()) -> dict[str, float]:
+    """DCP's FileSystemWriter/Reader at ``world`` gloo ranks: times (untraced; with ``sockets``, the daemons
+    of the nodes, the same through ``ckptstage.dcp`` too), then metadata operations (a second run under
+    ``strace -f``, DCP's own only), on the checkpoint's directory. Each time is the slowest rank's."""
+    out: dict[str, float] = {"world": world, "nodes": len(sockets)}
     for traced in (False, True):
         d = work / f"dcp-{world}-{int(traced)}"
         d.mkdir(parents=True)
         result, log = work / f"dcp-{world}.json", work / f"dcp-{world}.strace"
-        cmd = [sys.executable, str(ENTRY), "--dcp-child", str(world), str(d), str(result), str(rows)]
+        cmd = [sys.executable, str(ENTRY), "--dcp-child", str(world), str(d), str(result), str(rows),
+               *([] if traced else map(str, sockets))]
         if traced:
-            cmd = ["strace", "-f", "--seccomp-bpf", "-qq", "-ttt", "-y", "-s", "1024", "-e", f"trace={TRACED}",
-                   "-o", str(log), *cmd]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+            cmd = [*strace_from_start(log), *cmd]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1200)
         res = json.loads(result.read_text())
-        if not all(r["ok"] for r in res["ranks"]):
-            raise RuntimeError("DCP load read wrong values")
+        if not all(r["ok"] and r.get("ours_ok", True) for r in res["ranks"]):
+            raise RuntimeError("a DCP load read wrong values")
         if traced:
             counts = count_trace(log, d, {"save": tuple(res["save"]), "load": tuple(res["load"])})
             out["save_ops"], out["load_ops"] = metadata(counts["save"]), metadata(counts["load"])
             out["load_opens_per_rank"] = (counts["load"]["open"] + counts["load"]["create"]) / world
         else:
-            out["save_s"] = max(r["save_s"] for r in res["ranks"])
-            out["load_s"] = max(r["load_s"] for r in res["ranks"])
+            for key in res["ranks"][0]:
+                if key.endswith("_s"):
+                    out[key] = max(r[key] for r in res["ranks"])
         shutil.rmtree(d, ignore_errors=True)
     return out
 

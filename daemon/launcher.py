@@ -82,7 +82,10 @@ class DaemonProcess:
     ``ROOT/shared`` (``"shared.dir": ""`` turns it off). ``config`` instead
     names a TOML file to run as it is (no settings then). ``log_level``
     is passed as ``--log-level`` (None: the daemon's default), ``args`` are
-    more flags, ``env`` more environment variables.
+    more flags, ``env`` more environment variables. :attr:`wrapper`: a command
+    the daemon's runs under, which must exec it in its own process (the
+    benchmarks' ``strace -D``), so that its pid, signals and notifications stay
+    the daemon's.
 
     :attr:`socket`, :attr:`local`, :attr:`shared` follow the config; a test may
     also set them and call :meth:`write_config` to point the daemon elsewhere.
@@ -106,6 +109,7 @@ class DaemonProcess:
         self.module = module
         self.ready_timeout = ready_timeout
         self.stop_timeout = stop_timeout
+        self.wrapper: list[str] = []
         self.proc: subprocess.Popen[bytes] | None = None
         self._notify: _NotifySocket | None = None
         self._notes: list[str] = []  # what the latest process sent, once its socket is closed
@@ -180,7 +184,7 @@ class DaemonProcess:
         if sends_ready(self.module):
             self._notify = _NotifySocket(self.root / "notify.sock")
             env["NOTIFY_SOCKET"] = self._notify.address
-        cmd = [sys.executable, "-m", self.module, "--config", str(self.config_path)]
+        cmd = [*self.wrapper, sys.executable, "-m", self.module, "--config", str(self.config_path)]
         if self.log_level is not None:
             cmd += ["--log-level", self.log_level]
         cmd += self.args
