@@ -197,7 +197,10 @@ def dcp_peer(world: int, work: Path, rows: int, sockets: Sequence[Path] = ()) ->
                *([] if traced else map(str, sockets))]
         if traced:
             cmd = [*strace_from_start(log), *cmd]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1200)
+        with open(work / f"dcp-{world}.out", "w+") as output:
+            if subprocess.run(cmd, stdout=output, stderr=subprocess.STDOUT, timeout=1200).returncode:
+                output.seek(0)
+                raise RuntimeError(f"the DCP peer at W = {world} failed:\n{output.read()[-3000:]}")
         res = json.loads(result.read_text())
         if not all(r["ok"] and r.get("ours_ok", True) for r in res["ranks"]):
             raise RuntimeError("a DCP load read wrong values")

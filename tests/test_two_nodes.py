@@ -212,3 +212,33 @@ def test_nodes_never_disagree_on_latest_while_a_drain_is_in_flight(daemon_factor
     finally:
         for cl in clients:
             cl.close()
+
+
+def test_a_step_asked_for_by_number_is_answered_complete_on_every_node_at_once(daemon_factory: Any) -> None:
+    """A job's ranks on two nodes load, by number, the step they have just saved (DCP's save then load): the
+    node that did not seal it answers it complete at once, re-reading that step from the shared tier, though
+    its periodic re-read of the job is minutes off."""
+    slow = {"shared.stale_after_s": 300, "shared.watch_interval_s": 300}
+    a = daemon_factory("node-a", **slow)
+    assert a.shared is not None
+    b = daemon_factory("node-b", **{"shared.dir": str(a.shared), **slow})
+    a.start()
+    b.start()
+    clients = [Client(JOB, socket=(a if r < 2 else b).socket, rank=r, world_size=WORLD, attempt="run")
+               for r in range(WORLD)]
+    try:
+        assert clients[2].latest() is None  # node b has read the job from the shared tier just now
+        for c in clients[2:]:  # node b's parts reach the shared tier first: node a completes the step, seals it
+            c.save(5, state_of(5, c.rank)).wait("local", timeout=30)
+        wait_until(lambda: all((layout.part_dir(a.shared, JOB, 5, r) / layout.MANIFEST_FILE).exists() for r in (2, 3)),
+                   30, "node b's parts on the shared tier")
+        for c in clients[:2]:
+            c.save(5, state_of(5, c.rank)).wait("shared", timeout=30)
+        assert "committed twonodes step 5 on the shared tier" in a.log.read_text()
+        with b.connection() as conn:
+            resp = conn.call("Locate", pb.LocateRequest(job=JOB, step=5, all_ranks=True))
+        assert (resp.step, resp.world_size, len(resp.parts)) == (5, WORLD, WORLD)
+        assert all(p.locations for p in resp.parts)
+    finally:
+        for cl in clients:
+            cl.close()
