@@ -34,7 +34,10 @@ What is measured, per configuration:
   *planning*) then ``StepView.read_box`` (the parts its box crosses located,
   on an object store fetched onto the local tier, their manifests parsed
   from the index, the bytes read and verified); median of 5 reads (the
-  files opened: those of the first). Before it, node 0's daemon is asked to locate the step until it
+  files opened: those of the first). Beside it, the floor of the two
+  ``Locate`` calls it makes: a plain ``Locate`` of one part on that daemon,
+  median of 5 (on 2 cores with W ranks' clients and N daemons, the RPC
+  itself slows as W grows; "less 2 RPCs" is what the reader spends). Before it, node 0's daemon is asked to locate the step until it
   does (its index of the shared tier lags the commit record): that wait is
   printed too. Files it opens on any tier are counted in-process with an
   audit hook (``sys.addaudithook``, event ``open``: builtin ``open`` and
@@ -250,6 +253,7 @@ def reshard(fig: Figures, rank: int, rows: int, daemon: h.Daemon, step: int, roo
 
     from ckptstage.client import steps
     from ckptstage.client.rpc import Connection
+    from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
     lo = box_of(rank, fig.world, rows)
     out = torch.empty(rows, COLS)
@@ -258,6 +262,10 @@ def reshard(fig: Figures, rank: int, rows: int, daemon: h.Daemon, step: int, roo
         waited = visible(conn, step, rank)
         if rank == 0:
             fig.visible_wait_s = waited
+        else:  # the RPC itself, as the daemon answers it now: a Locate of one part, on a connection in use
+            fig.rpc_floor_s = h.median([h.timed(lambda: conn.call("Locate", pb.LocateRequest(job=JOB, step=step,
+                                                                                               rank=rank)))
+                                        for _ in range(RESHARD_REPEATS)])
     plans, reads = [], []
     for repeat in range(RESHARD_REPEATS if rank else 1):
         with Connection(daemon.socket) as conn, counter.counting(roots) as opened:

@@ -22,6 +22,7 @@ each part are :mod:`ckptstage.client.partreader`'s.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import math
@@ -64,6 +65,38 @@ class Fragment(NamedTuple):
     number: int
     origin: tuple[int, ...]  # global offset of its element 0 (zeros for a plain tensor)
     shape: tuple[int, ...]
+
+
+def _fragment(entry: list[Any]) -> Fragment:
+    rank, number, origin, shape = entry
+    return Fragment(int(rank), int(number), tuple(origin), tuple(shape))
+
+
+class _Boxes:
+    """The stored boxes of one sharded tensor: those a box crosses found by bisection on their first row
+    (the step's table lists them by origin), not by a scan of every rank's fragment."""
+
+    def __init__(self, table: list[list[Any]]) -> None:
+        starts = [e[2][0] if e[2] else 0 for e in table]
+        if any(b < a for a, b in zip(starts, starts[1:])):  # a table not in origin order (written by hand)
+            table = sorted(table, key=lambda e: e[2][0] if e[2] else 0)
+            starts = sorted(starts)
+        self._table, self._starts = table, starts
+        self._longest = max((e[3][0] if e[3] else 1 for e in table), default=0)
+        self._all: list[Fragment] | None = None
+
+    def all(self) -> list[Fragment]:
+        if self._all is None:
+            self._all = [_fragment(e) for e in self._table]
+        return self._all
+
+    def crossing(self, box: shards.Box) -> list[Fragment]:
+        """The fragments that may overlap ``box`` (those whose rows can reach it; the caller intersects)."""
+        if not box[0]:
+            return self.all()
+        lo = bisect.bisect_left(self._starts, box[0][0] - self._longest + 1)
+        hi = bisect.bisect_left(self._starts, box[0][0] + box[1][0])
+        return [_fragment(e) for e in self._table[lo:hi]]
 
 
 @dataclass
@@ -121,7 +154,7 @@ class StepView:
     world_size: int = 0
     _index: layout.StepIndex | None = None
     _table: layout.Fragments = field(default_factory=dict)  # fqn -> [[rank, n, origin, shape], ...], as stored
-    _fragments: dict[str, list[Fragment]] = field(default_factory=dict)  # the same, made on first use
+    _boxes: dict[str, _Boxes] = field(default_factory=dict)  # the same, made on first use
     _parts: dict[int, _Part] = field(default_factory=dict)
     _names: dict[int, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = field(default_factory=dict)
     _opening: threading.Lock = field(default_factory=threading.Lock)  # held while parts are opened or switched
@@ -164,10 +197,12 @@ class StepView:
 
     def fragments_of(self, fqn: str) -> list[Fragment]:
         """The stored boxes of sharded tensor ``fqn`` (each distinct box once), [] for any other."""
-        found = self._fragments.get(fqn)
+        return self._boxes_of(fqn).all()
+
+    def _boxes_of(self, fqn: str) -> _Boxes:
+        found = self._boxes.get(fqn)
         if found is None:
-            found = self._fragments[fqn] = [Fragment(int(r), int(n), tuple(o), tuple(s))
-                                            for r, n, o, s in self._table.get(fqn, [])]
+            found = self._boxes[fqn] = _Boxes(self._table.get(fqn, []))
         return found
 
     def _source(self, frag: Fragment) -> Source:
@@ -212,28 +247,29 @@ class StepView:
     def read_full(self, fqn: str, tree_rank: int = 0) -> torch.Tensor:
         """One whole (unsharded) tensor, assembled from its fragments or ``tree_rank``'s plain copy."""
         dtype, shape = self.names(tree_rank)[fqn]
-        found = self._by_name(fqn, tree_rank)
         tasks: list[_Task] = []
-        out = self._fill(fqn, dtype, shape, found, _Targets(None), tasks, [], [])
+        out = self._fill(fqn, dtype, shape, self._by_name(fqn, tree_rank), _Targets(None), tasks, [], [])
         self._run(tasks)
         return out
 
     def read_box(self, fqn: str, box: shards.Box, out: torch.Tensor, tree_rank: int = 0) -> None:
         """Fills ``out`` (a CPU tensor of the box's sizes) with ``box`` of tensor ``fqn``, from every overlapping
         fragment (or ``tree_rank``'s plain copy)."""
-        tasks = [_Task(self._source(f), part, out, box[0]) for f in self._by_name(fqn, tree_rank)
+        tasks = [_Task(self._source(f), part, out, box[0]) for f in self._by_name(fqn, tree_rank)(box)
                  if (part := shards.overlap(box, (f.origin, f.shape))) is not None]
         self._run(tasks)
 
-    def _by_name(self, fqn: str, tree_rank: int) -> list[Fragment]:
-        found = self.fragments_of(fqn)
-        if found:
-            return found
+    def _by_name(self, fqn: str, tree_rank: int) -> Callable[[shards.Box], list[Fragment]]:
+        """Where tensor ``fqn``'s boxes are: for a box, the fragments that may cross it (a sharded tensor's), or
+        ``tree_rank``'s plain copy."""
+        if fqn in self._table:
+            return self._boxes_of(fqn).crossing
         part = self._part(tree_rank)
         if fqn in part.ambiguous:
             raise ValueError(f"key {fqn!r} names several tensors of the checkpoint once their key paths are joined "
                              "by dots (e.g. keys 'a.b' and a -> b, or 0 and '0'); rename one to read it by name")
-        return [self._plain(tree_rank, part.plain[fqn])]
+        found = [self._plain(tree_rank, part.plain[fqn])]
+        return lambda box: found
 
     def _plain(self, rank: int, n: int) -> Fragment:
         src = self._part(rank).sources[n]
@@ -261,7 +297,7 @@ class StepView:
         def sharded(node: dict[str, Any]) -> Any:
             fqn = str(node["fqn"])
             dtype, shape = dtype_from_name(str(node["dtype"])), tuple(int(n) for n in node["shape"])
-            return self._fill(fqn, dtype, shape, self.fragments_of(fqn), wanted, tasks, done, fresh)
+            return self._fill(fqn, dtype, shape, self._boxes_of(fqn).crossing, wanted, tasks, done, fresh)
 
         loaded: dict[Any, Any] = {}
 
@@ -270,8 +306,8 @@ class StepView:
                 rank, n = i if isinstance(i, tuple) else (tree_rank, i)  # (rank, n): from a merged subtree
                 frag = self._plain(rank, n)  # by number: two tensors may share a joined key path
                 dtype = dtype_from_name(self._part(rank).sources[n].entry.dtype)
-                loaded[i] = self._fill(self._part(rank).fqns[n], dtype, frag.shape, [frag], wanted, tasks, done,
-                                       fresh)
+                loaded[i] = self._fill(self._part(rank).fqns[n], dtype, frag.shape, lambda box: [frag], wanted,
+                                       tasks, done, fresh)
             return loaded[i]
 
         skeleton = self.tree_of(tree_rank)
@@ -291,9 +327,9 @@ class StepView:
             finish()
         return state
 
-    def _fill(self, fqn: str, dtype: torch.dtype, shape: tuple[int, ...], found: list[Fragment],
-              wanted: _Targets, tasks: list[_Task], done: list[Callable[[], None]],
-              fresh: list[torch.Tensor]) -> Any:
+    def _fill(self, fqn: str, dtype: torch.dtype, shape: tuple[int, ...],
+              crossing: Callable[[shards.Box], list[Fragment]], wanted: _Targets, tasks: list[_Task],
+              done: list[Callable[[], None]], fresh: list[torch.Tensor]) -> Any:
         target = wanted.take(fqn)
         if target is None:
             box: shards.Box = ((0,) * len(shape), shape)
@@ -313,7 +349,7 @@ class StepView:
                 done.append(lambda: local.copy_(out))
             result = target
         covered = 0
-        for frag in found:
+        for frag in crossing(box):
             part = shards.overlap(box, (frag.origin, frag.shape))
             if part is not None:
                 tasks.append(_Task(self._source(frag), part, out, box[0]))

@@ -6,6 +6,7 @@ one attempt.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -75,7 +76,12 @@ class CommitRecord:
     index_digest: str = ""
 
     def fingerprint(self) -> str:
-        """What identifies the commit across tiers: its attempt and its parts (not when it was written)."""
+        """What identifies the commit across tiers: its attempt and its parts (not when it was written).
+        Computed once per record (a hash over all W parts, asked for by every rank's Locate)."""
+        return self._fingerprint
+
+    @functools.cached_property
+    def _fingerprint(self) -> str:
         return chunk_digest(json.dumps([self.attempt, self.world_size, sorted(
             (r, p.nbytes, p.manifest_digest) for r, p in self.parts.items())]).encode())
 

@@ -7,11 +7,12 @@ the record; any other (left by an earlier commit of the step, or damaged) is
 not used, and the reader opens each part's ``manifest.json`` instead. The file:
 
 * a header line (compact JSON): ``format``, ``kind`` ("index"), ``version``
-  (2), ``job``, ``step``, ``attempt``, ``world_size``; ``manifests``: rank ->
-  ``[start, length]`` of its manifest file below (offsets from the line after
-  the header); ``fragments``: fqn -> ``[[rank, n, origin, shape], ...]``, each
-  distinct stored box of a sharded tensor once (tensor ``n`` of that rank's
-  manifest; the lowest rank where several store the same box); ``sharded``:
+  (2), ``job``, ``step``, ``attempt``, ``world_size``; ``manifests``: W + 1
+  byte offsets (from the line after the header), rank r's manifest file lying
+  between the r-th and the next; ``fragments``: fqn -> ``[[rank, n, origin, shape], ...]``, each
+  distinct stored box of a sharded tensor once, in origin order (tensor ``n``
+  of that rank's manifest; the lowest rank where several store the same
+  box); ``sharded``:
   fqn -> ``{"dtype", "shape"}`` of every sharded tensor any rank's tree names;
 * every part's ``manifest.json``, byte for byte, in rank order;
 * the ``xxh3_64:`` line of everything before it.
@@ -79,6 +80,8 @@ def step_table(manifests: Mapping[int, dict[str, Any]]) -> tuple[Fragments, Shar
         for node in sharded_nodes(manifest["tree"]):
             sharded.setdefault(str(node["fqn"]), {"dtype": str(node["dtype"]),
                                                   "shape": [int(s) for s in node["shape"]]})
+    for stored in fragments.values():
+        stored.sort(key=lambda e: e[2])  # in origin order: a reader finds those its box crosses by bisection
     return fragments, sharded
 
 
@@ -87,19 +90,19 @@ def step_index_bytes(job: str, step: int, attempt: str, world_size: int, manifes
     """``index.json`` for the step whose parts have these ``manifests`` (rank -> parsed manifest); None when
     one of them does not re-encode to the file its digest names (nothing to vouch with) or it would be too
     large to be worth reading. Its digest (:func:`step_index_digest`) goes into the step's commit record."""
+    if sorted(manifests) != list(range(world_size)):
+        return None  # a commit names every rank of its world
     files: list[bytes] = []
-    spans: dict[str, list[int]] = {}
-    at = 0
+    offsets = [0]
     for rank, manifest in sorted(manifests.items()):
         file = manifest_file_bytes(manifest)
         if chunk_digest(file) != digests.get(rank):
             return None
-        spans[str(rank)] = [at, len(file)]
         files.append(file)
-        at += len(file)
+        offsets.append(offsets[-1] + len(file))
     fragments, sharded = step_table(manifests)
     header = json.dumps({"format": FORMAT, "kind": "index", "version": INDEX_VERSION, "job": job, "step": step,
-                         "attempt": attempt, "world_size": world_size, "manifests": spans,
+                         "attempt": attempt, "world_size": world_size, "manifests": offsets,
                          "fragments": fragments, "sharded": sharded}, sort_keys=True, separators=(",", ":"))
     raw = with_trailer(header.encode() + b"\n" + b"".join(files))
     return raw if len(raw) <= MAX_STEP_INDEX_BYTES else None
@@ -127,18 +130,17 @@ class StepIndex:
     fragments: Fragments
     sharded: Sharded
     _body: bytes
-    _spans: dict[str, list[int]]
+    _offsets: list[int]
     _manifests: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def manifest(self, rank: int) -> dict[str, Any]:
         """Rank ``rank``'s manifest, as its part's ``manifest.json`` reads; ManifestError when it has none."""
         found = self._manifests.get(rank)
         if found is None:
-            span = self._spans.get(str(rank))
-            if span is None:
+            if not 0 <= rank < self.world_size:
                 raise ManifestError(f"{self.path}: the step index has no manifest for rank {rank}")
-            start, length = span
-            found = self._manifests[rank] = parse_manifest_file(self._body[start:start + length], self.path)
+            raw = self._body[self._offsets[rank]:self._offsets[rank + 1]]
+            found = self._manifests[rank] = parse_manifest_file(raw, self.path)
             if found.get("rank") != rank:
                 raise ManifestError(f"{self.path}: the step index's manifest for rank {rank} is rank "
                                     f"{found.get('rank')!r}'s")
@@ -161,9 +163,9 @@ def parse_step_index(raw: bytes, path: Path, digest: str) -> StepIndex:
     if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("kind") != "index" or \
             header.get("version") != INDEX_VERSION:
         raise ManifestError(f"{path}: not a version {INDEX_VERSION} {FORMAT} step index")
-    spans, fragments, sharded = header.get("manifests"), header.get("fragments"), header.get("sharded")
+    offsets, fragments, sharded = header.get("manifests"), header.get("fragments"), header.get("sharded")
     world = header.get("world_size")
-    if not (isinstance(spans, dict) and isinstance(fragments, dict) and isinstance(sharded, dict)
-            and type(world) is int):
+    if not (type(world) is int and isinstance(offsets, list) and len(offsets) == world + 1
+            and isinstance(fragments, dict) and isinstance(sharded, dict)):
         raise ManifestError(f"{path}: step index header lacks its manifests, fragments or sharded table")
-    return StepIndex(path, world, fragments, sharded, body[end + 1:], spans)
+    return StepIndex(path, world, fragments, sharded, body[end + 1:], offsets)
