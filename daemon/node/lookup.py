@@ -121,9 +121,9 @@ class Lookup:
         ckpt = self._catalog.latest_complete(job) if step is None else self._catalog.get(job, step)
         if step is not None and (ckpt is None or not ckpt.complete) and self._sync is not None:
             # Asked for by number, and not complete here: another node may have sealed it since the last
-            # re-read (a job's ranks loading what they have just saved on several nodes). That step is
-            # re-read, at most once per step_poll_s however many ranks ask.
-            self._sync.fresh(job, step, max_age_s=self._commits.poll_s, depth=sharedsync.RECORDS)
+            # re-read, however recent (a job's ranks loading what they have just saved on several nodes).
+            # That step is re-read now; ranks asking while it runs wait for that one.
+            self._sync.fresh(job, step, max_age_s=0.0, depth=sharedsync.RECORDS)
             ckpt = self._catalog.get(job, step)
         if ckpt is None or not ckpt.complete:
             raise CheckpointNotFound(job, step, "" if ckpt is None else why_incomplete(ckpt))
