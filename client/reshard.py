@@ -22,7 +22,6 @@ each part are :mod:`ckptstage.client.partreader`'s.
 
 from __future__ import annotations
 
-import bisect
 import json
 import logging
 import math
@@ -32,11 +31,12 @@ from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from ckptstage.client import shards, tree
+from ckptstage.client.fragments import Boxes, Fragment, PartTensors, Source
 from ckptstage.client.fileplan import dtype_from_name
 from ckptstage.client.pagemem import Prefaulter
 from ckptstage.client.partreader import PartReader, Report
@@ -49,91 +49,12 @@ _READERS = 4          # reads in flight (a cold disk wants more than the 2 cores
 _PIECE = 32 << 20     # a box is read in row pieces of about this size, so one tensor spreads over the readers
 
 
-@dataclass(frozen=True)
-class Source:
-    """One stored tensor, resolved: the part it is in, its entry there, and its global offset."""
-
-    rank: int
-    entry: layout.TensorEntry
-    origin: tuple[int, ...]  # global offset of its element 0
-
-
-class Fragment(NamedTuple):
-    """A stored box of a tensor, before its part's manifest is read: tensor ``number`` of rank ``rank``'s part."""
-
-    rank: int
-    number: int
-    origin: tuple[int, ...]  # global offset of its element 0 (zeros for a plain tensor)
-    shape: tuple[int, ...]
-
-
-def _fragment(entry: list[Any]) -> Fragment:
-    rank, number, origin, shape = entry
-    return Fragment(int(rank), int(number), tuple(origin), tuple(shape))
-
-
-class _Boxes:
-    """The stored boxes of one sharded tensor: those a box crosses found by bisection on their first row
-    (the step's table lists them by origin), not by a scan of every rank's fragment."""
-
-    def __init__(self, table: list[list[Any]]) -> None:
-        starts = [e[2][0] if e[2] else 0 for e in table]
-        if any(b < a for a, b in zip(starts, starts[1:])):  # a table not in origin order (written by hand)
-            table = sorted(table, key=lambda e: e[2][0] if e[2] else 0)
-            starts = sorted(starts)
-        self._table, self._starts = table, starts
-        self._longest = max((e[3][0] if e[3] else 1 for e in table), default=0)
-        self._all: list[Fragment] | None = None
-
-    def all(self) -> list[Fragment]:
-        if self._all is None:
-            self._all = [_fragment(e) for e in self._table]
-        return self._all
-
-    def crossing(self, box: shards.Box) -> list[Fragment]:
-        """The fragments that may overlap ``box`` (those whose rows can reach it; the caller intersects)."""
-        if not box[0]:
-            return self.all()
-        lo = bisect.bisect_left(self._starts, box[0][0] - self._longest + 1)
-        hi = bisect.bisect_left(self._starts, box[0][0] + box[1][0])
-        return [_fragment(e) for e in self._table[lo:hi]]
-
-
 @dataclass
 class _Task:
     source: Source
     box: shards.Box          # the overlap, in global coordinates
     out: torch.Tensor        # the target box's tensor (CPU)
     out_origin: tuple[int, ...]
-
-
-@dataclass
-class _Part:
-    """What a view knows of one rank's part once its manifest is read."""
-
-    manifest: dict[str, Any]
-    sources: list[Source]   # tensor number -> where it is
-    fqns: list[str]         # tensor number -> fqn
-    plain: dict[str, int]   # fqn -> the number of its plain (unsharded) tensor
-    ambiguous: set[str]     # fqns two different plain tensors share (keys "a.b" and a -> b)
-
-    @classmethod
-    def of(cls, rank: int, manifest: dict[str, Any]) -> _Part:
-        part = cls(manifest, [], [], {}, set())
-        for raw in manifest["tensors"]:
-            entry = layout.TensorEntry.from_json(raw)
-            fqn = str(raw.get("fqn", entry.name))
-            sharded = "global_shape" in raw
-            origin = tuple(int(o) for o in raw["global_offset"]) if sharded else (0,) * len(entry.shape)
-            part.sources.append(Source(rank, entry, origin))
-            part.fqns.append(fqn)
-            if sharded:
-                continue
-            if fqn in part.plain:
-                part.ambiguous.add(fqn)  # a tree node finds its tensor by number; by name, it is refused
-            else:
-                part.plain[fqn] = len(part.fqns) - 1
-        return part
 
 
 @dataclass
@@ -154,8 +75,8 @@ class StepView:
     world_size: int = 0
     _index: layout.StepIndex | None = None
     _table: layout.Fragments = field(default_factory=dict)  # fqn -> [[rank, n, origin, shape], ...], as stored
-    _boxes: dict[str, _Boxes] = field(default_factory=dict)  # the same, made on first use
-    _parts: dict[int, _Part] = field(default_factory=dict)
+    _boxes: dict[str, Boxes] = field(default_factory=dict)  # the same, made on first use
+    _parts: dict[int, PartTensors] = field(default_factory=dict)
     _names: dict[int, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = field(default_factory=dict)
     _opening: threading.Lock = field(default_factory=threading.Lock)  # held while parts are opened or switched
 
@@ -178,7 +99,7 @@ class StepView:
                 for rank, dirs in sorted(locations.items()):  # each manifest read from its best copy that verifies
                     reader = view.readers[rank] = PartReader(rank, dirs, report, committed or {},
                                                              keep_open=_READERS)
-                    view._parts[rank] = _Part.of(rank, reader.manifest)
+                    view._parts[rank] = PartTensors.of(rank, reader.manifest)
             except BaseException:
                 view.close()
                 raise
@@ -187,22 +108,22 @@ class StepView:
         view.sharded = {fqn: {"fqn": fqn, **node} for fqn, node in sharded.items()}
         return view
 
-    def _part(self, rank: int) -> _Part:
+    def _part(self, rank: int) -> PartTensors:
         part = self._parts.get(rank)
         if part is None:
             if self._index is None:
                 raise KeyError(f"the step has no part for rank {rank} (world size {self.world_size})")
-            part = self._parts[rank] = _Part.of(rank, self._index.manifest(rank))
+            part = self._parts[rank] = PartTensors.of(rank, self._index.manifest(rank))
         return part
 
     def fragments_of(self, fqn: str) -> list[Fragment]:
         """The stored boxes of sharded tensor ``fqn`` (each distinct box once), [] for any other."""
         return self._boxes_of(fqn).all()
 
-    def _boxes_of(self, fqn: str) -> _Boxes:
+    def _boxes_of(self, fqn: str) -> Boxes:
         found = self._boxes.get(fqn)
         if found is None:
-            found = self._boxes[fqn] = _Boxes(self._table.get(fqn, []))
+            found = self._boxes[fqn] = Boxes(self._table.get(fqn, []))
         return found
 
     def _source(self, frag: Fragment) -> Source:

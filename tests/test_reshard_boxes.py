@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptstage.client import shards
-from ckptstage.client.reshard import _Boxes
+from ckptstage.client.fragments import Boxes
 
 
 def _cuts(total: int) -> st.SearchStrategy[list[int]]:
@@ -36,7 +36,7 @@ def tiling_and_box(draw: st.DrawFn) -> tuple[list[list[object]], shards.Box]:
 @given(tiling_and_box())
 def test_the_fragments_crossing_a_box_are_all_that_overlap_it(case: tuple[list[list[object]], shards.Box]) -> None:
     table, box = case
-    boxes = _Boxes(table)
+    boxes = Boxes(table)
     overlapping = {f: part for f in boxes.all() if (part := shards.overlap(box, (f.origin, f.shape))) is not None}
     found = {f for f in boxes.crossing(box) if shards.overlap(box, (f.origin, f.shape)) is not None}
     assert found == set(overlapping)
@@ -45,5 +45,5 @@ def test_the_fragments_crossing_a_box_are_all_that_overlap_it(case: tuple[list[l
 
 def test_a_thousand_row_shards_yield_the_two_a_box_straddles() -> None:
     table = [[r, 0, [r * 4, 0], [4, 16]] for r in range(1024)]
-    crossing = _Boxes(table).crossing(((5 * 4 + 2, 0), (4, 16)))
+    crossing = Boxes(table).crossing(((5 * 4 + 2, 0), (4, 16)))
     assert sorted(f.rank for f in crossing) == [5, 6]
