@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import _harness as h
+from _scale_job import start_daemons, stop_daemons
 from _scale_ranks import COLS, rank_flat, wait_commit
 from _syscounts import Tracer, count_trace, metadata, strace_from_start
 
@@ -218,3 +219,14 @@ def dcp_peer(world: int, work: Path, rows: int, sockets: Sequence[Path] = ()) ->
         shutil.rmtree(d, ignore_errors=True)
     return out
 
+
+def dcp_against_ours(world: int, work: Path, droot: Path, rows: int, nodes: int) -> dict[str, float]:
+    """The DCP peer at ``world`` ranks; with ``nodes`` daemons (one shared directory), also through ckptstage.dcp."""
+    if not nodes:
+        return dcp_peer(world, work, rows)
+    arena = rows * COLS * 4 + (256 << 10)
+    daemons = start_daemons(droot / f"dcp{world}", work / f"dcp{world}-shared", nodes, -(-world // nodes), arena)
+    try:
+        return dcp_peer(world, work, rows, [d.socket for d in daemons])
+    finally:
+        stop_daemons(daemons)
