@@ -115,6 +115,7 @@ class Client:
         self._saver = Saver(self._session)
         lifecycle.track(self)
         try:
+            self._peers = dist.exchange_peers(self._session, world_size)  # the job's other nodes ([peers])
             self._saver.reserve(arena_bytes or 0)
         except BaseException:
             self.close()  # else the session and its snapshot thread outlive the failed constructor
@@ -354,7 +355,8 @@ class Client:
 
 def _info(c: pb.CheckpointInfo) -> CheckpointInfo:
     tiers = tuple(t for t, committed in (("local", c.committed_local), ("shared", c.committed_shared),
-                                         ("memory", len(c.ranks_memory) == c.world_size)) if committed)
+                                         ("memory", len(c.ranks_memory) == c.world_size),
+                                         ("peer", c.committed_peer)) if committed)
     return CheckpointInfo(step=c.step, tiers=tiers, bytes=c.bytes, created=c.created, complete=c.complete,
                           world_size=c.world_size, pinned=c.pinned, drain_state=c.drain_state,
                           metrics=dict(c.metrics), attempt=c.attempt, ranks_missing=tuple(c.ranks_missing),

@@ -83,10 +83,11 @@ def cmd_ls(conn: Connection, args: argparse.Namespace) -> int:
         rows = []
         for c in resp.checkpoints:
             # A tier holds the step when its commit record is there; else how many of its ranks' parts.
-            tiers = [name for name, committed in (("local", c.committed_local), ("shared", c.committed_shared))
-                     if committed]
+            tiers = [name for name, committed in (("local", c.committed_local), ("shared", c.committed_shared),
+                                                  ("peer", c.committed_peer)) if committed]
             partial = [f"{name}:{len(ranks)}/{c.world_size}" for name, ranks, committed in
-                       (("local", c.ranks_local, c.committed_local), ("shared", c.ranks_shared, c.committed_shared))
+                       (("local", c.ranks_local, c.committed_local), ("shared", c.ranks_shared, c.committed_shared),
+                        ("peer", c.ranks_peer, c.committed_peer))
                        if ranks and not committed]
             # The memory tier: parts kept after their trainer exited, ready for a restart on this node.
             if c.ranks_memory:

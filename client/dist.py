@@ -104,3 +104,18 @@ def gather(obj: Any, group: Any = None) -> list[Any]:
     out: list[Any] = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(out, obj, group=group)
     return out
+
+
+def exchange_peers(session: Any, world_size: int) -> list[str]:
+    """The other nodes of the job whose daemons keep this one's replicas and hold those of the others
+    (``[peers]``): every rank's daemon's advertised address, gathered over the default process group when it
+    spans the job, told to this rank's daemon; [] when the daemon has no peer tier or there is no group.
+
+    Collective when it gathers: every rank of the group calls it, from the ``Client`` constructor (the
+    daemons of one job have ``[peers]`` set alike, as they have ``[shared] drain_every``).
+    """
+    if not session.peer_address or world_size < 2 or not initialized() or \
+            torch.distributed.get_world_size() != world_size:
+        return []
+    nodes = sorted({str(a) for a in gather(session.peer_address) if a})
+    return list(session.join_peers(nodes))

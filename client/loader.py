@@ -186,6 +186,8 @@ class Loader:
                           step, rank, tier, e)
                 self._conn.call("ReportCorrupt", pb.ReportCorruptRequest(
                     job=self.job, step=step, rank=rank, tier=tier_code, detail=str(e)))
+                if tier_code == pb.PEER:
+                    moved = True  # the daemon dropped its replica: asked again, it fetches another node's copy
         if moved:
             return None, True
         if own_errors and len(own_errors) == len(failures):

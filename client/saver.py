@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 # A WaitSave without a timeout is asked this long at a time (the daemon answers "not yet" at its end).
 WAIT_SLICE_S = 25.0
 
-_TIERS = {"local": pb.LOCAL, "shared": pb.SHARED, "memory": pb.MEMORY}
+_TIERS = {"local": pb.LOCAL, "shared": pb.SHARED, "memory": pb.MEMORY, "peer": pb.PEER}
 # A wait at exit longer than this is logged as a warning (the script should have waited for its saves).
 _WAIT_NOTED_S = 1.0
 # Saves remembered by step, for wait_step and for a preemption snapshot of a step already saved.
@@ -43,7 +43,7 @@ _RECENT = 64
 
 def tier_code(tier: str) -> pb.Tier:
     if tier not in _TIERS:
-        raise ValueError(f"tier must be 'local', 'shared' or 'memory', not {tier!r}")
+        raise ValueError(f"tier must be 'local', 'shared', 'memory' or 'peer', not {tier!r}")
     return _TIERS[tier]
 
 
@@ -92,6 +92,9 @@ class SaveHandle:
 
         ``"memory"``: complete in the daemon's memory (every save; with ``[local] persist_every`` above 1
         the only tier of the steps it does not write to local SSD, whose ``wait("local")`` raises).
+        ``"peer"``: the part's replicas are committed on the other nodes of the job that keep them
+        (``[peers]``); raises when the daemon has no peer tier, the job runs on no other node, or a newer
+        step of the job committed before this one was sent.
 
         With a ``timeout`` it returns or raises :class:`TimeoutError` within
         about that long, also when the daemon does not answer at all (hung or

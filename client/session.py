@@ -83,6 +83,8 @@ class Session:
         # The daemon holds this rank's newest part in memory: an arena is created only after the restart
         # has loaded it (see Saver.prepare), so that taking the budget cannot evict the very copy it reads.
         self.memory_copy = bool(resp.memory_copy) and self._saves
+        # This daemon's address for the job's other nodes ("": it keeps no replicas, [peers] is off).
+        self.peer_address = resp.peer_address
         # Held open for the life of the session: if this process dies, the
         # daemon sees the stream break and frees the session.
         self._attach = self.conn.stub.Attach(pb.AttachRequest(session_id=self.session_id))
@@ -103,6 +105,12 @@ class Session:
         self._watcher = threading.Thread(target=self._watch, args=(self._attach, self.session_id), daemon=True,
                                          name=f"ckptstage-session-{self.rank}")
         self._watcher.start()
+
+    def join_peers(self, nodes: list[str]) -> list[str]:
+        """Tells the daemon the nodes the job runs on (every rank's daemon's peer address); returns the
+        others, as the daemon will use them."""
+        resp = self.conn.call("JoinPeers", pb.JoinPeersRequest(session_id=self.session_id, nodes=nodes))
+        return list(resp.peers)
 
     def lost(self) -> bool:
         """Whether the session's event stream ended: the daemon died or restarted (or the session closed)."""

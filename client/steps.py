@@ -71,7 +71,7 @@ def locate(conn: Connection, job: str, step: int | None, rank: int = 0, all_rank
     for _ in range(_FETCH_ROUNDS):
         if not resp.fetch_ranks:
             break
-        log.info("fetching %d part(s) of %s step %d (%s) from the shared tier onto the local tier",
+        log.info("fetching %d part(s) of %s step %d (%s) onto this node (from the shared tier or another node)",
                  len(resp.fetch_ranks), job, resp.step, size_text(resp.fetch_bytes))
         try:
             conn.call("Prefetch", pb.PrefetchRequest(job=job, step=resp.step, ranks=resp.fetch_ranks),

@@ -28,6 +28,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ckptstage.daemon.configpeers import PeersConfig
 from ckptstage.daemon.configvalues import (
     BOOL,
     ENDPOINT,
@@ -291,6 +292,7 @@ class Config:
     metrics: MetricsConfig = field(metadata={"section": MetricsConfig})
     retention: RetentionConfig = field(metadata={"section": RetentionConfig})
     memory: MemoryConfig = field(default_factory=MemoryConfig, metadata={"section": MemoryConfig})
+    peers: PeersConfig = field(default_factory=PeersConfig, metadata={"section": PeersConfig})
     # The node's name for what it leaves on tiers several daemons share (its temporaries): stable
     # across restarts of the daemon, its container or its pod, unique per node. None: the host name.
     # Default from $CKPTSTAGE_NODE_NAME (a Kubernetes DaemonSet sets it from spec.nodeName).

@@ -24,6 +24,7 @@ from ckptstage.daemon.node.node import STATE_DIR, VERSION, Node
 from ckptstage.daemon.serve.notify import Notifier
 from ckptstage.daemon.node.status import OK
 from ckptstage.daemon.tiers.interface import TierName
+from ckptstage.daemon.serve.peerserver import PeerServer
 from ckptstage.daemon.serve.server import RpcServer
 from ckptstage.protos.handoff import socket_path as handoff_socket
 
@@ -93,6 +94,7 @@ class Daemon:
         self.handoff = HandoffServer(handoff_socket(config.socket), self.node.memory, self.node.metrics,
                                      self.node.take_lifeline)
         self.notifier = notifier or Notifier(self.status_line)
+        self.peer_server: PeerServer | None = None
 
     def start(self) -> None:
         """Claims the socket and the metrics port, recovers the local tier, then serves.
@@ -105,6 +107,11 @@ class Daemon:
         """
         _prepare_socket(self.config.socket)
         self._start_metrics()
+        if self.node.peers is not None:
+            try:
+                self.peer_server = PeerServer(self.config.peers, self.node.peers, self.node.metrics)
+            except OSError as e:
+                raise StartupError("peers.listen", self.config.peers.listen, str(e)) from e
         self.rpc.set_metrics_url(self.metrics_url)
         try:
             self.node.recover()
@@ -118,6 +125,9 @@ class Daemon:
             self.rpc.start()
         except RuntimeError as e:  # grpc: "Failed to bind to address ..."
             raise StartupError("socket", self.config.socket, f"cannot listen on it: {e}") from e
+        if self.peer_server is not None:
+            self.peer_server.start()
+            log.info("peers on %s, advertised as %s", self.config.peers.listen, self.config.peers.address)
         shared = self.node.tiers.get(TierName.SHARED)
         log.info("ckptstaged %s serving on %s (local %s, shared %s, arena budget %d bytes)", VERSION,
                  self.config.socket, self.config.local.dir, shared.location if shared is not None else "disabled",
@@ -149,6 +159,8 @@ class Daemon:
         self.notifier.stopping(f"stopping: finishing in-flight saves (up to {timeout:.0f}s){then}")
         log.info("shutting down: finishing in-flight saves (up to %.0fs)%s", timeout, then)
         self.rpc.begin_shutdown()
+        if self.peer_server is not None:
+            self.peer_server.stop(grace=1)
         self.node.shutdown(timeout, drain_s)
         self.handoff.stop()
         self.rpc.stop(grace=2)

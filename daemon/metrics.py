@@ -53,6 +53,8 @@ class StateProbe:
     memory_copies: Callable[[], int] = lambda: 0  # parts the memory tier serves
     memory_bytes: Callable[[], int] = lambda: 0   # shared memory it holds (part of arena_used)
     jobs: Callable[[], Sequence[JobSummary]] = lambda: []  # every job the node knows of
+    peer_lag_s: Callable[[], float | None] = lambda: None  # None: no peer tier
+    peer_replicas: Callable[[], tuple[int, int, int, int]] = lambda: (0, 0, 0, 0)  # memory n, bytes, disk n, bytes
 
 
 def package_version() -> str:
@@ -107,6 +109,20 @@ class Metrics:
                                        ["tier", "verdict"], registry=r)
         self.memory_handouts = Counter("ckptstage_memory_handouts",
                                        "Memory-tier copies handed to a reader (a restarted trainer).", registry=r)
+        self.peer_sent_bytes = Counter("ckptstage_peer_sent_bytes", "Bytes of parts sent to other nodes as "
+                                       "replicas ([peers]).", registry=r)
+        self.peer_received_bytes = Counter("ckptstage_peer_received_bytes", "Bytes of replicas received from "
+                                           "other nodes, and of replicas fetched from them for a reader.",
+                                           registry=r)
+        self.peer_failures = Counter("ckptstage_peer_failures", "Sends of a replica that failed (retried while "
+                                     "the step is the newest).", registry=r)
+        self.peer_dropped = Counter("ckptstage_peer_dropped", "Parts never replicated because a newer step of "
+                                    "the job committed first.", registry=r)
+        self.peer_refused = Counter("ckptstage_peer_refused", "Calls on the peer port refused, by reason "
+                                    "(unauthenticated: no or a wrong token; not_a_member: the sender does not "
+                                    "run the job).", ["reason"], registry=r)
+        for reason in ("unauthenticated", "not_a_member"):
+            self.peer_refused.labels(reason)
         self.sessions_opened = Counter("ckptstage_sessions_opened", "Client sessions opened.", registry=r)
         self.sessions_reaped = Counter("ckptstage_sessions_reaped",
                                        "Sessions closed because the client went away.", registry=r)
@@ -176,6 +192,22 @@ class _StateCollector(Collector):
         if reachable is not None:
             yield GaugeMetricFamily("ckptstage_shared_tier_up", "1 when the last shared-tier operation worked.",
                                     value=1 if reachable else 0)
+        lag = p.peer_lag_s()
+        if lag is not None:
+            yield GaugeMetricFamily("ckptstage_peer_replication_lag_seconds",
+                                    "How long the oldest part waiting for its replicas on other nodes has "
+                                    "waited (0: every committed part of the newest steps is replicated).",
+                                    value=lag)
+            mem_n, mem_b, disk_n, disk_b = p.peer_replicas()
+            held = GaugeMetricFamily("ckptstage_peer_replicas", "Replicas of other nodes' parts kept here, by "
+                                     "where.", labels=["where"])
+            held_bytes = GaugeMetricFamily("ckptstage_peer_replica_bytes", "Bytes of those replicas, by where.",
+                                           labels=["where"])
+            for where, n, b in (("memory", mem_n, mem_b), ("disk", disk_n, disk_b)):
+                held.add_metric([where], n)
+                held_bytes.add_metric([where], b)
+            yield held
+            yield held_bytes
         yield from job_families(p.jobs())
 
 

@@ -95,6 +95,7 @@ def test_the_doc_describes_every_command_and_each_proto_field() -> None:
     # happens to fill, e.g. a quarantined copy, is still right).
     for name, message in {"Status": pb.StatusResponse, "Session": pb.SessionStatus, "Tier": pb.TierStatus,
                           "Jobs": pb.ListJobsResponse, "Job": pb.JobStatus, "DrainState": pb.DrainState,
+                          "PeerState": pb.PeerState, "PeerHealth": pb.PeerHealth,
                           "Checkpoints": pb.ListResponse, "Checkpoint": pb.CheckpointInfo,
                           "QuarantinedCopy": pb.QuarantinedCopy, "GcAction": pb.GcAction,
                           "Drain": pb.DrainResponse}.items():

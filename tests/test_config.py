@@ -503,6 +503,9 @@ OUT_OF_BOUNDS: dict[str, tuple[object, object]] = {
     "memory.keep_s": (0.99, 7 * 86400 + 1),
     "shared.drain_every": (0, 1_000_000_001),
     "local.persist_every": (0, 1_000_000_001),
+    "peers.replicas": (0, 17),
+    "peers.keep": (0, 101),
+    "peers.max_bandwidth": ("1000KiB/s", "2TiB/s"),
 }
 
 

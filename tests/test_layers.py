@@ -23,9 +23,9 @@ SOURCES = {"ckptstage.client": "client", "ckptstage.daemon": "daemon", "ckptstag
 # Foundation modules (errors, logs, events, metrics, fsutil, config, ...) sit under every stage, and the
 # retention planner with them: it is pure (it imports nothing of the daemon) and its rules are the config's
 # vocabulary. The entry points (main, launcher) sit above everything.
-STAGES = ["foundation", "tiers", "catalog", "save+drain", "retention", "node", "serve", "entry"]
+STAGES = ["foundation", "tiers", "catalog", "save+drain", "retention", "peers", "node", "serve", "entry"]
 STAGE_OF_PACKAGE = {"tiers": "tiers", "catalog": "catalog", "save": "save+drain", "drain": "save+drain",
-                    "retention": "retention", "node": "node", "serve": "serve"}
+                    "retention": "retention", "peers": "peers", "node": "node", "serve": "serve"}
 FOUNDATION_TOO = {"ckptstage.daemon.retention.planner"}
 ENTRY = {"ckptstage.daemon.main"}
 

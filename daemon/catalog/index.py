@@ -213,6 +213,38 @@ class Catalog:
             log.warning("cannot record drained parts in %s: %s", self._drained_file, e,
                         extra=fields(tier=TierName.LOCAL, error=e))
 
+    def set_peer_tier(self, job: str, parts: list[Part], records: list[layout.CommitRecord]) -> None:
+        """Puts what the peer tier holds of ``job`` (and its commit records) in place of what was indexed
+        there, in one step (see :mod:`ckptstage.daemon.peers.view`)."""
+        peer = TierName.PEER
+        with self._lock:
+            steps = self._parts.setdefault(job, {})
+            for step in list(steps):
+                for rank in list(steps[step]):
+                    steps[step][rank].pop(peer, None)
+                    if not steps[step][rank]:
+                        del steps[step][rank]
+                if not steps[step]:
+                    del steps[step]
+            for part in parts:
+                steps.setdefault(part.step, {}).setdefault(part.rank, {})[peer] = part
+            if not steps:
+                del self._parts[job]
+            held = self._records.setdefault(job, {})
+            for step in list(held):
+                held[step].pop(peer, None)
+                if not held[step]:
+                    del held[step]
+            for record in records:
+                held.setdefault(record.step, {})[peer] = (record, 0)
+            if not held:
+                del self._records[job]
+
+    def has_tier(self, job: str, tier: TierName) -> bool:
+        """Whether anything of ``job`` is indexed on ``tier``."""
+        with self._lock:
+            return any(tier in tiers for ranks in self._parts.get(job, {}).values() for tiers in ranks.values())
+
     def has(self, job: str, step: int, rank: int) -> bool:
         with self._lock:
             return rank in self._parts.get(job, {}).get(step, {})

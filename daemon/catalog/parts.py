@@ -10,6 +10,11 @@ from ckptstage.daemon.tiers.interface import Manifest, PartIndex, TierName
 from ckptstage.protos import layout
 
 
+# The disk tiers a reader is offered, best first: this node's SSD, a copy on (or fetched from) another node of
+# the job, the shared tier.
+READ_ORDER = (TierName.LOCAL, TierName.PEER, TierName.SHARED)
+
+
 @dataclass(frozen=True)
 class Part:
     """One rank's committed share of one step on one tier."""
@@ -87,7 +92,9 @@ class Checkpoint:
     @cached_property
     def _complete_tiers(self) -> frozenset[TierName]:
         def complete(tier: TierName, record: layout.CommitRecord) -> bool:
-            return all(r in self.parts and tier in self.parts[r] and self.parts[r][tier].matches(record)
+            # The peer tier is the job's nodes taken together: this node's own parts count there too.
+            counted = (TierName.PEER, TierName.LOCAL) if tier == TierName.PEER else (tier,)
+            return all(any(t in self.parts.get(r, {}) and self.parts[r][t].matches(record) for t in counted)
                        for r in range(record.world_size))
 
         return frozenset(t for t, record in self.records.items() if complete(t, record))
@@ -99,8 +106,8 @@ class Checkpoint:
 
     @cached_property
     def record(self) -> layout.CommitRecord | None:
-        """The commit record that makes the step complete (the local one first), if any."""
-        return next((self.records[t] for t in (TierName.LOCAL, TierName.SHARED) if self.complete_on(t)), None)
+        """The commit record that makes the step complete (the local one first, the peer tier's last), if any."""
+        return next((self.records[t] for t in READ_ORDER if self.complete_on(t)), None)
 
     @cached_property
     def attempt(self) -> str:
@@ -126,7 +133,7 @@ class Checkpoint:
         return out
 
     def committed(self, rank: int) -> list[Part]:
-        """The copies of ``rank``'s part a reader may use, best first (local, then shared).
+        """The copies of ``rank``'s part a reader may use, best first (local, the peer tier's, shared).
 
         Only parts of the committed attempt, identical to what its record names;
         none when the step is not complete.
@@ -134,7 +141,7 @@ class Checkpoint:
         if self.record is None:
             return []
         tiers = self._attempt_parts.get(rank, {})
-        return [tiers[t] for t in (TierName.LOCAL, TierName.SHARED) if t in tiers]
+        return [tiers[t] for t in READ_ORDER if t in tiers]
 
     def stragglers(self) -> list[Part]:
         """Parts a complete step's record does not name (an earlier attempt's, left by a crashed run).

@@ -36,8 +36,10 @@ class CommitBooking:
 
     def __init__(self, saves: SaveTable, catalog: Catalog, commits: Commits, memory: MemoryTier, metrics: Metrics,
                  local: Tier, drainer: Drainer | None, apply_retention: Callable[..., object],
-                 clock: Callable[[], float], persist_every: int) -> None:
-        """``apply_retention(job, trigger=, shared=False)``: the job's local rules, run after each commit."""
+                 clock: Callable[[], float], persist_every: int,
+                 replicate: Callable[[Part], None] | None = None) -> None:
+        """``apply_retention(job, trigger=, shared=False)``: the job's local rules, run after each commit;
+        ``replicate(part)``: queues a committed local part for the job's other nodes ([peers])."""
         self._saves = saves
         self._catalog = catalog
         self._commits = commits
@@ -48,6 +50,7 @@ class CommitBooking:
         self._apply_retention = apply_retention
         self._clock = clock
         self._persist_every = persist_every
+        self._replicate = replicate
 
     def committed(self, save: Save) -> None:
         """The persister committed a save: index it, queue it for draining, settle it, apply retention."""
@@ -104,6 +107,8 @@ class CommitBooking:
         if self._drainer is not None:
             # Queued before the save settles, so that a wait("shared") finds it queued.
             self._drainer.enqueue(part)
+        if self._replicate is not None:
+            self._replicate(part)  # queued before the save settles, as for the drain: for wait("peer")
         self._saves.owner(save).keep_resident(save)
         self._memory.superseded(spec.job, spec.rank, spec.step)
         self._saves.settle(save)
@@ -138,6 +143,8 @@ class CommitBooking:
                 if self._drainer is not None:
                     self._drainer.forget(part.job, part.step, part.rank)
                     self._drainer.enqueue(part)
+                if self._replicate is not None:
+                    self._replicate(part)
 
     def _book_memory_only(self, save: Save) -> None:
         """A save kept in memory only is complete in the arena: the session's newest image, for a restart."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckptstage.daemon.drain.health import DrainHealth
+from ckptstage.daemon.peers.health import JobPeers
 
 if TYPE_CHECKING:
     from ckptstage.daemon.catalog.index import Checkpoint
@@ -34,10 +35,12 @@ class JobSummary:
     bytes: dict[str, int]
     sessions: int                # open client sessions of the job on this node
     drain: DrainHealth
+    peers: JobPeers | None = None  # its replication to other nodes ([peers]); None: no peer tier
 
 
 def summarize(job: str, checkpoints: Iterable[Checkpoint], memory: Iterable[MemoryCopy],
-              memory_steps: Iterable[MemoryStep], sessions: int, drain: DrainHealth) -> JobSummary:
+              memory_steps: Iterable[MemoryStep], sessions: int, drain: DrainHealth,
+              peers: JobPeers | None = None) -> JobSummary:
     """One job's summary from what the catalogue and the memory tier hold of it.
 
     ``checkpoints``: every step of the job the catalogue knows (complete or
@@ -59,4 +62,4 @@ def summarize(job: str, checkpoints: Iterable[Checkpoint], memory: Iterable[Memo
         held["memory"] = held.get("memory", 0) + copy.resident.size
         last["memory"] = max(last.get("memory", 0.0), copy.created)
     steps.update(m.step for m in memory_steps)
-    return JobSummary(job, len(steps), max(steps) if steps else None, last, held, sessions, drain)
+    return JobSummary(job, len(steps), max(steps) if steps else None, last, held, sessions, drain, peers)

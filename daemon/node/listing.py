@@ -7,14 +7,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
 
 from ckptstage.daemon.catalog.index import Checkpoint, Part, TierName
 from ckptstage.daemon.errors import CheckpointNotFound
 from ckptstage.daemon.save.memtier import MemoryStep
 from ckptstage.daemon.catalog.quarantine import Quarantined
-from ckptstage.daemon.tiers.interface import Tier
 
 MEMORY_ONLY = "memory-only"  # the drain state of a step only the memory tier holds
+
+
+class Readable(Protocol):
+    """What says where a reader on this node opens a tier's part (a :class:`Tier`, the peer tier)."""
+
+    def readable_path(self, part: Path) -> Path | None: ...
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,8 @@ class CheckpointEntry:
     drain_state: str
     metrics: dict[str, float]
     attempt: str
+    ranks_peer: list[int] = field(default_factory=list)
+    committed_peer: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,7 +91,8 @@ def entry(ckpt: Checkpoint, drain_state: str, ranks_memory: list[int]) -> Checkp
         ranks_shared=ckpt.ranks_on(TierName.SHARED), ranks_memory=ranks_memory, ranks_missing=ckpt.ranks_missing(),
         nbytes=ckpt.nbytes(), created=ckpt.created, complete=ckpt.complete,
         committed_local=ckpt.complete_on(TierName.LOCAL), committed_shared=ckpt.complete_on(TierName.SHARED),
-        pinned=ckpt.pinned, drain_state=drain_state, metrics=ckpt.metrics, attempt=ckpt.attempt)
+        pinned=ckpt.pinned, drain_state=drain_state, metrics=ckpt.metrics, attempt=ckpt.attempt,
+        ranks_peer=ckpt.ranks_on(TierName.PEER), committed_peer=ckpt.complete_on(TierName.PEER))
 
 
 def memory_entry(kept: MemoryStep) -> CheckpointEntry:
@@ -95,7 +105,7 @@ def memory_entry(kept: MemoryStep) -> CheckpointEntry:
         attempt=kept.attempt)
 
 
-def locations(parts: Sequence[Part], in_memory: bool, tiers: Mapping[TierName, Tier]) -> list[Location]:
+def locations(parts: Sequence[Part], in_memory: bool, tiers: Mapping[TierName, Readable]) -> list[Location]:
     """One rank's copies, best first: the memory tier's (when it holds the committed part), then the
     directories where a reader on this node opens the local and shared tiers' copies (a copy of a tier
     that cannot be read directly is left out: see :meth:`Tier.readable_path`)."""
@@ -104,14 +114,34 @@ def locations(parts: Sequence[Part], in_memory: bool, tiers: Mapping[TierName, T
     return [Location(TierName.MEMORY, None)] + out if parts and in_memory else out
 
 
+def to_fetch(parts: Sequence[Part], in_memory: bool, tiers: Mapping[TierName, Readable],
+             pull_first: Callable[[Part], bool], node_copy: bool) -> Part | None:
+    """Which of a rank's copies (``parts``, best first) to bring to this node before a reader here reads it;
+    None when the reader opens one where it is.
+
+    Nothing when this node holds one (the memory tier, the local tier, a replica on its disk). Else a copy
+    another node keeps in memory (``pull_first``: faster than a cold read of the shared tier); else
+    nothing when the reader can open a copy where it is, unless ``node_copy`` (several ranks of this node
+    read it: one copy for them all); else the shared tier's copy, else another node's.
+    """
+    readable = [p for p in parts if p.tier in tiers and tiers[p.tier].readable_path(p.path) is not None]
+    if in_memory or any(p.tier in (TierName.LOCAL, TierName.PEER) for p in readable):
+        return None
+    peer = next((p for p in parts if p.tier == TierName.PEER), None)
+    if peer is not None and pull_first(peer):
+        return peer
+    if readable and not node_copy:
+        return None
+    return next((p for p in parts if p.tier == TierName.SHARED), peer)
+
+
 def located(ckpt: Checkpoint, rank: int, all_ranks: bool, in_memory: Callable[[int], bool],
-            tiers: Mapping[TierName, Tier], ranks: Sequence[int] = (), node_copy: bool = False,
-            index: IndexCopy | None = None) -> Located:
+            tiers: Mapping[TierName, Readable], ranks: Sequence[int] = (), node_copy: bool = False,
+            index: IndexCopy | None = None, pull_first: Callable[[Part], bool] = lambda part: False) -> Located:
     """Where the committed step's parts are (``rank``'s; with ``all_ranks``, those of ``ranks``, or every
     rank's); ``in_memory(rank)``: whether the memory tier serves that rank's; ``tiers``: the storage of each
-    disk tier, which says where its parts are read. Named in :attr:`Located.fetch`: a part committed only
-    where no reader can open it, and with ``node_copy`` (several ranks of this node read it) one this node
-    holds no copy of. ``index`` (the node's copy of the step's index): the reader plans from it and asks
+    disk tier, which says where its parts are read. Named in :attr:`Located.fetch`: what :func:`to_fetch`
+    says is to be brought here first. ``index`` (the node's copy of the step's index): the reader plans from it and asks
     for the parts it reads, so only ``rank``'s (or ``ranks``') are answered and nothing is named for
     fetching: a thousand-rank step's answer does not list a thousand parts."""
     if index is not None:
@@ -120,12 +150,8 @@ def located(ckpt: Checkpoint, rank: int, all_ranks: bool, in_memory: Callable[[i
         asked = (ranks or range(ckpt.world_size)) if all_ranks else [rank]
     committed = {r: ckpt.committed(r) for r in asked}
     found = {r: locations(parts, in_memory(r), tiers) for r, parts in committed.items()}
-
-    def here(r: int) -> bool:
-        return any(loc.tier in (TierName.LOCAL, TierName.MEMORY) for loc in found[r])
-
     fetch = {r: parts[0].nbytes for r, parts in committed.items()
-             if parts and (not found[r] or node_copy and not here(r))} if index is None else {}
+             if to_fetch(parts, in_memory(r), tiers, pull_first, node_copy) is not None} if index is None else {}
     record = ckpt.record
     return Located(ckpt.step, ckpt.world_size, ckpt.attempt, record.fingerprint() if record else "",
                    found.get(rank, []), found if all_ranks else {}, fetch, index)

@@ -22,6 +22,7 @@ from ckptstage.daemon.drain.sharedsync import SharedSync
 from ckptstage.daemon.errors import CheckpointNotFound, InvalidRequest
 from ckptstage.daemon.node import listing
 from ckptstage.daemon.node.incomplete import why_incomplete
+from ckptstage.daemon.peers.tier import PeerTier
 from ckptstage.daemon.save.memtier import MemoryTier
 from ckptstage.daemon.tiers.interface import Tier
 from ckptstage.protos import layout
@@ -46,7 +47,7 @@ class Lookup:
     def __init__(self, config: Config, catalog: Catalog, commits: Commits, memory: MemoryTier,
                  quarantine: Quarantine, tiers: dict[TierName, Tier], drainer: Drainer | None,
                  shared_sync: SharedSync | None, stopping: threading.Event,
-                 index_copies: IndexCopies | None = None) -> None:
+                 index_copies: IndexCopies | None = None, peers: PeerTier | None = None) -> None:
         self._config = config
         self._catalog = catalog
         self._commits = commits
@@ -57,6 +58,9 @@ class Lookup:
         self._sync = shared_sync
         self._stopping = stopping
         self._index_copies = index_copies
+        self._peers = peers
+        # Where a reader here opens each tier's copies: the disk tiers, and replicas on this node's disk.
+        self._readers: dict[TierName, listing.Readable] = {**tiers, **({TierName.PEER: peers} if peers else {})}
 
     def checkpoints(self, job: str) -> list[Checkpoint]:
         layout.check_job(job)
@@ -96,8 +100,20 @@ class Lookup:
         ckpt, _ = self.locate(job, step, rank, all_ranks)
         index = self._index_copy(ckpt) if step_index and all_ranks else None
         return listing.located(ckpt, rank, all_ranks,
-                               lambda r: memory and self._memory.has(ckpt.job, ckpt.step, r), self._tiers,
-                               ranks, node_copy and self._drainer is not None, index)
+                               lambda r: memory and self._memory.has(ckpt.job, ckpt.step, r), self._readers,
+                               ranks, node_copy and self.fetches, index, self._pull_first)
+
+    @property
+    def fetches(self) -> bool:
+        """Whether this node fetches parts for its readers (from the shared tier, or from other nodes)."""
+        return self._drainer is not None or self._peers is not None
+
+    def to_fetch(self, ckpt: Checkpoint, rank: int) -> Part | None:
+        """Which copy of ``rank``'s part a prefetch brings to this node (None: one is here)."""
+        return listing.to_fetch(ckpt.committed(rank), False, self._readers, self._pull_first, node_copy=True)
+
+    def _pull_first(self, part: Part) -> bool:
+        return self._peers is not None and self._peers.prefer_pull(part)
 
     def _index_copy(self, ckpt: Checkpoint) -> listing.IndexCopy | None:
         """This node's copy of the shared tier's index of ``ckpt``, when it is the commit being read and its
@@ -166,3 +182,5 @@ class Lookup:
         ``depth``: how much of it (:data:`sharedsync.RECORDS`: the complete steps)."""
         if self._sync is not None:
             self._sync.fresh(job, depth=depth)
+        if self._peers is not None:
+            self._peers.fresh(job)

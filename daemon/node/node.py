@@ -32,14 +32,13 @@ from ckptstage.daemon.drain import drainer as drainer_mod
 from ckptstage.daemon.drain import stopdrain
 from ckptstage.daemon.drain.drainer import Drainer
 from ckptstage.daemon.drain import indexcopy
-from ckptstage.daemon.drain.fetcher import Fetcher
 from ckptstage.daemon.drain.indexcopy import IndexCopies
 from ckptstage.daemon.drain.sharedsync import SharedSync
 from ckptstage.daemon.errors import ShuttingDown
 from ckptstage.daemon.events import Bus
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.metrics import Metrics
-from ckptstage.daemon.node import listing, probe
+from ckptstage.daemon.node import listing, peering, probe
 from ckptstage.daemon.node.booking import CommitBooking
 from ckptstage.daemon.node.incomplete import IncompleteSteps
 from ckptstage.daemon.node.jobs import JobSummary
@@ -101,7 +100,6 @@ class Node:
         self.memory = MemoryTier(self.budget, config.memory.enabled, config.memory.keep_s,
                                  lambda job, step, rank: committed_digest(catalog, job, step, rank),
                                  lambda job: newest_complete(catalog, job))
-        self.budget.reclaim = self.memory.reclaim  # kept copies make way for sessions that need the room
         self.sessions = SessionTable()
         self.saves = SaveTable()
         self.owner = node_name(config.local.dir, config.node_name)
@@ -126,11 +124,13 @@ class Node:
                                           wait_s=config.shared.stale_wait_s, interval_s=config.shared.watch_interval_s,
                                           watched=lambda: {s.info.job for s in self.sessions.all()})
         drain = self.drainer.queue if self.drainer is not None else None  # what retention and status read
-        self.fetcher: Fetcher | None = None
-        if (drainer := self.drainer) is not None:
-            self.fetcher = Fetcher(lambda part: self._fetched(drainer.fetch(part)),
-                                   lambda part, detail: self.report_corrupt(part.job, part.step, part.rank, part.tier,
-                                                                            detail))
+        self.peers = peering.open_peers(config, local, config.local.dir / STATE_DIR, self.owner, catalog, self.budget,
+                                        self.metrics)
+        # Kept copies, then replicas kept in memory, make way for sessions that need the room.
+        self.budget.reclaim = peering.reclaimer(self.budget, self.memory, self.peers)
+        self.fetcher = peering.open_fetcher(
+            self.drainer, self.peers, catalog, self.metrics,
+            lambda part, detail: self.report_corrupt(part.job, part.step, part.rank, part.tier, detail))
         self.quarantine = Quarantine(catalog, self.metrics, tiers=self.tiers)
         self.incomplete = IncompleteSteps(catalog, config.retention.incomplete_after_s, clock=clock,
                                           busy=lambda job, step: any(s.spec.job == job and s.spec.step == step
@@ -142,22 +142,23 @@ class Node:
         index_copies = IndexCopies(shared, config.local.dir / STATE_DIR / indexcopy.DIR, config.local.dir) \
             if shared is not None else None
         self.lookup = Lookup(config, catalog, self.commits, self.memory, self.quarantine, self.tiers, self.drainer,
-                             self.shared_sync, self._stopping, index_copies)
+                             self.shared_sync, self._stopping, index_copies, self.peers)
         self.session_desk = SessionDesk(config, self.sessions, self.budget, self.memory, catalog, self.job_rules,
                                         self.persister, self.metrics, self._check_running, self.timers.shared_wake)
         self.save_desk = SaveDesk(config, self.sessions, self.saves, self.persister, catalog, self.commits,
                                   self.memory, local, self.chunk_stores[TierName.LOCAL], self.metrics, self.drainer,
-                                  self._check_running, self._stopping)
+                                  self._check_running, self._stopping, self.peers)
         self._passes = PassGate()
         self.booking = CommitBooking(self.saves, catalog, self.commits, self.memory, self.metrics, local,
-                                     self.drainer, self._retention_after, clock, config.local.persist_every)
+                                     self.drainer, self._retention_after, clock, config.local.persist_every,
+                                     self.peers.committed if self.peers is not None else None)
         self.steps = StepOps(catalog, self.lookup, self.saves, self.memory, self.janitor, self.quarantine,
-                             self.commits, self.fetcher)
+                             self.commits, self.fetcher, self.peers.drop_replica if self.peers else None)
         self._status = StatusReader(self.tiers, catalog, self.sessions, self.budget, self.memory, drain,
                                     self.tier_probes, self.job_summaries, self.started, self._tier_warnings)
         self._subscribe()
         self.metrics.add_state(probe.state_probe(self.budget, self.sessions, catalog, self.tier_probes, self.drainer,
-                                                 self.incomplete, self.memory, self.job_summaries))
+                                                 self.incomplete, self.memory, self.job_summaries, self.peers))
 
     def _subscribe(self) -> None:
         """What follows each event of the layers below, on the thread that published it (see
@@ -208,6 +209,8 @@ class Node:
             self.timers.start_shared(self.drainer, self.commits, self.job_rules, self.tiers[TierName.SHARED])
         if self.shared_sync is not None:
             self.shared_sync.start()
+        if self.peers is not None:
+            self.peers.start()
 
     def shutdown(self, timeout: float, drain_s: float = 0.0) -> None:
         """Stops taking saves, lets finished ones commit (bounded by ``timeout``), drains the newest step of
@@ -237,6 +240,8 @@ class Node:
             self.drainer.stop(max(0.0, deadline - time.monotonic()))  # copies under way stop: fetches too
         if self.fetcher is not None:
             self.fetcher.close()
+        if self.peers is not None:
+            self.peers.stop()
         if self.shared_sync is not None:
             self.shared_sync.stop()
         for tier_probe in self.tier_probes.values():
@@ -254,6 +259,16 @@ class Node:
 
     def reap_session(self, session_id: str) -> None:
         self.session_desk.reap(session_id)
+
+    def peer_address(self) -> str:
+        """This daemon's address for its jobs' other nodes ("": no peer tier)."""
+        return self.peers.address if self.peers is not None else ""
+
+    def join_peers(self, session_id: str, nodes: list[str]) -> list[str]:
+        """The nodes a session's job runs on, as its clients gathered them; returns the others."""
+        if self.peers is None:
+            return []
+        return self.peers.join(self.sessions.get(session_id).info.job, nodes)
 
     def attach(self, session_id: str) -> Session:
         return self.session_desk.attach(session_id)
@@ -321,7 +336,7 @@ class Node:
         return self._status.tier(tier)
 
     def job_summaries(self) -> list[JobSummary]:
-        return probe.job_summaries(self.catalog, self.sessions, self.memory, self.drainer)
+        return probe.job_summaries(self.catalog, self.sessions, self.memory, self.drainer, self.peers)
 
     def _tier_warnings(self, tier: TierName) -> tuple[str, ...]:
         warning = self.janitor.floor.warning if tier == TierName.LOCAL else ""
@@ -333,12 +348,6 @@ class Node:
                         local: bool = True, shared: bool = True) -> list[GcAction]:
         """Runs the retention rules for one job (see :meth:`Janitor.apply`)."""
         return self.janitor.apply(job, dry_run, trigger, local=local, shared=shared)
-
-    def _fetched(self, part: Part) -> None:
-        """A part a reader needs, copied from the shared tier: indexed here, counted."""
-        self.catalog.add(part)
-        self.metrics.fetched_parts.inc()
-        self.metrics.fetched_bytes.inc(part.nbytes)
 
     def _retention_after(self, job: str, trigger: str, shared: bool = True) -> None:
         """The pass that follows a commit or a drain, coalesced (:mod:`ckptstage.daemon.retention.coalesce`)."""

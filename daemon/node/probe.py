@@ -15,6 +15,7 @@ from ckptstage.daemon.drain.health import NO_DRAIN
 from ckptstage.daemon.metrics import StateProbe
 from ckptstage.daemon.node import jobs
 from ckptstage.daemon.node.incomplete import IncompleteSteps
+from ckptstage.daemon.peers.tier import PeerTier
 from ckptstage.daemon.save.arena import Budget
 from ckptstage.daemon.save.memtier import MemoryTier
 from ckptstage.daemon.save.sessions import SessionTable
@@ -22,20 +23,22 @@ from ckptstage.daemon.tiers.probe import TierProbe
 
 
 def job_summaries(catalog: Catalog, sessions: SessionTable, memory: MemoryTier,
-                  drainer: Drainer | None) -> list[jobs.JobSummary]:
-    """Every job this node knows of (catalogued, with a session, or kept in memory), sorted by name."""
+                  drainer: Drainer | None, peers: PeerTier | None = None) -> list[jobs.JobSummary]:
+    """Every job this node knows of (catalogued, with a session, or kept in memory), sorted by name; with
+    ``peers``, how each job's replication goes."""
     open_jobs = [s.info.job for s in sessions.all() if not s.closed.is_set()]
     copies = memory.copies()
     names = sorted(set(catalog.jobs()) | set(open_jobs) | {c.resident.job for c in copies})
     health = drainer.health_of(names) if drainer is not None else {}
     return [jobs.summarize(job, catalog.checkpoints(job), [c for c in copies if c.resident.job == job],
-                           memory.memory_steps(job), open_jobs.count(job), health.get(job, NO_DRAIN))
+                           memory.memory_steps(job), open_jobs.count(job), health.get(job, NO_DRAIN),
+                           peers.job_state(job) if peers is not None else None)
             for job in names]
 
 
 def state_probe(budget: Budget, sessions: SessionTable, catalog: Catalog, tier_probes: dict[TierName, TierProbe],
                 drainer: Drainer | None, incomplete: IncompleteSteps, memory: MemoryTier,
-                summaries: Callable[[], list[jobs.JobSummary]]) -> StateProbe:
+                summaries: Callable[[], list[jobs.JobSummary]], peers: PeerTier | None = None) -> StateProbe:
     """What :class:`~ckptstage.daemon.metrics.Metrics` reads of the node at each scrape."""
     def tier_used(tier: str) -> int:
         return sum(p.nbytes for p in catalog.all_parts(TierName(tier)))
@@ -56,4 +59,6 @@ def state_probe(budget: Budget, sessions: SessionTable, catalog: Catalog, tier_p
         shared_reachable=(lambda: d.reachable) if d else (lambda: None),
         incomplete_steps=lambda: len(incomplete.stuck()),
         memory_copies=lambda: len(memory.copies()), memory_bytes=lambda: memory.bytes_kept,
-        jobs=summaries)
+        jobs=summaries,
+        peer_lag_s=(lambda: peers.replicator.lag_s()) if peers else (lambda: None),
+        peer_replicas=(lambda: peers.store.usage()) if peers else (lambda: (0, 0, 0, 0)))

@@ -29,6 +29,7 @@ from ckptstage.daemon.logs import fields
 from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.node.saves import SaveTable
 from ckptstage.daemon.save import memflush
+from ckptstage.daemon.peers.tier import PeerTier
 from ckptstage.daemon.save.manifest_check import parse_manifest
 from ckptstage.daemon.save.memtier import MemoryTier
 from ckptstage.daemon.save.persister import Persister, Save
@@ -53,7 +54,7 @@ class SaveDesk:
     def __init__(self, config: Config, sessions: SessionTable, saves: SaveTable, persister: Persister,
                  catalog: Catalog, commits: Commits, memory: MemoryTier, local: Tier, chunks: ChunkStore,
                  metrics: Metrics, drainer: Drainer | None, check_running: Callable[[], None],
-                 stopping: threading.Event) -> None:
+                 stopping: threading.Event, peers: PeerTier | None = None) -> None:
         self._config = config
         self._sessions = sessions
         self._saves = saves
@@ -67,6 +68,7 @@ class SaveDesk:
         self._drainer = drainer
         self._check_running = check_running
         self._stopping = stopping
+        self._peers = peers
 
     def begin(self, session_id: str, step: int, manifest_json: bytes, data_bytes: int, metrics: dict[str, float],
               stream_base: int | None = None, overwrite: bool = False) -> BegunSave:
@@ -165,9 +167,19 @@ class SaveDesk:
                              "local SSD (wait for 'memory', or save a step that is one)")
         if tier == TierName.LOCAL:
             return True
+        if tier == TierName.PEER:
+            return self._wait_peer(found.job, found.step, found.rank, max(0.0, deadline - time.monotonic()))
         if self._drainer is None:
             raise SaveFailed("this daemon has no shared tier ([shared] dir is not set)")
         return self._drainer.wait_part(found.job, found.step, found.rank, max(0.0, deadline - time.monotonic()))
+
+    def _wait_peer(self, job: str, step: int, rank: int, timeout: float) -> bool:
+        if self._peers is None:
+            raise SaveFailed("this daemon has no peer tier ([peers] listen is not set)")
+        local = self._catalog.parts_of(job, step, rank).get(TierName.LOCAL)
+        if local is None:
+            raise SaveFailed(f"{job} step {step} rank {rank} is no longer on this node's local tier")
+        return self._peers.wait(job, step, rank, local.digest, timeout)
 
     def persist_memory_steps(self, commit_deadline: float, within_s: float) -> float:
         """At the daemon's stop: lets saves whose bytes are all here commit (until ``commit_deadline``), then

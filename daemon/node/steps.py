@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ckptstage.daemon.catalog.commits import Commits
 from ckptstage.daemon.catalog.index import Catalog, TierName
@@ -31,7 +31,8 @@ class StepOps:
     """Pins, deletions, prefetches and reports of corrupt copies, for one node."""
 
     def __init__(self, catalog: Catalog, lookup: Lookup, saves: SaveTable, memory: MemoryTier, janitor: Janitor,
-                 quarantine: Quarantine, commits: Commits, fetcher: Fetcher | None) -> None:
+                 quarantine: Quarantine, commits: Commits, fetcher: Fetcher | None,
+                 drop_replica: Callable[[str, int, int, str], object] | None = None) -> None:
         self._catalog = catalog
         self._lookup = lookup
         self._saves = saves
@@ -40,6 +41,7 @@ class StepOps:
         self._quarantine = quarantine
         self._commits = commits
         self._fetcher = fetcher
+        self._drop_replica = drop_replica  # the peer tier's: a replica kept here that failed a reader's check
         self._pins_lock = threading.Lock()  # a pin's check and change, one caller at a time
 
     def set_pin(self, job: str, step: int, pinned: bool) -> bool:
@@ -84,8 +86,9 @@ class StepOps:
         return self._janitor.delete_step(job, step)
 
     def prefetch(self, job: str, step: int | None, ranks: Sequence[int] = ()) -> tuple[int, int]:
-        """Copies a checkpoint's shared-only parts (``ranks``' only, when given) onto the local tier; returns
-        (step, parts copied). See :mod:`ckptstage.daemon.drain.fetcher`.
+        """Copies the parts of a checkpoint this node holds no copy of (``ranks``' only, when given) onto the
+        local tier, or, from another node of the job, into its replica store; returns (step, parts copied).
+        See :mod:`ckptstage.daemon.drain.fetcher` and :mod:`ckptstage.daemon.peers.view`.
 
         The copies are verified against the shared manifests as they are
         read; a shared copy that fails is reported corrupt and the prefetch
@@ -93,16 +96,14 @@ class StepOps:
         the newest checkpoint (the one a restart reads), or pin an older one.
         """
         if self._fetcher is None:
-            raise InvalidRequest("this daemon has no shared tier to prefetch from")
+            raise InvalidRequest("this daemon has no shared tier or peers to prefetch from")
         ckpt, _ = self._lookup.locate(job, step, 0, all_ranks=True)
         for rank in ranks:
             if not 0 <= rank < ckpt.world_size:
                 raise InvalidRequest(f"rank {rank} is not a rank of {job} step {ckpt.step} "
                                      f"(world size {ckpt.world_size})")
         wanted = sorted(set(ranks)) if ranks else range(ckpt.world_size)
-        todo = [copies[TierName.SHARED] for rank in wanted
-                for copies in [{p.tier: p for p in ckpt.committed(rank)}]
-                if TierName.LOCAL not in copies and TierName.SHARED in copies]
+        todo = [part for rank in wanted for part in [self._lookup.to_fetch(ckpt, rank)] if part is not None]
         copied = self._fetcher.fetch(todo) if todo else 0
         self._commits.seal_local(job, ckpt.step)  # when every part is here now, the step exists locally too
         if todo:
@@ -122,6 +123,13 @@ class StepOps:
             log.error("memory copy of %s step %d rank %d failed a reader's verification: %s", job, step, rank,
                       detail, extra=fields(job=job, step=step, rank=rank, tier=TierName.MEMORY, error=detail))
             self._memory.drop_job(job, step)
+            return
+        if tier == TierName.PEER:
+            # Checked on arrival: one that fails now went bad here. Dropped; another copy is read.
+            log.error("replica of %s step %d rank %d failed a reader's verification: %s", job, step, rank, detail,
+                      extra=fields(job=job, step=step, rank=rank, tier=TierName.PEER, error=detail))
+            if self._drop_replica is not None:
+                self._drop_replica(job, step, rank, f"it failed a reader's verification: {detail[:200]}")
             return
         ckpt = self._catalog.get(job, step)
         part = ckpt.parts.get(rank, {}).get(tier) if ckpt else None

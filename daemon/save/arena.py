@@ -72,6 +72,15 @@ class Budget:
             self._used += granted
             return granted
 
+    def take(self, n: int) -> bool:
+        """Reserves exactly ``n`` bytes if they are free now; never asks ``reclaim`` (what takes memory this
+        way, a peer's replica, must not evict a session's arena or the memory tier's copies)."""
+        with self._lock:
+            if self.total - self._used < n:
+                return False
+            self._used += n
+            return True
+
     def release(self, n: int) -> None:
         with self._lock:
             self._used -= n

@@ -38,6 +38,7 @@ from ckptstage.daemon.node.jobs import JobSummary
 from ckptstage.daemon.node.listing import CheckpointEntry, Located, Location
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.node.node import VERSION, Node
+from ckptstage.daemon.peers.health import JobPeers
 from ckptstage.daemon.save.sessions import SessionInfo
 from ckptstage.daemon.node.status import TierReport
 from ckptstage.protos import layout
@@ -61,7 +62,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
 ]
 
-_TIERS = {pb.LOCAL: TierName.LOCAL, pb.SHARED: TierName.SHARED, pb.MEMORY: TierName.MEMORY}
+_TIERS = {pb.LOCAL: TierName.LOCAL, pb.SHARED: TierName.SHARED, pb.MEMORY: TierName.MEMORY, pb.PEER: TierName.PEER}
 _TIER_PB = {v: k for k, v in _TIERS.items()}
 # Longest a blocking RPC holds a thread; clients loop for longer waits.
 MAX_BLOCK_S = 30.0
@@ -103,7 +104,7 @@ def _mapped(method: F) -> F:
 def _tier(value: pb.Tier) -> TierName:
     tier = _TIERS.get(value)
     if tier is None:
-        raise InvalidRequest(f"unknown tier {value}: LOCAL, SHARED or MEMORY")
+        raise InvalidRequest(f"unknown tier {value}: LOCAL, SHARED, MEMORY or PEER")
     return tier
 
 
@@ -156,7 +157,14 @@ class Servicer(pb_grpc.CheckpointerServicer):
         session = await self._run(self.node.open_session, info)
         return pb.OpenSessionResponse(session_id=session.id, chunk_bytes=session.chunk_bytes,
                                       daemon_version=VERSION, expected_bytes=session.info.expected_bytes,
-                                      memory_copy=session.info.memory_copy)
+                                      memory_copy=session.info.memory_copy,
+                                      peer_address=self.node.peer_address())
+
+    @_mapped
+    async def JoinPeers(self, request: pb.JoinPeersRequest,
+                        context: grpc.aio.ServicerContext) -> pb.JoinPeersResponse:
+        others = await self._run(self.node.join_peers, request.session_id, list(request.nodes))
+        return pb.JoinPeersResponse(peers=others)
 
     async def Attach(self, request: pb.AttachRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionEvent]:
@@ -335,7 +343,8 @@ def _checkpoint_info(c: CheckpointEntry) -> pb.CheckpointInfo:
         job=c.job, step=c.step, world_size=c.world_size, ranks_local=c.ranks_local, ranks_shared=c.ranks_shared,
         bytes=c.nbytes, created=c.created, complete=c.complete, pinned=c.pinned, drain_state=c.drain_state,
         metrics=c.metrics, attempt=c.attempt, committed_local=c.committed_local, committed_shared=c.committed_shared,
-        ranks_missing=c.ranks_missing, ranks_memory=c.ranks_memory)
+        ranks_missing=c.ranks_missing, ranks_memory=c.ranks_memory, ranks_peer=c.ranks_peer,
+        committed_peer=c.committed_peer)
 
 
 def _located(found: Located, handoff: str) -> pb.LocateResponse:
@@ -369,4 +378,13 @@ def _job_status(j: JobSummary) -> pb.JobStatus:
         sessions=j.sessions,
         drain=pb.DrainState(state=d.state, queued_parts=d.queued_parts, queued_bytes=d.queued_bytes,
                             last_error=d.last_error, last_error_time=d.last_error_time,
-                            consecutive_failures=d.consecutive_failures))
+                            consecutive_failures=d.consecutive_failures),
+        peers=_peer_state(j.peers) if j.peers is not None else None)
+
+
+def _peer_state(p: JobPeers) -> pb.PeerState:
+    return pb.PeerState(
+        peers=[pb.PeerHealth(address=h.address, state=h.state, last_error=h.last_error, last_ok_time=h.last_ok)
+               for h in p.peers],
+        replicated_step=p.replicated_step or 0, has_replicated=p.replicated_step is not None, lag_s=p.lag_s,
+        queued_parts=p.queued)

@@ -51,6 +51,7 @@ class TierName(str, Enum):
     LOCAL = "local"
     SHARED = "shared"
     MEMORY = "memory"  # the memory tier (memtier.py): never a catalogue part, named by waits and reports
+    PEER = "peer"      # other nodes of the job (daemon/peers/): their parts and replicas, and this node's replicas
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,12 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LOCAL: _ClassVar[Tier]
     SHARED: _ClassVar[Tier]
     MEMORY: _ClassVar[Tier]
+    PEER: _ClassVar[Tier]
 TIER_UNSPECIFIED: Tier
 LOCAL: Tier
 SHARED: Tier
 MEMORY: Tier
+PEER: Tier
 
 class Empty(_message.Message):
     __slots__ = ()
@@ -57,18 +59,20 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., retention: _Optional[_Union[RetentionOverrides, _Mapping]] = ..., attempt: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "chunk_bytes", "daemon_version", "expected_bytes", "memory_copy")
+    __slots__ = ("session_id", "chunk_bytes", "daemon_version", "expected_bytes", "memory_copy", "peer_address")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_COPY_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     chunk_bytes: int
     daemon_version: str
     expected_bytes: int
     memory_copy: bool
-    def __init__(self, session_id: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., daemon_version: _Optional[str] = ..., expected_bytes: _Optional[int] = ..., memory_copy: _Optional[bool] = ...) -> None: ...
+    peer_address: str
+    def __init__(self, session_id: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., daemon_version: _Optional[str] = ..., expected_bytes: _Optional[int] = ..., memory_copy: _Optional[bool] = ..., peer_address: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -218,7 +222,7 @@ class WaitSaveResponse(_message.Message):
     def __init__(self, done: _Optional[bool] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("job", "step", "world_size", "ranks_local", "ranks_shared", "bytes", "created", "complete", "pinned", "drain_state", "metrics", "attempt", "committed_local", "committed_shared", "ranks_missing", "ranks_memory")
+    __slots__ = ("job", "step", "world_size", "ranks_local", "ranks_shared", "bytes", "created", "complete", "pinned", "drain_state", "metrics", "attempt", "committed_local", "committed_shared", "ranks_missing", "ranks_memory", "ranks_peer", "committed_peer")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +246,8 @@ class CheckpointInfo(_message.Message):
     COMMITTED_SHARED_FIELD_NUMBER: _ClassVar[int]
     RANKS_MISSING_FIELD_NUMBER: _ClassVar[int]
     RANKS_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    RANKS_PEER_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_PEER_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     world_size: int
@@ -258,7 +264,9 @@ class CheckpointInfo(_message.Message):
     committed_shared: bool
     ranks_missing: _containers.RepeatedScalarFieldContainer[int]
     ranks_memory: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks_local: _Optional[_Iterable[int]] = ..., ranks_shared: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., created: _Optional[float] = ..., complete: _Optional[bool] = ..., pinned: _Optional[bool] = ..., drain_state: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., attempt: _Optional[str] = ..., committed_local: _Optional[bool] = ..., committed_shared: _Optional[bool] = ..., ranks_missing: _Optional[_Iterable[int]] = ..., ranks_memory: _Optional[_Iterable[int]] = ...) -> None: ...
+    ranks_peer: _containers.RepeatedScalarFieldContainer[int]
+    committed_peer: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks_local: _Optional[_Iterable[int]] = ..., ranks_shared: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., created: _Optional[float] = ..., complete: _Optional[bool] = ..., pinned: _Optional[bool] = ..., drain_state: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., attempt: _Optional[str] = ..., committed_local: _Optional[bool] = ..., committed_shared: _Optional[bool] = ..., ranks_missing: _Optional[_Iterable[int]] = ..., ranks_memory: _Optional[_Iterable[int]] = ..., ranks_peer: _Optional[_Iterable[int]] = ..., committed_peer: _Optional[bool] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("job", "memory")
@@ -597,7 +605,7 @@ class DrainState(_message.Message):
     def __init__(self, state: _Optional[str] = ..., queued_parts: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., last_error: _Optional[str] = ..., last_error_time: _Optional[float] = ..., consecutive_failures: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "checkpoints", "latest_step", "has_latest", "last_commit_time", "local_bytes", "shared_bytes", "sessions", "drain")
+    __slots__ = ("job", "checkpoints", "latest_step", "has_latest", "last_commit_time", "local_bytes", "shared_bytes", "sessions", "drain", "peers")
     JOB_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     LATEST_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -607,6 +615,7 @@ class JobStatus(_message.Message):
     SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
     job: str
     checkpoints: int
     latest_step: int
@@ -616,4 +625,154 @@ class JobStatus(_message.Message):
     shared_bytes: int
     sessions: int
     drain: DrainState
-    def __init__(self, job: _Optional[str] = ..., checkpoints: _Optional[int] = ..., latest_step: _Optional[int] = ..., has_latest: _Optional[bool] = ..., last_commit_time: _Optional[float] = ..., local_bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., drain: _Optional[_Union[DrainState, _Mapping]] = ...) -> None: ...
+    peers: PeerState
+    def __init__(self, job: _Optional[str] = ..., checkpoints: _Optional[int] = ..., latest_step: _Optional[int] = ..., has_latest: _Optional[bool] = ..., last_commit_time: _Optional[float] = ..., local_bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., drain: _Optional[_Union[DrainState, _Mapping]] = ..., peers: _Optional[_Union[PeerState, _Mapping]] = ...) -> None: ...
+
+class PeerState(_message.Message):
+    __slots__ = ("peers", "replicated_step", "has_replicated", "lag_s", "queued_parts")
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    REPLICATED_STEP_FIELD_NUMBER: _ClassVar[int]
+    HAS_REPLICATED_FIELD_NUMBER: _ClassVar[int]
+    LAG_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PARTS_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedCompositeFieldContainer[PeerHealth]
+    replicated_step: int
+    has_replicated: bool
+    lag_s: float
+    queued_parts: int
+    def __init__(self, peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., replicated_step: _Optional[int] = ..., has_replicated: _Optional[bool] = ..., lag_s: _Optional[float] = ..., queued_parts: _Optional[int] = ...) -> None: ...
+
+class PeerHealth(_message.Message):
+    __slots__ = ("address", "state", "last_error", "last_ok_time")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LAST_OK_TIME_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    state: str
+    last_error: str
+    last_ok_time: float
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., last_ok_time: _Optional[float] = ...) -> None: ...
+
+class JoinPeersRequest(_message.Message):
+    __slots__ = ("session_id", "nodes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class JoinPeersResponse(_message.Message):
+    __slots__ = ("peers",)
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, peers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReplicaHeader(_message.Message):
+    __slots__ = ("job", "step", "rank", "sender", "manifest", "digest")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    rank: int
+    sender: str
+    manifest: bytes
+    digest: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., sender: _Optional[str] = ..., manifest: _Optional[bytes] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class FileData(_message.Message):
+    __slots__ = ("name", "offset", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReplicaChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ReplicaHeader
+    data: FileData
+    def __init__(self, header: _Optional[_Union[ReplicaHeader, _Mapping]] = ..., data: _Optional[_Union[FileData, _Mapping]] = ...) -> None: ...
+
+class PutReplicaResponse(_message.Message):
+    __slots__ = ("kept_in",)
+    KEPT_IN_FIELD_NUMBER: _ClassVar[int]
+    kept_in: str
+    def __init__(self, kept_in: _Optional[str] = ...) -> None: ...
+
+class HoldingsRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class HeldPart(_message.Message):
+    __slots__ = ("step", "rank", "world_size", "attempt", "digest", "bytes", "created", "replica", "metrics", "in_memory")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    IN_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    rank: int
+    world_size: int
+    attempt: str
+    digest: str
+    bytes: int
+    created: float
+    replica: bool
+    metrics: _containers.ScalarMap[str, float]
+    in_memory: bool
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., attempt: _Optional[str] = ..., digest: _Optional[str] = ..., bytes: _Optional[int] = ..., created: _Optional[float] = ..., replica: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., in_memory: _Optional[bool] = ...) -> None: ...
+
+class HoldingsResponse(_message.Message):
+    __slots__ = ("parts",)
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[HeldPart]
+    def __init__(self, parts: _Optional[_Iterable[_Union[HeldPart, _Mapping]]] = ...) -> None: ...
+
+class PeerPart(_message.Message):
+    __slots__ = ("job", "step", "rank", "digest")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    rank: int
+    digest: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class PeerManifest(_message.Message):
+    __slots__ = ("manifest",)
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    manifest: bytes
+    def __init__(self, manifest: _Optional[bytes] = ...) -> None: ...
+
+class PeerFileRequest(_message.Message):
+    __slots__ = ("part", "name")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    part: PeerPart
+    name: str
+    def __init__(self, part: _Optional[_Union[PeerPart, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...

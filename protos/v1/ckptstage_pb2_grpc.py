@@ -139,6 +139,11 @@ class CheckpointerStub:
                 request_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ListJobsRequest.SerializeToString,
                 response_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ListJobsResponse.FromString,
                 _registered_method=True)
+        self.JoinPeers = channel.unary_unary(
+                '/ckptstage.v1.Checkpointer/JoinPeers',
+                request_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.JoinPeersRequest.SerializeToString,
+                response_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.JoinPeersResponse.FromString,
+                _registered_method=True)
 
 
 class CheckpointerServicer:
@@ -287,6 +292,15 @@ class CheckpointerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinPeers(self, request, context):
+        """The advertised peer addresses of every node the job runs on (the client gathers them over its
+        process group when the daemon has a peer tier): the nodes this daemon replicates the job's parts to
+        and asks for replicas.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -394,6 +408,11 @@ def add_CheckpointerServicer_to_server(servicer, server):
                     servicer.ListJobs,
                     request_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ListJobsRequest.FromString,
                     response_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ListJobsResponse.SerializeToString,
+            ),
+            'JoinPeers': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinPeers,
+                    request_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.JoinPeersRequest.FromString,
+                    response_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.JoinPeersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -963,6 +982,247 @@ class Checkpointer:
             '/ckptstage.v1.Checkpointer/ListJobs',
             ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ListJobsRequest.SerializeToString,
             ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ListJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinPeers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptstage.v1.Checkpointer/JoinPeers',
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.JoinPeersRequest.SerializeToString,
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.JoinPeersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class PeerStub:
+    """Between the daemons of one job's nodes, over TCP ([peers] listen), every call authenticated (a shared
+    token in the call's metadata, or mutual TLS). Tensor bytes do travel here: a replica is a copy of a
+    committed part, sent by the node that committed it to the nodes placement names.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.PutReplica = channel.stream_unary(
+                '/ckptstage.v1.Peer/PutReplica',
+                request_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ReplicaChunk.SerializeToString,
+                response_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PutReplicaResponse.FromString,
+                _registered_method=True)
+        self.Holdings = channel.unary_unary(
+                '/ckptstage.v1.Peer/Holdings',
+                request_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.HoldingsRequest.SerializeToString,
+                response_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.HoldingsResponse.FromString,
+                _registered_method=True)
+        self.ReadManifest = channel.unary_unary(
+                '/ckptstage.v1.Peer/ReadManifest',
+                request_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PeerPart.SerializeToString,
+                response_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PeerManifest.FromString,
+                _registered_method=True)
+        self.ReadFile = channel.unary_stream(
+                '/ckptstage.v1.Peer/ReadFile',
+                request_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PeerFileRequest.SerializeToString,
+                response_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.FileData.FromString,
+                _registered_method=True)
+
+
+class PeerServicer:
+    """Between the daemons of one job's nodes, over TCP ([peers] listen), every call authenticated (a shared
+    token in the call's metadata, or mutual TLS). Tensor bytes do travel here: a replica is a copy of a
+    committed part, sent by the node that committed it to the nodes placement names.
+    """
+
+    def PutReplica(self, request_iterator, context):
+        """A replica of a committed part: a header (the part's manifest), then its files' bytes in order.
+        Accepted only from a node the receiver knows runs the job (JoinPeers), checked block by block.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Holdings(self, request, context):
+        """What this node holds of a job: its own committed parts and the replicas it keeps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadManifest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadFile(self, request, context):
+        """One file of a part this node holds, from its start.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PeerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'PutReplica': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutReplica,
+                    request_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ReplicaChunk.FromString,
+                    response_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PutReplicaResponse.SerializeToString,
+            ),
+            'Holdings': grpc.unary_unary_rpc_method_handler(
+                    servicer.Holdings,
+                    request_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.HoldingsRequest.FromString,
+                    response_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.HoldingsResponse.SerializeToString,
+            ),
+            'ReadManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadManifest,
+                    request_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PeerPart.FromString,
+                    response_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PeerManifest.SerializeToString,
+            ),
+            'ReadFile': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadFile,
+                    request_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PeerFileRequest.FromString,
+                    response_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.FileData.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'ckptstage.v1.Peer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('ckptstage.v1.Peer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Peer:
+    """Between the daemons of one job's nodes, over TCP ([peers] listen), every call authenticated (a shared
+    token in the call's metadata, or mutual TLS). Tensor bytes do travel here: a replica is a copy of a
+    committed part, sent by the node that committed it to the nodes placement names.
+    """
+
+    @staticmethod
+    def PutReplica(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/ckptstage.v1.Peer/PutReplica',
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ReplicaChunk.SerializeToString,
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PutReplicaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Holdings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptstage.v1.Peer/Holdings',
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.HoldingsRequest.SerializeToString,
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.HoldingsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptstage.v1.Peer/ReadManifest',
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PeerPart.SerializeToString,
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PeerManifest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ckptstage.v1.Peer/ReadFile',
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PeerFileRequest.SerializeToString,
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.FileData.FromString,
             options,
             channel_credentials,
             insecure,
