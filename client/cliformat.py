@@ -111,7 +111,20 @@ def job_line(j: pb.JobStatus) -> str:
     if j.drain.last_error:
         line += (f"; last drain error {when(j.drain.last_error_time)} ({age(j.drain.last_error_time)}): "
                  f"{j.drain.last_error}")
+    if j.peers.peers:
+        line += "; " + peers_text(j.peers)
     return line
+
+
+def peers_text(p: pb.PeerState) -> str:
+    """``replicas to 10.0.0.2:7461 ok, 10.0.0.3:7461 failing (UNAVAILABLE: ...); step 40 replicated, 1
+    part queued 12s``: where a job's parts go, whether they get there, how far behind."""
+    each = [f"{h.address} {h.state}" + (f" ({h.last_error})" if h.last_error else "") for h in p.peers]
+    text = "replicas to " + ", ".join(each)
+    text += f"; step {p.replicated_step} replicated" if p.has_replicated else "; no step replicated yet"
+    if p.queued_parts:
+        text += f", {p.queued_parts} part(s) queued {p.lag_s:.0f}s"
+    return text
 
 
 def ranges(ranks: Iterable[int]) -> str:

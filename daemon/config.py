@@ -28,7 +28,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ckptstage.daemon.configpeers import PeersConfig
+from ckptstage.daemon.configpeers import PEER_ADVERTISE_ENV, PeersConfig
 from ckptstage.daemon.configvalues import (
     BOOL,
     ENDPOINT,
@@ -415,6 +415,11 @@ def _fill_env_defaults(raw: dict[str, Any], env: Mapping[str, str], origins: dic
     if "node_name" not in raw and env.get(NODE_NAME_ENV):
         raw["node_name"] = env[NODE_NAME_ENV]
         origins["node_name"] = f"${NODE_NAME_ENV}"
+    peers = raw.get("peers")
+    if isinstance(peers, dict) and peers.get("listen") and "advertise" not in peers \
+            and env.get(PEER_ADVERTISE_ENV):
+        peers["advertise"] = env[PEER_ADVERTISE_ENV]
+        origins["peers.advertise"] = f"${PEER_ADVERTISE_ENV}"
     local = raw.setdefault("local", {})
     if isinstance(local, dict) and "dir" not in local:
         local["dir"] = str(default_data_dir(env) / "local")

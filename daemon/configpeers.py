@@ -28,6 +28,8 @@ from ckptstage.daemon.configvalues import (
 # A token shorter than this is refused: it is the only thing between the port and the job's checkpoints.
 MIN_TOKEN_BYTES = 16
 MAX_TOKEN_BYTES = 4096
+# Where [peers] advertise defaults from, before the host name (a pod's address: deploy/kubernetes).
+PEER_ADVERTISE_ENV = "CKPTSTAGE_PEER_ADVERTISE"
 # Replicas kept on the local SSD take at most this share of the local tier's file system.
 DISK_SHARE = 0.25
 
@@ -37,7 +39,8 @@ class PeersConfig:
     """Where this daemon listens for its job's other nodes, how many copies it sends, how it is trusted."""
 
     listen: str | None = field(default=None, metadata=kind(LISTEN))  # "HOST:PORT"; None: no peer tier
-    # The address other nodes reach this one at; None: this host's name and the listen port.
+    # The address other nodes reach this one at; None: $CKPTSTAGE_PEER_ADVERTISE, else this host's name
+    # and the listen port.
     advertise: str | None = field(default=None, metadata=kind(LISTEN))
     # Copies of each committed part on other nodes of the job (no two on one node).
     replicas: int = field(default=1, metadata=kind(int_between(1, 16)))

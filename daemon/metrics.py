@@ -193,11 +193,10 @@ class _StateCollector(Collector):
             yield GaugeMetricFamily("ckptstage_shared_tier_up", "1 when the last shared-tier operation worked.",
                                     value=1 if reachable else 0)
         lag = p.peer_lag_s()
+        yield GaugeMetricFamily("ckptstage_peer_replication_lag_seconds",
+                                "How long the oldest part waiting for its replicas on other nodes has waited "
+                                "(0: none waits, or no peer tier).", value=lag or 0.0)
         if lag is not None:
-            yield GaugeMetricFamily("ckptstage_peer_replication_lag_seconds",
-                                    "How long the oldest part waiting for its replicas on other nodes has "
-                                    "waited (0: every committed part of the newest steps is replicated).",
-                                    value=lag)
             mem_n, mem_b, disk_n, disk_b = p.peer_replicas()
             held = GaugeMetricFamily("ckptstage_peer_replicas", "Replicas of other nodes' parts kept here, by "
                                      "where.", labels=["where"])

@@ -698,3 +698,57 @@ def test_the_node_name_comes_from_the_key_else_the_environment(tmp_path: Path, e
     assert load_config(path, env={**env, "CKPTSTAGE_NODE_NAME": "gpu-07"}).node_name == "gpu-01"
     with pytest.raises(ConfigError, match=r"^\$CKPTSTAGE_NODE_NAME: node_name: must be a name of letters, digits"):
         load_config(None, env={**env, "CKPTSTAGE_NODE_NAME": "gpu 07/x"})
+
+
+# --- [peers] --------------------------------------------------------------------------------
+
+
+def _token(tmp_path: Path, text: str = "a" * 32, mode: int = 0o600) -> Path:
+    path = tmp_path / "peer.token"
+    path.write_text(text + "\n")
+    path.chmod(mode)
+    return path
+
+
+def test_peers_are_off_unless_they_listen_and_then_must_authenticate(tmp_path: Path, env: dict[str, str]) -> None:
+    assert not load_config(None, env=env).peers.enabled
+    with pytest.raises(ConfigError, match=r"peers\.listen: a peer tier must authenticate its peers"):
+        load_config(None, {"peers.listen": "0.0.0.0:7461"}, env=env)
+    with pytest.raises(ConfigError, match=r"peers\.token_file: is set but peers\.listen is not"):
+        load_config(None, {"peers.token_file": str(_token(tmp_path))}, env=env)
+    cfg = load_config(None, {"peers.listen": "0.0.0.0:7461", "peers.token_file": str(_token(tmp_path))}, env=env)
+    assert cfg.peers.enabled and cfg.peers.read_token() == b"a" * 32
+    assert (cfg.peers.replicas, cfg.peers.keep, cfg.peers.max_bandwidth) == (1, 1, None)
+    assert cfg.peers.address.endswith(":7461")  # this host's name and the listen port
+    assert load_config(write(tmp_path, cfg.to_toml()), env=env) == cfg
+
+
+@pytest.mark.parametrize("text, mode, problem", [
+    ("a" * 32, 0o644, r"has mode 0644: a secret must be readable by its owner only \(chmod 600 "),
+    ("a" * 32, 0o640, r"has mode 0640"),
+    ("short", 0o600, r"holds 5 bytes; a token must be 16 to 4096 bytes"),
+    ("with a space in it, long enough", 0o600, r"printable ASCII without spaces"),
+])
+def test_a_token_file_others_can_read_or_that_is_too_weak_is_refused_at_load(
+        tmp_path: Path, env: dict[str, str], text: str, mode: int, problem: str) -> None:
+    token = _token(tmp_path, text, mode)
+    with pytest.raises(ConfigError, match=r"peers\.token_file: .*" + problem):
+        load_config(None, {"peers.listen": "0.0.0.0:7461", "peers.token_file": str(token)}, env=env)
+
+
+def test_a_missing_token_file_or_half_a_tls_setup_is_refused_naming_the_key(tmp_path: Path,
+                                                                             env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError, match=r"peers\.token_file: cannot read .*No such file"):
+        load_config(None, {"peers.listen": "0.0.0.0:7461", "peers.token_file": str(tmp_path / "nope")}, env=env)
+    cert = tmp_path / "peer.crt"
+    cert.write_text("-----BEGIN CERTIFICATE-----\n")
+    with pytest.raises(ConfigError, match=r"peers\.tls_key: mutual TLS needs tls_cert, tls_key and tls_ca"):
+        load_config(None, {"peers.listen": "0.0.0.0:7461", "peers.tls_cert": str(cert)}, env=env)
+
+
+def test_the_advertised_address_comes_from_the_key_else_the_environment(tmp_path: Path, env: dict[str, str]) -> None:
+    given = {"peers.listen": "0.0.0.0:7461", "peers.token_file": str(_token(tmp_path))}
+    pod = {**env, "CKPTSTAGE_PEER_ADVERTISE": "10.1.2.3:7461"}
+    assert load_config(None, given, env=pod).peers.address == "10.1.2.3:7461"
+    assert load_config(None, {**given, "peers.advertise": "gpu-01:7461"}, env=pod).peers.address == "gpu-01:7461"
+    assert load_config(None, env=pod).peers.advertise is None  # no peer tier: the variable is not used

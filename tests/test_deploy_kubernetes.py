@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from ckptstage.daemon.config import Config, load_config
-from ckptstage.daemon.configvalues import NODE_NAME_ENV, parse_size
+from ckptstage.daemon.configvalues import NODE_NAME_ENV, parse_size, split_host_port
 from ckptstage.daemon.node.node import node_name
 from ckptstage.protos import layout
 from ckptstage.daemon.launcher import DaemonProcess
@@ -381,3 +381,36 @@ def test_the_pods_config_and_flags_start_a_real_daemon_and_the_probe_answers(tmp
         assert out.returncode != 0
     finally:
         d.stop()
+
+
+def test_the_peer_port_token_and_address_are_wired_and_the_commented_config_runs(tmp_path: Path) -> None:
+    """The ConfigMap's [peers] block, uncommented as the README says, is a valid config whose token is the
+    file the init container makes (owned by the training uid, 0600, from the optional Secret), on the port
+    the pod declares, advertised at the pod's address."""
+    cfg, spec, c = daemon_config()
+    assert cfg.peers.listen is None  # off until the operator has made the Secret
+    text = one("ConfigMap")["data"]["ckptstaged.toml"]
+    block = text[text.index("# [peers]"):]
+    enabled = "\n".join(line.strip()[2:] for line in block.splitlines() if line.strip().startswith("# "))
+    token_path = PurePosixPath(re.search(r'token_file = "([^"]+)"', enabled)[1])  # type: ignore[index]
+    token = tmp_path / "token"
+    token.write_text("f" * 64)
+    token.chmod(0o600)
+    toml = tmp_path / "peers.toml"
+    toml.write_text(enabled.replace(str(token_path), str(token)))
+    peers = load_config(toml, {"local.dir": str(tmp_path / "local")},
+                        env={"HOME": str(tmp_path), "CKPTSTAGE_PEER_ADVERTISE": "10.1.2.3:7461"}).peers
+    port = split_host_port(peers.listen or "")[1]
+    assert peers.address == "10.1.2.3:7461" and split_host_port(peers.address)[1] == port
+    assert {p["name"]: p["containerPort"] for p in c["ports"]}["peers"] == port
+    env = env_of(c)
+    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["CKPTSTAGE_PEER_ADVERTISE"] == f"$(POD_IP):{port}"
+    # The daemon reads the token from the memory volume the init container filled from the Secret.
+    vol, mount, m = volume(spec, c, token_path)
+    assert source(vol)[0] == "emptyDir" and vol["emptyDir"]["medium"] == "Memory" and m.get("readOnly")
+    init = next(i for i in spec["initContainers"] if i["name"] == "prepare-dirs")
+    script = init["command"][-1]
+    assert f"cp /etc/ckptstage-peer-secret/token {token_path}" in script and f"chmod 0600 {token_path}" in script
+    secret, _, _ = volume(spec, init, "/etc/ckptstage-peer-secret/token")
+    assert secret["secret"]["secretName"] == "ckptstage-peer-token" and secret["secret"]["optional"] is True

@@ -554,6 +554,14 @@ PROMTOOL_CASES: list[dict[str, Any]] = [
      "alert_rule_test": [
          fires("CkptstageSavesFailing", "50m", {}),
          fires("CkptstageTierFillingUp", "59m", {"tier": "local"})]},
+    {"interval": "1m",
+     "input_series": [
+         # A peer went away at 5m: the oldest queued part's wait grows a minute per minute; back at 40m.
+         series("ckptstage_peer_replication_lag_seconds", "0x5 0+60x35 0x10")],
+     "alert_rule_test": [
+         fires("CkptstageReplicationLagging", "20m"),  # 10 min of lag at 15m, not yet for 10 minutes
+         fires("CkptstageReplicationLagging", "30m", {}),
+         fires("CkptstageReplicationLagging", "45m")]},
 ]
 
 

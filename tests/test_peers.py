@@ -316,3 +316,20 @@ def test_a_replica_that_was_evicted_is_not_counted_by_latest(daemon_factory: Any
         assert not listed[2].complete and listed[2].ranks_missing == (1,)
     finally:
         reader.close()
+
+
+def test_a_session_that_needs_the_memory_moves_replicas_to_disk(daemon_factory: Any, tmp_path: Path) -> None:
+    a, b = peer_nodes(daemon_factory, tmp_path / "nodes", 2, **{"arena.max_bytes": "8MiB"})
+    writer = Client(JOB, socket=a.socket, rank=0, world_size=2, attempt="run-1", arena_bytes=1 << 20)
+    reader = Client(JOB, socket=b.socket, rank=1, world_size=2, attempt="run-1", arena_bytes=0)
+    try:
+        join([writer, reader], [a, b])
+        save_all([writer], 1)
+        assert [(h.rank, h.in_memory) for h in holdings(b, JOB) if h.replica] == [(0, True)]
+        # B's trainer now takes the whole budget: the replica makes way by moving to B's SSD, not by going.
+        with Client("other-job", socket=b.socket, arena_bytes=8 << 20):
+            assert [(h.rank, h.in_memory) for h in holdings(b, JOB) if h.replica] == [(0, False)]
+            assert layout.read_manifest(layout.part_dir(b.local / ".peers", JOB, 1, 0))["rank"] == 0
+    finally:
+        writer.close()
+        reader.close()

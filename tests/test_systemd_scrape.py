@@ -79,7 +79,17 @@ def test_the_metrics_drop_in_allows_a_scraper_on_another_machine_and_nothing_els
 
 
 def _documented_listens(text: str) -> set[str]:
-    return set(re.findall(r'listen = "([\d.:\[\]a-f]+:\d+)"', text))
+    """The ``[metrics] listen`` values a page shows (a ``listen`` under another section, ``[peers]``, is not
+    the metrics port)."""
+    found, section = set(), ""
+    for line in text.splitlines():
+        header = re.match(r"\s*#?\s*\[(\w+)\]\s*(#.*)?$", line)
+        if header:
+            section = header.group(1)
+        value = re.search(r'listen = "([\d.:\[\]a-f]+:\d+)"', line)
+        if value and section != "peers":
+            found.add(value.group(1))
+    return found
 
 
 def test_the_docs_and_the_drop_in_give_one_listen_value_the_daemon_accepts(tmp_path: Path) -> None:

@@ -154,9 +154,9 @@ class Lookup:
         layout.check_step(step)
         if tier == TierName.SHARED and self._drainer is None:
             raise InvalidRequest("this daemon has no shared tier ([shared] dir is not set)")
-        if tier == TierName.MEMORY:
-            raise InvalidRequest("a step is not waited for in the memory tier: wait for each save "
-                                 "(SaveHandle.wait('memory'))")
+        if tier in (TierName.MEMORY, TierName.PEER):
+            raise InvalidRequest(f"a step is not waited for in the {tier.value} tier: wait for each save "
+                                 f"(SaveHandle.wait('{tier.value}'))")
         if tier is not None and not self._config.local.persists(step) and self._catalog.get(job, step) is None:
             raise InvalidRequest(f"step {step} is kept in memory only: [local] persist_every = "
                                  f"{self._config.local.persist_every} writes only steps that are multiples of it")

@@ -28,7 +28,7 @@ def open_peers(config: Config, local: Tier, state_dir: Path, owner: str, catalog
         ckpt = catalog.get(job, step)
         return ckpt is not None and ckpt.complete_on(TierName.SHARED)
 
-    return PeerTier(config.peers, local, state_dir, owner, catalog, budget, metrics, on_shared)
+    return PeerTier(config.peers, local, state_dir, owner, catalog, budget, metrics, on_shared, config.persist.nice)
 
 
 def reclaimer(budget: Budget, memory: MemoryTier, peers: PeerTier | None

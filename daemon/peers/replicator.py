@@ -14,6 +14,7 @@ newest. ``wait`` answers ``SaveHandle.wait("peer")``.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from ckptstage.daemon import fsutil
 from ckptstage.daemon.catalog.parts import Part
 from ckptstage.daemon.errors import DaemonError, SaveFailed
 from ckptstage.daemon.logs import fields
@@ -60,13 +62,14 @@ class Replicator:
     """The queue of parts to replicate and the threads that send them."""
 
     def __init__(self, members: Members, dialer: Dialer, replicas: int, max_bandwidth: int | None,
-                 metrics: Metrics, clock: Callable[[], float] = time.time) -> None:
+                 metrics: Metrics, nice: int = 0, clock: Callable[[], float] = time.time) -> None:
         self._members = members
         self._dialer = dialer
         self._replicas = replicas
         self._limiter = RateLimiter(max_bandwidth)
         self._metrics = metrics
         self._clock = clock
+        self._nice = nice  # as the drain's threads: under contention the trainer and the control plane first
         self._cond = threading.Condition()
         self._queue: dict[str, dict[Key, _Pending]] = {}  # job -> its newest step's parts waiting to go
         self._sending: set[Key] = set()
@@ -168,7 +171,7 @@ class Replicator:
                 ready = [p for q in self._queue.values() for k, p in q.items()
                          if k not in self._sending and p.not_before <= now]
                 if ready:
-                    pending = min(ready, key=lambda p: (p.part.step * -1, p.queued))
+                    pending = min(ready, key=lambda p: (-p.part.step, p.queued))
                     self._sending.add((pending.part.job, pending.part.step, pending.part.rank))
                     return pending
                 wake = min((p.not_before for q in self._queue.values() for p in q.values()), default=now + 1.0)
@@ -176,6 +179,7 @@ class Replicator:
         return None
 
     def _work(self) -> None:
+        fsutil.lower_thread_priority(self._nice)
         while (pending := self._take()) is not None:
             part = pending.part
             key = (part.job, part.step, part.rank)
@@ -238,6 +242,8 @@ class Replicator:
                     self._limiter.acquire(len(piece))
                     yield pb.ReplicaChunk(data=pb.FileData(name=name, offset=offset, data=piece))
                     offset += len(piece)
+                # The persister wrote it around the page cache: what this read put there goes again.
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
     def _settle(self, key: Key, digest: str, outcome: str) -> None:
         """Records how a part's replication ended ("": done); with the condition held."""

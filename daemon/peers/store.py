@@ -199,9 +199,12 @@ class ReplicaStore:
     # --- receiving ---------------------------------------------------------------------
 
     def receive(self, job: str, step: int, rank: int, manifest_raw: bytes, digest: str,
-                data: Iterable[tuple[str, int, bytes]], memory: bool = True) -> Replica:
+                data: Iterable[tuple[str, int, bytes]], memory: bool = True, durable: bool = True) -> Replica:
         """Keeps a replica whose files arrive as ``data`` ((file, offset, bytes), each file in order),
-        every block checked as it arrives. ``memory``: in memory if the budget has room (else on disk).
+        every block checked as it arrives. ``memory``: in memory if the budget has room (else on disk);
+        ``durable``: a replica on disk has its data fsynced before its manifest (a copy fetched for a
+        reader about to open it need not be: a crash before the page cache is written back leaves a copy
+        that fails its checks, and the holders still have theirs).
         Raises :class:`CorruptReplica`, :class:`InvalidRequest` or :class:`NoRoom`; nothing is kept then."""
         manifest = parse_header(job, step, rank, manifest_raw, digest)
         nbytes = layout.part_bytes(manifest)
@@ -212,7 +215,8 @@ class ReplicaStore:
             if in_memory:
                 replica = self._receive_memory(job, step, rank, manifest_raw, manifest, entries, data)
             else:
-                replica = self._receive_disk(job, step, rank, manifest_raw, manifest, entries, data, nbytes)
+                replica = self._receive_disk(job, step, rank, manifest_raw, manifest, entries, data, nbytes,
+                                             durable)
         except BaseException:
             if in_memory:
                 self._budget.release(nbytes)
@@ -236,7 +240,7 @@ class ReplicaStore:
 
     def _receive_disk(self, job: str, step: int, rank: int, raw: bytes, manifest: Manifest,
                       entries: dict[str, layout.FileEntry], data: Iterable[tuple[str, int, bytes]],
-                      nbytes: int) -> Replica:
+                      nbytes: int, durable: bool = True) -> Replica:
         if nbytes > self._disk_room():
             raise NoRoom(f"no room for a replica of {job} step {step} rank {rank} ({nbytes} bytes): the arena "
                          "budget is in use and the SSD share for replicas is full")
@@ -247,7 +251,7 @@ class ReplicaStore:
             try:
                 _assemble(entries, data, lambda name, offset, chunk: sinks[name].write(memoryview(chunk), offset),
                           final)
-                for sink in sinks.values():
+                for sink in sinks.values() if durable else ():
                     sink.sync()
             finally:
                 for sink in sinks.values():

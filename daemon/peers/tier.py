@@ -52,7 +52,7 @@ class PeerTier:
     """Everything ``[peers]`` does on one node."""
 
     def __init__(self, config: PeersConfig, local: Tier, state_dir: Path, owner: str, catalog: Catalog,
-                 budget: Budget, metrics: Metrics, on_shared: Callable[[str, int], bool]) -> None:
+                 budget: Budget, metrics: Metrics, on_shared: Callable[[str, int], bool], nice: int = 0) -> None:
         self.address = config.address
         self._catalog = catalog
         self._metrics = metrics
@@ -60,7 +60,8 @@ class PeerTier:
         self.members = Members(state_dir / MEMBERS_FILE, self.address)
         self.dialer = Dialer(config)
         self.store = ReplicaStore(local.root / STORE_DIR, owner, budget, config.keep, self._disk_room, on_shared)
-        self.replicator = Replicator(self.members, self.dialer, config.replicas, config.max_bandwidth, metrics)
+        self.replicator = Replicator(self.members, self.dialer, config.replicas, config.max_bandwidth, metrics,
+                                     nice)
         self.view = PeerView(self.members, self.dialer, self.store, catalog, metrics)
         self.store.on_change = self.view.invalidate
 

@@ -126,19 +126,19 @@ class PeerView:
     def _index(self, job: str, held: dict[str, list[pb.HeldPart]]) -> None:
         parts: dict[tuple[int, int], Part] = {}
         holders: dict[PartKey, list[tuple[str, bool]]] = {}
+        own = {(r.step, r.rank) for r in self._store.of_job(job)}  # this node's replicas come first
         for replica in self._store.of_job(job):
             parts[(replica.step, replica.rank)] = replica.part()
         for address in sorted(held):
             for h in held[address]:
                 holders.setdefault((job, h.step, h.rank, h.digest), []).append((address, h.in_memory))
-                mine = parts.get((h.step, h.rank))
-                if mine is None or (not mine.path.is_relative_to(self._store.disk.root) and
-                                    h.created > mine.created):
+                found = parts.get((h.step, h.rank))
+                if (h.step, h.rank) not in own and (found is None or h.created > found.created):
                     parts[(h.step, h.rank)] = Part(job, h.step, h.rank, h.world_size, TierName.PEER,
                                                    remote_path(address, job, h.step, h.rank), h.bytes, h.created,
                                                    dict(h.metrics), h.attempt, h.digest)
-        for found in holders.values():
-            found.sort(key=lambda h: not h[1])  # memory first
+        for where in holders.values():
+            where.sort(key=lambda h: not h[1])  # memory first
         with self._lock:
             for key in [k for k in self._holders if k[0] == job]:
                 del self._holders[key]
@@ -190,7 +190,8 @@ class PeerView:
                     yield piece.name, piece.offset, piece.data
 
         started = time.monotonic()
-        replica = self._store.receive(part.job, part.step, part.rank, raw, part.digest, data(), memory=False)
+        replica = self._store.receive(part.job, part.step, part.rank, raw, part.digest, data(), memory=False,
+                                      durable=False)
         elapsed = time.monotonic() - started
         log.info("fetched %s step %d rank %d from %s: %d bytes in %.2fs", part.job, part.step, part.rank, address,
                  replica.nbytes, elapsed, extra=fields(job=part.job, step=part.step, rank=part.rank, peer=address,
