@@ -89,7 +89,7 @@ def tcp_copy_s(nbytes: int) -> float:
         conn, _ = server.accept()
         view, got = memoryview(dst), 0
         while got < len(dst):
-            n = conn.recv_into(view[got:], 1 << 20)
+            n = conn.recv_into(view[got:], min(1 << 20, len(dst) - got))
             if not n:
                 break
             got += n
@@ -128,7 +128,10 @@ def main() -> int:
         a, b, c, d = (daemons[n] for n in "ABCD")
         try:
             on = Client("replicated", socket=a.socket, rank=0, world_size=1, arena_bytes=nbytes)
-            on._session.join_peers(sorted([a.peer, b.peer]))
+            # B takes replicas of the job only once a client of the job told it the job's nodes.
+            other = Client("replicated", socket=b.socket, rank=0, world_size=1, arena_bytes=0)
+            for client in (on, other):
+                client._session.join_peers(sorted([a.peer, b.peer]))
             off = Client("alone", socket=a.socket, rank=0, world_size=1, arena_bytes=nbytes)
             times: dict[str, list[float]] = {"on": [], "off": []}
             peer_s: list[float] = []
@@ -149,6 +152,7 @@ def main() -> int:
                                  if label == "on" else ""))
                     time.sleep(args.compute_s)
             on.close()
+            other.close()
             off.close()
             ratio = statistics.median(times["on"]) / statistics.median(times["off"])
             print_table("Trainer blocked per save (save + wait_snapshot)", [
