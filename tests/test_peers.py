@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from ckptstage.client.errors import SaveFailed
 from ckptstage.daemon.peers import placement
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
+from ckptstage.protos.v1 import ckptstage_pb2_grpc as pb_grpc
 from dist_harness import RankContext, run_ranks
 from peers_support import holdings, join, peer_nodes, peer_stub, replicas_held
 from support import free_port, metric, scrape, wait_until
@@ -49,6 +51,19 @@ def save_all(clients: list[Client], step: int, peer: bool = True) -> None:
         h.wait("local", timeout=30)
         if peer:
             h.wait("peer", timeout=30)
+
+
+def save_on(nodes: list[Any], step: int, **client_args: Any) -> None:
+    """A job with rank r on ``nodes[r]``: its clients start (and name the job's nodes), save ``step``, wait
+    for its replicas, and exit."""
+    clients = [Client(JOB, socket=d.socket, rank=r, world_size=len(nodes), attempt="run-1", **client_args)
+               for r, d in enumerate(nodes)]
+    try:
+        join(clients, nodes)
+        save_all(clients, step)
+    finally:
+        for cl in clients:
+            cl.close()
 
 
 def lose(node: Any) -> None:
@@ -115,14 +130,7 @@ def test_replicas_on_disk_when_the_budget_is_in_use_survive_the_daemon_and_resto
                                                                                  tmp_path: Path) -> None:
     # Each node's whole arena budget is its trainer's arena: replicas go to the local SSD.
     a, b, c = peer_nodes(daemon_factory, tmp_path / "nodes", 3, **{"arena.max_bytes": "4MiB"})
-    clients = [Client(JOB, socket=d.socket, rank=r, world_size=2, attempt="run-1", arena_bytes=4 << 20)
-               for r, d in enumerate((a, b))]
-    try:
-        join(clients, [a, b])
-        save_all(clients, 5)
-    finally:
-        for cl in clients:
-            cl.close()
+    save_on([a, b], 5, arena_bytes=4 << 20)
     kept = [h for h in holdings(b, JOB) if h.replica]
     assert [(h.step, h.rank, h.in_memory) for h in kept] == [(5, 0, False)]
     assert layout.read_manifest(layout.part_dir(b.local / ".peers", JOB, 5, 0))["rank"] == 0
@@ -245,13 +253,7 @@ def test_wait_peer_says_why_a_part_has_no_replica(daemon_factory: Any, tmp_path:
 @pytest.mark.parametrize("n", [3, 5])
 def test_every_part_lands_where_placement_says(daemon_factory: Any, tmp_path: Path, n: int) -> None:
     nodes = peer_nodes(daemon_factory, tmp_path / "nodes", n, **{"peers.replicas": 2})
-    clients = [Client(JOB, socket=d.socket, rank=r, world_size=n, attempt="run-1") for r, d in enumerate(nodes)]
-    try:
-        join(clients, nodes)
-        save_all(clients, 1)
-    finally:
-        for cl in clients:
-            cl.close()
+    save_on(nodes, 1)
     addresses = [d.peer for d in nodes]
     for holder in nodes:
         want = {(1, r) for r, d in enumerate(nodes) if holder.peer in placement.targets(addresses, d.peer, 2)}
@@ -264,14 +266,7 @@ def test_a_flipped_byte_in_a_replica_falls_back_to_another_copy(daemon_factory: 
     a, b, c, d = peer_nodes(daemon_factory, tmp_path / "nodes", 4, **{"arena.max_bytes": "4MiB",
                                                                        "peers.replicas": 2})
     three = [a, b, c]
-    clients = [Client(JOB, socket=n.socket, rank=r, world_size=3, attempt="run-1", arena_bytes=4 << 20)
-               for r, n in enumerate(three)]
-    try:
-        join(clients, three)
-        save_all(clients, 1)
-    finally:
-        for cl in clients:
-            cl.close()
+    save_on(three, 1, arena_bytes=4 << 20)
     holders = [n for n in three if (1, 0) in replicas_held(n, JOB)]
     assert len(holders) == 2
     first = min(holders, key=lambda n: n.peer)  # asked first by the reader below
@@ -333,3 +328,44 @@ def test_a_session_that_needs_the_memory_moves_replicas_to_disk(daemon_factory: 
     finally:
         writer.close()
         reader.close()
+
+
+def _certificates(root: Path) -> dict[str, Path]:
+    """A CA, and a certificate for 127.0.0.1 signed by it (every node here uses the one: loopback)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed: no certificates to test mutual TLS with")
+    root.mkdir(parents=True, exist_ok=True)
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], check=True, capture_output=True, cwd=root, timeout=60)
+
+    run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2",
+        "-subj", "/CN=ckptstage-test-ca", "-keyout", "ca.key", "-out", "ca.crt")
+    run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-subj", "/CN=127.0.0.1",
+        "-keyout", "node.key", "-out", "node.csr")
+    (root / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "node.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "2",
+        "-extfile", "san.ext", "-out", "node.crt")
+    (root / "node.key").chmod(0o600)
+    return {"peers.tls_cert": root / "node.crt", "peers.tls_key": root / "node.key", "peers.tls_ca": root / "ca.crt"}
+
+
+def test_mutual_tls_replicates_and_refuses_a_caller_without_a_certificate(daemon_factory: Any,
+                                                                         tmp_path: Path) -> None:
+    tls = {k: str(v) for k, v in _certificates(tmp_path / "pki").items()}
+    a, b = peer_nodes(daemon_factory, tmp_path / "nodes", 2, **{**tls, "peers.token_file": ""})
+    save_on([a, b], 1)
+    pki = tmp_path / "pki"
+    creds = grpc.ssl_channel_credentials((pki / "ca.crt").read_bytes(), (pki / "node.key").read_bytes(),
+                                         (pki / "node.crt").read_bytes())
+    stub = pb_grpc.PeerStub(grpc.secure_channel(b.peer, creds))
+    held = stub.Holdings(pb.HoldingsRequest(job=JOB), timeout=10).parts
+    assert {(h.step, h.rank) for h in held if h.replica} == {(1, 0)}
+    # TLS without a client certificate, and plain TCP: no call gets through.
+    ca_only = grpc.ssl_channel_credentials((pki / "ca.crt").read_bytes())
+    anonymous = pb_grpc.PeerStub(grpc.secure_channel(b.peer, ca_only))
+    for s in (anonymous, peer_stub(b)[0]):
+        with pytest.raises(grpc.RpcError) as info:
+            s.Holdings(pb.HoldingsRequest(job=JOB), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
