@@ -235,7 +235,7 @@ class ReplicaStore:
         buffers = {name: mmap.mmap(-1, max(1, e.size), flags=_POPULATED) for name, e in entries.items()}
         try:
             _assemble(entries, data, lambda name, offset, chunk: _put_bytes(buffers[name], offset, chunk),
-                      Path(job) / f"step-{step}" / f"rank-{rank}")
+                      memory_path(job, step, rank))
         except BaseException:
             for buf in buffers.values():
                 buf.close()

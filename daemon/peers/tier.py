@@ -64,6 +64,7 @@ class PeerTier:
                                      nice)
         self.view = PeerView(self.members, self.dialer, self.store, catalog, metrics)
         self.store.on_change = self.view.invalidate
+        self._refused: set[tuple[str, str]] = set()  # (job, sender) refused and logged, until accepted
 
     def start(self) -> None:
         found = self.store.recover()
@@ -132,12 +133,16 @@ class PeerTier:
         nodes = self.members.nodes(job)
         if sender not in nodes or sender == self.address:
             self._metrics.peer_refused.labels("not_a_member").inc()
-            log.warning("refused a replica of %s step %d rank %d from %s: it is not a node of the job here (%s)",
+            # Once per sender and job until it is accepted: the sender retries with backoff.
+            level = logging.DEBUG if (job, sender) in self._refused else logging.WARNING
+            self._refused.add((job, sender))
+            log.log(level, "refused a replica of %s step %d rank %d from %s: it is not a node of the job here (%s)",
                         job, step, rank, sender, ", ".join(nodes) or "no session of the job has been here",
                         extra=fields(job=job, step=step, rank=rank, peer=sender, tier=TierName.PEER))
             raise NotAMember(f"{sender!r} is not a node of {job} as this daemon knows it: a replica is accepted "
                              "only from a node the job's clients named (and only by a node that has had a "
                              "session of the job)")
+        self._refused.discard((job, sender))
         replica = self.store.receive(job, step, rank, manifest_raw, digest, data)
         self._metrics.peer_received_bytes.inc(replica.nbytes)
         self._catalog.add(replica.part())
