@@ -20,12 +20,13 @@ from typing import Any, TypeVar
 import grpc
 
 from ckptstage.daemon.configpeers import PeersConfig
-from ckptstage.daemon.errors import CheckpointNotFound, InvalidRequest, ShuttingDown
+from ckptstage.daemon.errors import InvalidRequest
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.peers import transport
 from ckptstage.daemon.peers.store import CorruptReplica, NoRoom
 from ckptstage.daemon.peers.tier import NotAMember, PeerTier
+from ckptstage.daemon.serve.servicer import status_of
 from ckptstage.daemon.tiers.interface import TierName
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
@@ -35,16 +36,13 @@ log = logging.getLogger(__name__)
 
 THREADS = 8
 
+# What only the peer port raises; every other domain error gets the control plane's code (status_of).
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (NotAMember, grpc.StatusCode.PERMISSION_DENIED),
     (CorruptReplica, grpc.StatusCode.DATA_LOSS),
     (layout.ChecksumMismatch, grpc.StatusCode.DATA_LOSS),
-    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
-    (layout.InvalidName, grpc.StatusCode.INVALID_ARGUMENT),
-    (CheckpointNotFound, grpc.StatusCode.NOT_FOUND),
-    (FileNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (FileNotFoundError, grpc.StatusCode.NOT_FOUND),  # a part removed while it was asked for
     (NoRoom, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -77,9 +75,8 @@ def _unary(context: grpc.ServicerContext, call: Callable[[], Any]) -> Any:
 def _abort(context: grpc.ServicerContext, error: Exception, method: str) -> None:
     for cls, code in _CODES:
         if isinstance(error, cls):
-            context.abort(code, str(error))
-    log.exception("peer call %s failed", method, extra=fields(error=error, rpc=method))
-    context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {error!r}")
+            context.abort(code, str(error))  # raises
+    context.abort(*status_of(error, f"peer call {method}"))
 
 
 class PeerServicer(pb_grpc.PeerServicer):  # type: ignore[misc]  # generated code has no type hints

@@ -74,7 +74,7 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 T = TypeVar("T")
 
 
-def _status(error: Exception, method: str) -> tuple[grpc.StatusCode, str]:
+def status_of(error: Exception, method: str) -> tuple[grpc.StatusCode, str]:
     """The status code and message a domain error reaches the client with."""
     for cls, code in _CODES:
         if isinstance(error, cls):
@@ -96,7 +96,7 @@ def _mapped(method: F) -> F:
         except (grpc.RpcError, asyncio.CancelledError):
             raise
         except Exception as e:  # noqa: BLE001 - every error reaches the client with a code
-            await context.abort(*_status(e, method.__name__))
+            await context.abort(*status_of(e, method.__name__))
 
     return wrapper  # type: ignore[return-value]
 
@@ -177,7 +177,7 @@ class Servicer(pb_grpc.CheckpointerServicer):
         try:
             session = self.node.attach(request.session_id)
         except SessionNotFound as e:
-            await context.abort(*_status(e, "Attach"))
+            await context.abort(*status_of(e, "Attach"))
         loop = asyncio.get_running_loop()
         changed = asyncio.Event()
 
