@@ -277,31 +277,14 @@ class ReplicaStore:
         if entry is None:
             raise InvalidRequest(f"{replica.job} step {replica.step} rank {replica.rank} has no file {name!r}")
         where = (replica.path or memory_path(*replica.key)) / name
-        verifier = layout.BlockVerifier(entry, where)
+        pieces = _memory_pieces(replica.buffers[name], entry.size) if replica.in_memory \
+            else file_pieces(where)
         try:
-            for piece in self._pieces(replica, name, entry.size):
-                verifier.feed(piece)
-                yield piece
-            verifier.finish(entry.size)
+            yield from checked(pieces, entry, where)
         except layout.ChecksumMismatch as e:
             self.drop(replica.job, replica.step, replica.rank, f"it fails its checksums: {e.detail}")
             raise CorruptReplica(f"the replica of {replica.job} step {replica.step} rank {replica.rank}: "
                                  f"{e.detail}") from None
-
-    def _pieces(self, replica: Replica, name: str, size: int) -> Iterator[bytes]:
-        if replica.in_memory:
-            buf = replica.buffers[name]
-            for at in range(0, size, READ_BYTES):
-                yield buf[at:min(size, at + READ_BYTES)]
-            return
-        assert replica.path is not None
-        with open(replica.path / name, "rb") as f:
-            got = 0
-            while piece := f.read(READ_BYTES):
-                got += len(piece)
-                yield piece
-            if got != size:
-                raise layout.ChecksumMismatch(replica.path / name, f"{got} bytes, not the {size} of its manifest")
 
     # --- room ---------------------------------------------------------------------------
 
@@ -419,6 +402,27 @@ def _put_bytes(buf: mmap.mmap, offset: int, chunk: bytes) -> None:
 def _contents(replica: Replica) -> Iterator[tuple[str, int, bytes]]:
     """A memory replica's files as :meth:`ReplicaStore.receive` takes them."""
     for name, entry in layout.manifest_files(replica.manifest).items():
-        buf = replica.buffers[name]
-        for at in range(0, entry.size, READ_BYTES):
-            yield name, at, buf[at:min(entry.size, at + READ_BYTES)]
+        for at, piece in enumerate(_memory_pieces(replica.buffers[name], entry.size)):
+            yield name, at * READ_BYTES, piece
+
+
+def _memory_pieces(buf: mmap.mmap, size: int) -> Iterator[bytes]:
+    for at in range(0, size, READ_BYTES):
+        yield buf[at:min(size, at + READ_BYTES)]
+
+
+def file_pieces(path: Path) -> Iterator[bytes]:
+    """A file's bytes from its start, in pieces of :data:`READ_BYTES`."""
+    with open(path, "rb") as f:
+        while piece := f.read(READ_BYTES):
+            yield piece
+
+
+def checked(pieces: Iterable[bytes], entry: layout.FileEntry, where: Path) -> Iterator[bytes]:
+    """``pieces`` of a file, passed on as each is fed to its verifier; raises :class:`layout.ChecksumMismatch`
+    at the first block that differs, or when the file is longer or shorter than its manifest says."""
+    verifier = layout.BlockVerifier(entry, where)
+    for piece in pieces:
+        verifier.feed(piece)
+        yield piece
+    verifier.finish(entry.size)

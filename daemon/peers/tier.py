@@ -22,7 +22,7 @@ from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.peers.members import Members
 from ckptstage.daemon.peers.health import JobPeers
 from ckptstage.daemon.peers.replicator import Replicator
-from ckptstage.daemon.peers.store import READ_BYTES, ReplicaStore
+from ckptstage.daemon.peers.store import ReplicaStore, checked, file_pieces
 from ckptstage.daemon.peers.transport import Dialer
 from ckptstage.daemon.peers.view import PeerView
 from ckptstage.daemon.save.arena import Budget
@@ -185,9 +185,4 @@ def _verified_file(part: Path, name: str) -> Iterator[bytes]:
     entry = layout.manifest_files(manifest).get(name)
     if entry is None:
         raise CheckpointNotFound(str(manifest.get("job")), int(manifest.get("step", 0)), f"no file {name!r}")
-    verifier = layout.BlockVerifier(entry, part / name)
-    with open(part / name, "rb") as f:
-        while piece := f.read(READ_BYTES):
-            verifier.feed(piece)
-            yield piece
-    verifier.finish(entry.size)
+    yield from checked(file_pieces(part / name), entry, part / name)
