@@ -240,11 +240,6 @@ class Catalog:
             if not held:
                 del self._records[job]
 
-    def has_tier(self, job: str, tier: TierName) -> bool:
-        """Whether anything of ``job`` is indexed on ``tier``."""
-        with self._lock:
-            return any(tier in tiers for ranks in self._parts.get(job, {}).values() for tiers in ranks.values())
-
     def has(self, job: str, step: int, rank: int) -> bool:
         with self._lock:
             return rank in self._parts.get(job, {}).get(step, {})

@@ -71,6 +71,7 @@ class PeerView:
         self._asked: dict[str, float] = {}                         # job -> when its holdings were last asked
         self._down: dict[str, float] = {}                          # address -> not asked again before this
         self._holders: dict[PartKey, list[tuple[str, bool]]] = {}  # -> (address, in memory), memory first
+        self._indexed: set[str] = set()                            # jobs the catalogue holds peer parts of
 
     def invalidate(self, job: str) -> None:
         """What this node holds of ``job`` changed (a replica arrived or went): indexed again at the next ask."""
@@ -80,8 +81,8 @@ class PeerView:
     def fresh(self, job: str) -> None:
         """The peer tier's parts and records of ``job`` in the catalogue at most ``stale_s`` old."""
         others = self._members.others(job)
-        if not others and not self._store.of_job(job) and not self._catalog.has_tier(job, TierName.PEER):
-            return
+        if not others and job not in self._indexed and not self._store.of_job(job):
+            return  # nothing of the job on the peer tier, nobody to ask: a request costs nothing more
         with self._lock:
             round_lock = self._rounds.setdefault(job, threading.Lock())
         with round_lock:
@@ -144,6 +145,8 @@ class PeerView:
                 del self._holders[key]
             self._holders.update(holders)
         self._catalog.set_peer_tier(job, list(parts.values()), peer_records(self._catalog, job, parts.values()))
+        with self._lock:
+            (self._indexed.add if parts else self._indexed.discard)(job)
 
     # --- fetching --------------------------------------------------------------------------
 
