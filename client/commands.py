@@ -73,8 +73,9 @@ def cmd_ls(conn: Connection, args: argparse.Namespace) -> int:
     resp = conn.call("ListCheckpoints", pb.ListRequest(job=args.job, memory=True))
 
     def text() -> str:
-        quarantined = [f"quarantined: step {q.step} rank {q.rank} {tier_name(q.tier)} copy, "
-                       f"now {q.path}: {q.detail}" for q in resp.quarantined]
+        quarantined = [f"quarantined: {f'chunk {q.chunk}' if q.chunk else f'step {q.step} rank {q.rank}'} "
+                       f"{tier_name(q.tier)} copy ({size_text(q.bytes)}), now {q.path}: {q.detail}"
+                       for q in resp.quarantined]
         return "\n".join([checkpoints(), *quarantined])
 
     def checkpoints() -> str:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptstage.client import errors, reshard, steps, tree
+from ckptstage.client.loadlease import LoadLease
 from ckptstage.client.memread import read_memory_part
 from ckptstage.client.restore import read_part
 from ckptstage.client.rpc import Connection
@@ -53,7 +54,8 @@ class Loader:
         With ``into``, entries the checkpoint holds under another key path than ``into`` (a DCP step's
         flat keys, or its keys made strings) come back where ``into`` has them (:func:`tree.arranged_like`).
         """
-        state = self._load(step, into)
+        with LoadLease(self._conn):  # the node's drains wait while this rank reads
+            state = self._load(step, into)
         return tree.arranged_like(state, into) if into is not None else state
 
     def _load(self, step: int | None, into: Any) -> Any:

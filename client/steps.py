@@ -121,7 +121,7 @@ class OpenStep:
             # opened where they are: every part is located (and fetched) now.
             located = locate(conn, located.job, located.step)
         self.located = located
-        self._conn = conn
+        self.conn = conn  # also how a reader holds a LoadLease while it reads (the DCP Reader)
         self._node_copy = node_copy
         self._asked: set[int] = set()  # ranks whose copy was asked for (once each)
         self._lock = threading.Lock()  # a view may be read from several threads
@@ -148,7 +148,7 @@ class OpenStep:
             return {}
         self._asked.update(remote)
         try:
-            again = locate(self._conn, located.job, located.step, all_ranks=True, ranks=remote,
+            again = locate(self.conn, located.job, located.step, all_ranks=True, ranks=remote,
                            node_copy=self._node_copy)
         except errors.CkptStageError as e:  # the local tier full, say: a shared file is read where it is
             log.warning("%s step %d: cannot copy %d part(s) onto this node: %s", located.job, located.step,
@@ -163,7 +163,7 @@ class OpenStep:
     def _report(self, rank: int, copy: int, detail: str) -> None:
         """A copy failed verification: the daemon re-reads it and quarantines it only if its own read fails."""
         located = self.located
-        self._conn.call("ReportCorrupt", pb.ReportCorruptRequest(
+        self.conn.call("ReportCorrupt", pb.ReportCorruptRequest(
             job=located.job, step=located.step, rank=rank, tier=located.parts[rank][copy][0], detail=detail))
 
     def close(self) -> None:

@@ -218,6 +218,9 @@ class PersistConfig:
     # Niceness added to the writer and drain threads (0-19): under CPU contention the trainer and the
     # daemon's control plane (e.g. the FinishSave answer a trainer waits for) run first.
     nice: int = field(default=10, metadata=kind(int_between(0, 19)))
+    # While a checkpoint is being loaded on this node, drains and replicas sent to peers wait (their disk
+    # reads and writes stop), at most this long per stretch of loads; 0: they never wait.
+    yield_to_loads_s: float = field(default=60.0, metadata=kind(seconds_between(0, 3600)))
     # Incremental parts: each tier stores (and the drain copies) only the chunks of a part that the
     # job's chunk store there lacks; unchanged tensors cost nothing (docs/FORMAT.md, "Incremental parts").
     incremental: bool = field(default=False, metadata=kind(BOOL))
@@ -264,6 +267,10 @@ class RetentionConfig:
     max_job_keep_last: int = field(default=100, metadata=kind(int_between(1, MAX_KEEP)))
     # A step whose first part is this old and that still lacks ranks is reported (log, metric).
     incomplete_after_s: float = field(default=120.0, metadata=kind(seconds_between(1, 86400)))
+    # Copies moved aside as corrupt stay (listed) this long for forensics, then go.
+    quarantine_keep_s: float = field(default=7 * 86400.0, metadata=kind(seconds_between(1, 365 * 86400)))
+    # At most this many bytes of them per tier: beyond, the oldest go first (None: no cap but the time).
+    quarantine_max_bytes: int | None = field(default=None, metadata=kind(size_between(1, MAX_TIER_BYTES)))
 
 
 @dataclass(frozen=True)

@@ -270,7 +270,7 @@ def _dump_keep_best(best: KeepBest) -> str:
 
 def seconds_between(minimum: float, maximum: float) -> Kind:
     """Seconds within documented bounds: a value outside them is a mistake (a 1 µs timer burns a core)."""
-    bounds = f"{minimum:g} to {maximum:g} s"
+    bounds = f"{minimum:.15g} to {maximum:.15g} s"
 
     def parse(value: Any, key: str) -> float:
         seconds = _parse_seconds(value, key, zero=minimum == 0)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ckptstage.daemon.retention.planner import DELETE_REASONS
@@ -55,6 +55,10 @@ class StateProbe:
     jobs: Callable[[], Sequence[JobSummary]] = lambda: []  # every job the node knows of
     peer_lag_s: Callable[[], float | None] = lambda: None  # None: no peer tier
     peer_replicas: Callable[[], tuple[int, int, int, int]] = lambda: (0, 0, 0, 0)  # memory n, bytes, disk n, bytes
+    loads_in_flight: Callable[[], int] = lambda: 0
+    yielded_to_loads_s: Callable[[], float] = lambda: 0.0
+    loads_began: Callable[[], int] = lambda: 0
+    quarantined: Callable[[str], tuple[int, int]] = lambda tier: (0, 0)  # copies moved aside, their bytes
 
 
 def package_version() -> str:
@@ -161,7 +165,13 @@ class _StateCollector(Collector):
         free = GaugeMetricFamily("ckptstage_tier_free_bytes", "Free bytes on the tier's file system.",
                                  labels=["tier"])
         size = GaugeMetricFamily("ckptstage_tier_size_bytes", "Size of the tier's file system.", labels=["tier"])
+        aside = GaugeMetricFamily("ckptstage_quarantined_copies", "Copies moved aside as corrupt, kept for "
+                                  "forensics until [retention] quarantine_keep_s.", labels=["tier"])
+        aside_bytes = GaugeMetricFamily("ckptstage_quarantined_bytes", "Their bytes.", labels=["tier"])
         for tier in p.tiers():
+            n, b = p.quarantined(tier)
+            aside.add_metric([tier], n)
+            aside_bytes.add_metric([tier], b)
             used.add_metric([tier], p.tier_used(tier))
             nfree = p.tier_free(tier)
             if nfree is not None:
@@ -172,6 +182,8 @@ class _StateCollector(Collector):
         yield used
         yield free
         yield size
+        yield aside
+        yield aside_bytes
         parts, nbytes = p.drain_queue()
         yield GaugeMetricFamily("ckptstage_drain_queue_parts", "Parts waiting to reach the shared tier.",
                                 value=parts)
@@ -207,6 +219,14 @@ class _StateCollector(Collector):
                 held_bytes.add_metric([where], b)
             yield held
             yield held_bytes
+        yield GaugeMetricFamily("ckptstage_loads_in_flight", "Checkpoint loads on this node now: drains and "
+                                "replicas to peers wait while there are any ([persist] yield_to_loads_s).",
+                                value=p.loads_in_flight())
+        yield CounterMetricFamily("ckptstage_loads", "Checkpoint loads readers on this node announced.",
+                                  value=p.loads_began())
+        yield CounterMetricFamily("ckptstage_yielded_to_loads_seconds", "Seconds drains and replicas to peers "
+                                  "waited for loads on this node, summed over their threads.",
+                                  value=p.yielded_to_loads_s())
         yield from job_families(p.jobs())
 
 

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ckptstage.client import errors, reshard, steps
+from ckptstage.client.loadlease import LoadLease
 from ckptstage.dcp import clients
 from ckptstage.dcp import metadata as step_metadata
 from ckptstage.dcp import values
@@ -87,14 +88,15 @@ class Reader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        if self._view is None or self._index is None:
+        if self._view is None or self._index is None or self._opened is None:
             raise RuntimeError("Reader.read_data before read_metadata")
         try:
-            for item in plan.items:
-                if item.type == LoadItemType.BYTE_IO:
-                    self._load_value(item, planner)
-                else:
-                    self._read_tensor(item, planner)
+            with LoadLease(self._opened.conn):  # the node's drains wait while this rank reads
+                for item in plan.items:
+                    if item.type == LoadItemType.BYTE_IO:
+                        self._load_value(item, planner)
+                    else:
+                        self._read_tensor(item, planner)
         except layout.ChecksumMismatch as e:
             raise errors.CorruptCheckpoint(f"no copy of {self.job} step {self.loaded_step} verifies: {e}") from e
         finally:

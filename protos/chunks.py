@@ -80,6 +80,12 @@ def corrupt_location(location: Path) -> Path | None:
     return store / CORRUPT_DIR / f"{location.name}-{uuid.uuid4().hex[:6]}"
 
 
+def corrupt_chunk_name(name: str) -> str | None:
+    """The chunk a file of a store's ``.corrupt/`` holds (``<name>-<random>``); None for any other name."""
+    chunk = name.rsplit("-", 1)[0]
+    return chunk if "-" in name and is_chunk_name(chunk) else None
+
+
 def store_of(part: Path, job: str) -> Path:
     """The chunk store a part's manifest refers to: its own job's on the part's tier.
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,3 +104,78 @@ def test_a_real_flipped_byte_is_quarantined_counted_and_listed(daemon_factory: A
     assert cli(["--socket", str(d.socket), "ls", JOB]) == 0
     listing = capsys.readouterr().out
     assert "quarantined: step 2 rank 0 local copy" in listing and ".corrupt-rank-00000-" in listing
+
+
+def flip_a_byte(data_file: Any) -> None:
+    with open(data_file, "r+b") as f:
+        f.seek(4096 + 13)
+        byte = f.read(1)
+        f.seek(4096 + 13)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def listed(d: Any) -> list[dict[str, Any]]:
+    with d.connection() as conn:
+        resp = conn.call("ListCheckpoints", pb.ListRequest(job=JOB))
+    return [{"step": q.step, "tier": q.tier, "path": q.path, "bytes": q.bytes} for q in resp.quarantined]
+
+
+def test_quarantined_copies_are_listed_after_a_restart_on_every_tier_then_removed_in_time(
+        daemon_factory: Any) -> None:
+    port = free_port()
+    d = daemon_factory(**{"metrics.listen": f"127.0.0.1:{port}", "memory.enabled": False}).start()
+    saved(d, range(1, 3))
+    flip_a_byte(layout.part_dir(d.shared, JOB, 1, 0) / layout.DATA_FILE)
+    flip_a_byte(layout.part_dir(d.local, JOB, 2, 0) / layout.DATA_FILE)
+    with d.connection() as conn:
+        for step, tier in ((1, pb.SHARED), (2, pb.LOCAL)):
+            conn.call("ReportCorrupt", pb.ReportCorruptRequest(job=JOB, step=step, rank=0, tier=tier, detail="test"))
+    wait_until(lambda: verdicts(port, "corrupt") == 2, 20, "both copies quarantined")
+    text = scrape(port)
+    assert metric(text, "ckptstage_quarantined_copies", tier="local") == 1
+    assert metric(text, "ckptstage_quarantined_bytes", tier="shared") > 200_000
+    d.stop()
+
+    again = daemon_factory("again", **{"local.dir": str(d.local), "shared.dir": str(d.shared)}).start()
+    wait_until(lambda: len(listed(again)) == 2, 20, "the shared tier's quarantined copy listed once it is indexed")
+    assert sorted((q["step"], q["tier"]) for q in listed(again)) == [(1, pb.SHARED), (2, pb.LOCAL)]
+    paths = [q["path"] for q in listed(again)]
+    assert all(".corrupt-rank-00000-" in p for p in paths) and all(Path(p).exists() for p in paths)
+    again.stop()
+
+    short = daemon_factory("short", **{"local.dir": str(d.local), "shared.dir": str(d.shared),
+                                       "retention.quarantine_keep_s": 1, "retention.interval_s": 0.3}).start()
+    wait_until(lambda: not any(Path(p).exists() for p in paths), 20, "old quarantined copies removed")
+    assert listed(short) == []
+    assert "removed the quarantined" in short.log.read_text()
+    with Client(JOB, socket=short.socket) as c:  # what was intact is untouched
+        assert torch.equal(c.load(1)["w"], state_of(1)["w"]) and torch.equal(c.load(2)["w"], state_of(2)["w"])
+
+
+def test_beyond_quarantine_max_bytes_the_oldest_copies_go_first(tmp_path: Path) -> None:
+    from ckptstage.daemon.catalog.index import Catalog
+    from ckptstage.daemon.catalog.quarantine import Quarantine
+    from ckptstage.daemon.metrics import Metrics
+    from ckptstage.daemon.tiers.fs import FsTier
+    from ckptstage.daemon.tiers.interface import TierName
+
+    tier = FsTier(tmp_path / "t", "node")
+    moved = []
+    for step in (1, 2, 3):
+        part = layout.part_dir(tmp_path / "t", JOB, step, 0)
+        part.mkdir(parents=True)
+        (part / layout.DATA_FILE).write_bytes(b"x" * 1000)
+        moved.append(tier.quarantine_part(part))
+        time.sleep(0.03)  # distinct change times, whatever the file system's clock granularity
+    now = [10_000.0]
+    q = Quarantine(Catalog(tmp_path / "pins.json"), Metrics(), {TierName.LOCAL: tier}, keep_s=3600,
+                   max_bytes=2500, clock=lambda: now[0])
+    assert q.load_tier(TierName.LOCAL) == 3 and q.load_tier(TierName.LOCAL) == 0  # each copy listed once
+    assert q.usage(TierName.LOCAL) == (3, 3000)
+    ctimes = {p: p.stat().st_ctime_ns for p in moved}
+    assert q.expire(TierName.LOCAL) == 1  # 3000 > 2500: the oldest goes, 2000 are kept
+    assert [p for p in moved if not p.exists()] == [moved[0]]
+    assert q.usage(TierName.LOCAL) == (2, 2000)
+    now[0] = max(ctimes.values()) / 1e9 + 3601  # all of them older than keep_s
+    assert q.expire(TierName.LOCAL) == 2 and q.usage(TierName.LOCAL) == (0, 0)
+    assert not (tmp_path / "t" / JOB / layout.step_dirname(1)).exists()  # the emptied step directory went too

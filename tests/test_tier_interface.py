@@ -343,6 +343,34 @@ def test_a_corrupt_chunk_is_moved_out_of_its_store(tier: Tier) -> None:
     assert tier.missing_chunks(JOB, [chunks.digest(data)]) == [chunks.digest(data)] and tier.list_chunks(JOB) == []
 
 
+def test_quarantined_copies_are_listed_with_their_size_and_time_and_removed_alone(tier: Tier) -> None:
+    before = time.time() - 5  # an object store's clock may lag ours a little
+    part, _ = _publish(tier, 6)
+    moved_part = tier.quarantine_part(part)
+    data = b"c" * 1000
+    batch = tier.new_chunks(JOB)
+    batch.write(chunks.digest(data), memoryview(data), direct_io=False)
+    batch.publish()
+    moved_chunk = tier.quarantine_chunk(tier.chunk_location(JOB, chunks.digest(data)))
+    assert moved_chunk is not None
+    kept, _ = _publish(tier, 7)
+    found = {q.location: q for q in tier.list_quarantined()}
+    assert set(found) == {moved_part, moved_chunk}
+    q_part, q_chunk = found[moved_part], found[moved_chunk]
+    assert (q_part.step, q_part.rank, q_part.chunk) == (6, 0, "")
+    assert q_part.nbytes >= len(DATA) and before <= q_part.since <= time.time() + 5
+    assert (q_chunk.job, q_chunk.step, q_chunk.rank, q_chunk.chunk, q_chunk.nbytes) == \
+        (JOB, None, None, chunks.digest(data), len(data))
+    for refused in (kept, kept.parent, tier.chunk_location(JOB, chunks.digest(data))):
+        with pytest.raises(ValueError):
+            tier.delete_quarantined(refused)  # never a live part, a step, or the store's own chunk
+    assert tier.delete_quarantined(moved_part) == q_part.nbytes
+    assert tier.delete_quarantined(moved_chunk) == len(data)
+    assert tier.list_quarantined() == [] and tier.has_part(kept)
+    with pytest.raises(FileNotFoundError):
+        tier.delete_quarantined(moved_part)
+
+
 def test_job_documents_room_and_temporaries(tier: Tier) -> None:
     assert tier.read_job_json(JOB, "retention.json", {"none": 1}) == {"none": 1}
     tier.write_job_json(JOB, "retention.json", {"shared_keep_last": 3})

@@ -10,12 +10,19 @@ read that itself fails (EIO, EMFILE, a permission) hides nothing. Either way
 the verdict is logged and counted (``ckptstage_corrupt_reports_total{tier,verdict}``).
 Reports are handled one at a time and deduplicated per copy, so a burst of
 reports costs one read.
+
+What is moved aside is listed (``ckptstage ls``) until retention removes it
+(:meth:`Quarantine.expire`): once it is older than ``[retention]
+quarantine_keep_s``, and oldest first while a tier's quarantined copies hold
+more than ``quarantine_max_bytes``. Those a daemon finds on its tiers (moved
+aside before a restart, or by another node on a shared tier) count alike.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,7 +32,7 @@ from ckptstage.daemon.catalog.index import Catalog, Part
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.tiers.interface import Tier, TierName
-from ckptstage.protos import layout
+from ckptstage.protos import chunks, layout
 
 log = logging.getLogger(__name__)
 
@@ -34,21 +41,31 @@ CORRUPT_PREFIX = layout.CORRUPT_PREFIX
 
 @dataclass(frozen=True)
 class Quarantined:
-    """A copy moved aside: which, where it lies now, and why."""
+    """A copy moved aside: which (a part: ``step``, ``rank``; a chunk: ``chunk``), where it lies now, and why;
+    its bytes and when it was moved (unix time), which retention goes by."""
 
     job: str
-    step: int
-    rank: int
+    step: int | None
+    rank: int | None
     tier: str
     where: str  # the copy now, as messages name it (a path, or an s3:// URL)
     detail: str
+    location: Path | None = None  # the tier's location of it (what is deleted)
+    nbytes: int = 0
+    since: float = 0.0
+    chunk: str = ""
 
 
 class Quarantine:
     def __init__(self, catalog: Catalog, metrics: Metrics, tiers: Mapping[TierName, Tier],
-                 verify: Callable[[Path], None] | None = None) -> None:
-        """``tiers``: each disk tier's storage. ``verify(part)`` replaces the tier's own verification."""
+                 verify: Callable[[Path], None] | None = None, keep_s: float = 7 * 86400,
+                 max_bytes: int | None = None, clock: Callable[[], float] = time.time) -> None:
+        """``tiers``: each disk tier's storage. ``verify(part)`` replaces the tier's own verification. Copies
+        moved aside are kept ``keep_s`` seconds, and at most ``max_bytes`` of them per tier (None: no cap)."""
         self._catalog = catalog
+        self._keep_s = keep_s
+        self._max_bytes = max_bytes
+        self._clock = clock
         self._metrics = metrics
         self._verify = verify
         self._tiers = dict(tiers)
@@ -68,19 +85,69 @@ class Quarantine:
         self._pool.submit(self._check, part, detail)
 
     def moved(self, job: str) -> list[Quarantined]:
-        """The copies of ``job`` quarantined in this daemon's life, or found quarantined on the local tier."""
+        """The copies of ``job`` quarantined in this daemon's life, or found quarantined on its tiers."""
         with self._lock:
             return [q for q in self._moved if q.job == job]
 
+    def usage(self, tier: TierName) -> tuple[int, int]:
+        """(copies, bytes) quarantined on ``tier`` and not removed yet."""
+        with self._lock:
+            held = [q for q in self._moved if q.tier == tier.value]
+        return len(held), sum(q.nbytes for q in held)
+
     def load_tier(self, tier: TierName) -> int:
-        """Finds copies quarantined on ``tier`` before a restart (``<tier>/<job>/step-*/.corrupt-*``); returns
-        how many."""
+        """Finds the copies moved aside on ``tier`` (before a restart, or by another daemon on a shared tier)
+        that are not listed yet; returns how many."""
         storage = self._tiers[tier]
         found = storage.list_quarantined()
         with self._lock:
-            self._moved += [Quarantined(q.job, q.step, q.rank, tier.value, storage.name_of(q.location),
-                                        "found at start") for q in found]
-        return len(found)
+            known = {q.location for q in self._moved}
+            new = [Quarantined(q.job, q.step, q.rank, tier.value, storage.name_of(q.location), "found at start",
+                               q.location, q.nbytes, q.since, q.chunk) for q in found if q.location not in known]
+            self._moved += new
+        return len(new)
+
+    def find_on(self, tier: TierName) -> None:
+        """:meth:`load_tier` on a tier that may fail to answer (the shared one): a failure is logged, and the
+        next indexing of the tier tries again."""
+        try:
+            self.load_tier(tier)
+        except OSError as e:
+            log.warning("cannot list the copies moved aside on the %s tier: %s", tier.value, e,
+                        extra=fields(tier=tier, error=e))
+
+    def expire(self, tier: TierName) -> int:
+        """Removes the copies moved aside on ``tier`` that are older than ``keep_s``, then the oldest while they
+        hold more than ``max_bytes``; returns how many went. One that cannot be removed stays listed (tried
+        again at the next pass); one already gone (another node's retention) is dropped from the list."""
+        now = self._clock()
+        with self._lock:
+            held = sorted((q for q in self._moved if q.tier == tier.value), key=lambda q: q.since)
+        total = sum(q.nbytes for q in held)
+        doomed = []
+        for q in held:
+            why = f"older than {self._keep_s:g} s ([retention] quarantine_keep_s)" if now - q.since > self._keep_s \
+                else f"{total} bytes quarantined on the tier, more than [retention] quarantine_max_bytes" \
+                if self._max_bytes is not None and total > self._max_bytes else None
+            if why is not None:
+                doomed.append((q, why))
+                total -= q.nbytes
+        removed = 0
+        for q, why in doomed:
+            try:
+                if q.location is not None:
+                    self._tiers[tier].delete_quarantined(q.location)
+                log.info("removed the quarantined %s (%d bytes): %s", q.where, q.nbytes, why,
+                         extra=fields(job=q.job, step=q.step, rank=q.rank, tier=tier, bytes=q.nbytes))
+            except FileNotFoundError:
+                pass  # another daemon's retention removed it
+            except (OSError, ValueError) as e:
+                log.warning("cannot remove the quarantined %s: %s", q.where, e, extra=fields(tier=tier, error=e))
+                continue
+            with self._lock:
+                self._moved = [m for m in self._moved if m is not q]
+            removed += 1
+        return removed
 
     def _storage(self, part: Part) -> Tier:
         return self._tiers[part.tier]
@@ -142,8 +209,10 @@ class Quarantine:
             # A corrupt chunk of an incremental part leaves its store: no later save may reuse it, and the
             # next that has its bytes writes them again. A part's own file goes with the part.
             try:
+                size = _size_of(storage, part.job, failure.path)
                 moved = storage.quarantine_chunk(failure.path)
                 if moved is not None:
+                    self._record(part, moved, why, size, chunk=failure.path.name)
                     log.error("quarantined the corrupt chunk %s as %s", storage.name_of(failure.path),
                               storage.name_of(moved),
                               extra=_fields(part, error=why))
@@ -161,11 +230,26 @@ class Quarantine:
             return
         finally:
             self._catalog.remove(part)
-        with self._lock:
-            self._moved.append(Quarantined(part.job, part.step, part.rank, part.tier.value, storage.name_of(target),
-                                           why))
+        self._record(part, target, why, part.nbytes)
         log.error("quarantined the %s copy of %s step %d rank %d as %s: %s", part.tier.value, part.job,
                   part.step, part.rank, storage.name_of(target), why, extra=_fields(part, error=why))
+
+
+    def _record(self, part: Part, moved: Path, why: str, nbytes: int, chunk: str = "") -> None:
+        """Lists a copy just moved aside (a chunk: by its name alone; steps share it)."""
+        storage = self._storage(part)
+        step, rank = (None, None) if chunk else (part.step, part.rank)
+        with self._lock:
+            self._moved.append(Quarantined(part.job, step, rank, part.tier.value, storage.name_of(moved), why,
+                                           moved, nbytes, self._clock(), chunk))
+
+
+def _size_of(storage: Tier, job: str, location: Path) -> int:
+    """The bytes of the chunk at ``location`` (0: not a chunk, or gone)."""
+    try:
+        return storage.chunk_size(job, location.name) if chunks.is_chunk_name(location.name) else 0
+    except OSError:
+        return 0
 
 
 def _fields(part: Part, error: object = None) -> dict[str, object]:

@@ -80,8 +80,10 @@ class Drainer:
 
     def __init__(self, config: SharedConfig, catalog: Catalog, metrics: Metrics, commits: Commits, events: Bus,
                  chunk_stores: dict[TierName, ChunkStore] | None = None, nice: int = 0,
-                 clock: Callable[[], float] = time.time, *, tiers: Mapping[TierName, Tier]) -> None:
-        """``tiers``: the local and shared tiers' storage. ``commits`` writes the shared tier's commit records as
+                 clock: Callable[[], float] = time.time, *, tiers: Mapping[TierName, Tier],
+                 gate: limiter.Pacer | None = None) -> None:
+        """``tiers``: the local and shared tiers' storage; ``gate``: where copies to the shared tier wait while a
+        checkpoint is being loaded on this node. ``commits`` writes the shared tier's commit records as
         parts arrive there, and swaps replacements in; ``events`` is where :class:`Drained`, :class:`CorruptCopy`
         and :class:`Indexed` are published."""
         self.config = config
@@ -93,7 +95,8 @@ class Drainer:
         self._nice = nice  # added to the drain threads' niceness ([persist] nice)
         self._commits = commits
         self._events = events
-        paced = {**tiers, TierName.SHARED: limiter.limited(self.shared, config.max_bandwidth, sleep=self._stop.wait)}
+        paced = {**tiers, TierName.SHARED: limiter.limited(self.shared, config.max_bandwidth, sleep=self._stop.wait,
+                                                                  gate=gate)}
         self.copier = PartCopier(paced, catalog, commits, metrics, chunk_stores or {}, nice, self._stop)
         self.indexer = SharedIndexer(config, self.shared, catalog, self.queue, commits, self._stop)
         self._threads: list[threading.Thread] = []

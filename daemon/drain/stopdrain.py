@@ -92,6 +92,19 @@ def _wait_step(catalog: Catalog, drainer: Drainer, ckpt: Checkpoint, deadline: f
         time.sleep(_POLL_S)
 
 
+def on_request(catalog: Catalog, drainer: Drainer, job: str | None, wait: bool, timeout: float,
+               newest: bool) -> tuple[int, int]:
+    """``ckptstage drain``: with ``newest``, :func:`drain_newest` first; then, with ``wait``, waits up to
+    ``timeout`` (in all) for the job's (every job's) queue to empty. Returns (parts pending, parts failed)."""
+    budget = timeout if wait else 0.0
+    deadline = time.monotonic() + budget
+    if newest:
+        outcome = drain_newest(catalog, drainer, budget, job)
+        if wait:
+            log_outcome(outcome, timeout, "drain requested")
+    return drainer.wait_idle(job or None, max(0.0, deadline - time.monotonic()))
+
+
 def log_outcome(outcome: Outcome, timeout: float, why: str) -> None:
     """One line per step: INFO for a step drained, WARNING naming each one that was not."""
     for job, step in outcome.drained:

@@ -58,6 +58,7 @@ from ckptstage.daemon.save.memtier import MemoryTier
 from ckptstage.daemon.save.persister import Persister
 from ckptstage.daemon.save.sessions import Session, SessionInfo, SessionTable
 from ckptstage.daemon.tiers.kinds import open_tiers
+from ckptstage.daemon.tiers.loadgate import LoadGate
 from ckptstage.daemon.tiers.probe import TierProbe
 from ckptstage.protos import layout
 
@@ -111,6 +112,8 @@ class Node:
         self._stopping = threading.Event()
         self.tier_probes = {name: TierProbe(name.value, tier) for name, tier in self.tiers.items()}
         self.chunk_stores = {name: ChunkStore(tier, config.persist.chunk_grace_s) for name, tier in self.tiers.items()}
+        # Loads in flight on this node: drains and replicas sent to peers wait while there are any.
+        self.loads = LoadGate(config.persist.yield_to_loads_s)
         # What the persister and the drainer report (see _subscribe): their events, handled in order.
         self.events = Bus()
         self.persister = Persister(config.persist.workers, self.events, config.persist.nice)
@@ -119,26 +122,29 @@ class Node:
         self.shared_sync: SharedSync | None = None
         if shared is not None:
             self.drainer = Drainer(config.shared, catalog, self.metrics, self.commits, self.events,
-                                   chunk_stores=self.chunk_stores, nice=config.persist.nice, tiers=self.tiers)
+                                   chunk_stores=self.chunk_stores, nice=config.persist.nice, tiers=self.tiers,
+                                   gate=self.loads)
             self.shared_sync = SharedSync(catalog, shared, max_age_s=config.shared.stale_after_s,
                                           wait_s=config.shared.stale_wait_s, interval_s=config.shared.watch_interval_s,
                                           watched=lambda: {s.info.job for s in self.sessions.all()})
         drain = self.drainer.queue if self.drainer is not None else None  # what retention and status read
         self.peers = peering.open_peers(config, local, config.local.dir / STATE_DIR, self.owner, catalog, self.budget,
-                                        self.metrics)
+                                        self.metrics, self.loads)
         # Kept copies, then replicas kept in memory, make way for sessions that need the room.
         self.budget.reclaim = peering.reclaimer(self.budget, self.memory, self.peers)
         self.fetcher = peering.open_fetcher(
             self.drainer, self.peers, catalog, self.metrics,
             lambda part, detail: self.report_corrupt(part.job, part.step, part.rank, part.tier, detail))
-        self.quarantine = Quarantine(catalog, self.metrics, tiers=self.tiers)
+        self.quarantine = Quarantine(catalog, self.metrics, tiers=self.tiers,
+                                     keep_s=config.retention.quarantine_keep_s,
+                                     max_bytes=config.retention.quarantine_max_bytes)
         self.incomplete = IncompleteSteps(catalog, config.retention.incomplete_after_s, clock=clock,
                                           busy=lambda job, step: any(s.spec.job == job and s.spec.step == step
                                                                      for s in self.saves.in_flight()))
         self.janitor = Janitor(config, catalog, self.metrics, drain, self.job_rules, self.saves.busy,
                                self.chunk_stores, tiers=self.tiers)
         self.timers = Timers(config.retention.interval_s, catalog, self.apply_retention, self.memory, self.incomplete,
-                             self._stopping)
+                             self._stopping, self.quarantine.expire)
         index_copies = IndexCopies(shared, config.local.dir / STATE_DIR / indexcopy.DIR, config.local.dir) \
             if shared is not None else None
         self.lookup = Lookup(config, catalog, self.commits, self.memory, self.quarantine, self.tiers, self.drainer,
@@ -158,7 +164,8 @@ class Node:
                                     self.tier_probes, self.job_summaries, self.started, self._tier_warnings)
         self._subscribe()
         self.metrics.add_state(probe.state_probe(self.budget, self.sessions, catalog, self.tier_probes, self.drainer,
-                                                 self.incomplete, self.memory, self.job_summaries, self.peers))
+                                                 self.incomplete, self.memory, self.job_summaries, self.peers,
+                                                 self.loads, self.quarantine))
 
     def _subscribe(self) -> None:
         """What follows each event of the layers below, on the thread that published it (see
@@ -218,6 +225,7 @@ class Node:
         :mod:`ckptstage.daemon.drain.stopdrain` and :mod:`ckptstage.daemon.save.memflush`), then stops the
         drainer."""
         self._stopping.set()
+        self.loads.open_for_good()  # the drain below goes before any load
         self.commits.wake()  # step waits end (they check _stopping)
         self.timers.shared_wake.set()  # the shared-tier thread sleeps on it
         deadline = time.monotonic() + timeout
@@ -317,6 +325,10 @@ class Node:
     def report_corrupt(self, job: str, step: int, rank: int, tier: TierName, detail: str) -> None:
         self.steps.report_corrupt(job, step, rank, tier, detail)
 
+    def loading(self, lease: str, ttl_s: float, done: bool) -> None:
+        """A reader on this node begins (renews) or ends a load: background copies wait meanwhile."""
+        self.loads.announce(lease, ttl_s, done)
+
     def set_pin(self, job: str, step: int, pinned: bool) -> bool:
         return self.steps.set_pin(job, step, pinned)
 
@@ -360,21 +372,14 @@ class Node:
         """Waits (with ``wait``, up to ``timeout``) for the job's (every job's) drain queue to empty;
         ``newest``: first drains each job's newest step only this node holds (see
         :mod:`ckptstage.daemon.drain.stopdrain`). Returns (parts still pending, parts failed)."""
-        if self.drainer is None:
-            return 0, 0
         if job:
             layout.check_job(job)
-        budget = timeout if wait else 0.0
-        deadline = time.monotonic() + budget
-        if newest:
-            outcome = stopdrain.drain_newest(self.catalog, self.drainer, budget, job)
-            if wait:
-                stopdrain.log_outcome(outcome, timeout, "drain requested")
-        return self.drainer.wait_idle(job or None, max(0.0, deadline - time.monotonic()))
+        return stopdrain.on_request(self.catalog, self.drainer, job, wait, timeout, newest) if self.drainer else (0, 0)
 
     def _on_shared_indexed(self) -> None:
         """The drainer has indexed the shared tier (at start, or once it answered) and written the records a
-        crash kept from being written: its rules may run."""
+        crash kept from being written: its rules may run, and what was moved aside there is listed."""
+        self.quarantine.find_on(TierName.SHARED)
         for job in self.catalog.jobs():
             self.apply_retention(job, trigger="start", local=False)
 

@@ -16,11 +16,12 @@ from ckptstage.daemon.peers.tier import PeerTier
 from ckptstage.daemon.save.arena import Budget
 from ckptstage.daemon.save.memtier import MemoryTier
 from ckptstage.daemon.tiers.interface import Tier
+from ckptstage.daemon.tiers.limiter import Pacer
 
 
 def open_peers(config: Config, local: Tier, state_dir: Path, owner: str, catalog: Catalog, budget: Budget,
-               metrics: Metrics) -> PeerTier | None:
-    """The peer tier ``[peers]`` asks for (None: off)."""
+               metrics: Metrics, gate: Pacer | None = None) -> PeerTier | None:
+    """The peer tier ``[peers]`` asks for (None: off); replicas it sends wait at ``gate`` during loads."""
     if not config.peers.enabled:
         return None
 
@@ -28,7 +29,8 @@ def open_peers(config: Config, local: Tier, state_dir: Path, owner: str, catalog
         ckpt = catalog.get(job, step)
         return ckpt is not None and ckpt.complete_on(TierName.SHARED)
 
-    return PeerTier(config.peers, local, state_dir, owner, catalog, budget, metrics, on_shared, config.persist.nice)
+    return PeerTier(config.peers, local, state_dir, owner, catalog, budget, metrics, on_shared, config.persist.nice,
+                    gate=gate)
 
 
 def reclaimer(budget: Budget, memory: MemoryTier, peers: PeerTier | None

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ckptstage.daemon.catalog.index import Catalog, TierName
+from ckptstage.daemon.catalog.quarantine import Quarantine
 from ckptstage.daemon.drain.drainer import Drainer
 from ckptstage.daemon.drain.health import NO_DRAIN
 from ckptstage.daemon.metrics import StateProbe
@@ -19,6 +20,7 @@ from ckptstage.daemon.peers.tier import PeerTier
 from ckptstage.daemon.save.arena import Budget
 from ckptstage.daemon.save.memtier import MemoryTier
 from ckptstage.daemon.save.sessions import SessionTable
+from ckptstage.daemon.tiers.loadgate import LoadGate
 from ckptstage.daemon.tiers.probe import TierProbe
 
 
@@ -38,7 +40,8 @@ def job_summaries(catalog: Catalog, sessions: SessionTable, memory: MemoryTier,
 
 def state_probe(budget: Budget, sessions: SessionTable, catalog: Catalog, tier_probes: dict[TierName, TierProbe],
                 drainer: Drainer | None, incomplete: IncompleteSteps, memory: MemoryTier,
-                summaries: Callable[[], list[jobs.JobSummary]], peers: PeerTier | None = None) -> StateProbe:
+                summaries: Callable[[], list[jobs.JobSummary]], peers: PeerTier | None = None,
+                gate: LoadGate | None = None, quarantine: Quarantine | None = None) -> StateProbe:
     """What :class:`~ckptstage.daemon.metrics.Metrics` reads of the node at each scrape."""
     def tier_used(tier: str) -> int:
         return sum(p.nbytes for p in catalog.all_parts(TierName(tier)))
@@ -61,4 +64,8 @@ def state_probe(budget: Budget, sessions: SessionTable, catalog: Catalog, tier_p
         memory_copies=lambda: len(memory.copies()), memory_bytes=lambda: memory.bytes_kept,
         jobs=summaries,
         peer_lag_s=(lambda: peers.replicator.lag_s()) if peers else (lambda: None),
-        peer_replicas=(lambda: peers.store.usage()) if peers else (lambda: (0, 0, 0, 0)))
+        peer_replicas=(lambda: peers.store.usage()) if peers else (lambda: (0, 0, 0, 0)),
+        loads_in_flight=gate.loads if gate else (lambda: 0),
+        yielded_to_loads_s=gate.waited_s if gate else (lambda: 0.0),
+        loads_began=gate.began if gate else (lambda: 0),
+        quarantined=(lambda tier: quarantine.usage(TierName(tier))) if quarantine else (lambda tier: (0, 0)))

@@ -1,9 +1,10 @@
 """The node's periodic work, each on a thread of its own: local retention, the shared tier's pass, the reaper.
 
 Every ``[retention] interval_s`` the local rules of every job run (they never
-touch the shared tier), kept memory copies expire and incomplete steps are
-reported; on another thread the shared tier is re-read, job rules are
-published, its rules applied and what dead daemons left there cleaned, so a
+touch the shared tier), kept memory copies expire, incomplete steps are
+reported and copies quarantined long enough ago go; on another thread the
+shared tier is re-read, job rules are published, its rules applied, what
+dead daemons left there cleaned and its old quarantined copies removed, so a
 hung shared file system stops only that thread. Sessions whose client never
 attached are closed. A pass that fails is logged and the next one tries
 again: a timer outlives any one bad pass.
@@ -34,9 +35,12 @@ class Timers:
     """Starts the node's periodic threads (:meth:`start`); they end once ``stopping`` is set."""
 
     def __init__(self, interval_s: float, catalog: Catalog, apply_retention: Callable[..., object],
-                 memory: MemoryTier, incomplete: IncompleteSteps, stopping: threading.Event) -> None:
-        """``apply_retention(job, trigger=, local=, shared=)``: one job's rules (the janitor's)."""
+                 memory: MemoryTier, incomplete: IncompleteSteps, stopping: threading.Event,
+                 expire_quarantined: Callable[[TierName], object] = lambda tier: None) -> None:
+        """``apply_retention(job, trigger=, local=, shared=)``: one job's rules (the janitor's);
+        ``expire_quarantined(tier)``: removes what was moved aside there long enough ago."""
         self.interval_s = interval_s
+        self._expire_quarantined = expire_quarantined
         self._catalog = catalog
         self._apply_retention = apply_retention
         self._memory = memory
@@ -75,6 +79,7 @@ class Timers:
                     self._apply_retention(job, trigger="timer", shared=False)
                 self._memory.expire()
                 self._incomplete.report()
+                self._expire_quarantined(TierName.LOCAL)
             except OSError as e:  # a disk's condition, not a bug: one line, and the next pass tries again
                 log.warning("timed local retention pass failed: %s", e, extra=fields(tier=TierName.LOCAL, error=e))
             except Exception:  # the timer must outlive one bad pass
@@ -101,6 +106,7 @@ class Timers:
                 for job in self._catalog.jobs():
                     self._apply_retention(job, trigger="timer", local=False)
                 shared.clean_abandoned()  # what daemons gone for good left there
+                self._expire_quarantined(TierName.SHARED)
             except OSError as e:  # the shared file system's condition, not a bug: the next pass tries again
                 log.warning("timed shared retention pass failed: %s", e, extra=fields(tier=TierName.SHARED, error=e))
             except Exception:  # the timer must outlive one bad pass

@@ -34,7 +34,7 @@ from ckptstage.daemon.peers.members import Members
 from ckptstage.daemon.peers.store import READ_BYTES, parse_header
 from ckptstage.daemon.peers.transport import Dialer
 from ckptstage.daemon.tiers.interface import TierName
-from ckptstage.daemon.tiers.limiter import RateLimiter
+from ckptstage.daemon.tiers.limiter import Pacer, Pacers, RateLimiter
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
@@ -62,11 +62,15 @@ class Replicator:
     """The queue of parts to replicate and the threads that send them."""
 
     def __init__(self, members: Members, dialer: Dialer, replicas: int, max_bandwidth: int | None,
-                 metrics: Metrics, nice: int = 0, clock: Callable[[], float] = time.time) -> None:
+                 metrics: Metrics, nice: int = 0, clock: Callable[[], float] = time.time,
+                 gate: Pacer | None = None) -> None:
+        """``gate``: where each piece sent waits while a checkpoint is being loaded on this node (its reads of the
+        local disk stop with it)."""
         self._members = members
         self._dialer = dialer
         self._replicas = replicas
-        self._limiter = RateLimiter(max_bandwidth)
+        limiter = RateLimiter(max_bandwidth)
+        self._limiter: Pacer = Pacers([gate, limiter]) if gate is not None else limiter
         self._metrics = metrics
         self._clock = clock
         self._nice = nice  # as the drain's threads: under contention the trainer and the control plane first

@@ -27,6 +27,7 @@ from ckptstage.daemon.peers.transport import Dialer
 from ckptstage.daemon.peers.view import PeerView
 from ckptstage.daemon.save.arena import Budget
 from ckptstage.daemon.tiers.interface import Tier, TierName
+from ckptstage.daemon.tiers.limiter import Pacer
 from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,9 @@ class PeerTier:
     """Everything ``[peers]`` does on one node."""
 
     def __init__(self, config: PeersConfig, local: Tier, state_dir: Path, owner: str, catalog: Catalog,
-                 budget: Budget, metrics: Metrics, on_shared: Callable[[str, int], bool], nice: int = 0) -> None:
+                 budget: Budget, metrics: Metrics, on_shared: Callable[[str, int], bool], nice: int = 0,
+                 gate: Pacer | None = None) -> None:
+        """``gate``: where replicas being sent wait while a checkpoint is being loaded on this node."""
         self.address = config.address
         self._catalog = catalog
         self._metrics = metrics
@@ -61,7 +64,7 @@ class PeerTier:
         self.dialer = Dialer(config)
         self.store = ReplicaStore(local.root / STORE_DIR, owner, budget, config.keep, self._disk_room, on_shared)
         self.replicator = Replicator(self.members, self.dialer, config.replicas, config.max_bandwidth, metrics,
-                                     nice)
+                                     nice, gate=gate)
         self.view = PeerView(self.members, self.dialer, self.store, catalog, metrics)
         self.store.on_change = self.view.invalidate
         self._refused: set[tuple[str, str]] = set()  # (job, sender) refused and logged, until accepted

@@ -272,8 +272,9 @@ class Servicer(pb_grpc.CheckpointerServicer):
     async def ListCheckpoints(self, request: pb.ListRequest, context: grpc.aio.ServicerContext) -> pb.ListResponse:
         found = await self._run(self.node.list_checkpoints, request.job, request.memory)
         return pb.ListResponse(checkpoints=[_checkpoint_info(c) for c in found.checkpoints], quarantined=[
-            pb.QuarantinedCopy(step=q.step, rank=q.rank, tier=_TIER_PB[TierName(q.tier)], path=q.where,
-                               detail=q.detail) for q in found.quarantined])
+            pb.QuarantinedCopy(step=q.step or 0, rank=q.rank or 0, tier=_TIER_PB[TierName(q.tier)], path=q.where,
+                               detail=q.detail, chunk=q.chunk, bytes=q.nbytes, since=q.since)
+            for q in found.quarantined])
 
     @_mapped
     async def Locate(self, request: pb.LocateRequest, context: grpc.aio.ServicerContext) -> pb.LocateResponse:
@@ -286,6 +287,11 @@ class Servicer(pb_grpc.CheckpointerServicer):
     async def ReportCorrupt(self, request: pb.ReportCorruptRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
         tier = _tier(request.tier)
         await self._run(self.node.report_corrupt, request.job, request.step, request.rank, tier, request.detail)
+        return pb.Empty()
+
+    @_mapped
+    async def Loading(self, request: pb.LoadingRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+        await self._run(self.node.loading, request.lease, request.ttl_s, request.done)
         return pb.Empty()
 
     @_mapped

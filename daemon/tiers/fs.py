@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import Any
 
 from ckptstage.daemon import fsutil
+from ckptstage.daemon.tiers import fsquarantine
 from ckptstage.daemon.tiers.fsreplace import REPLACE_DIR, FsReplacing
 from ckptstage.daemon.tiers.fswalk import subdirs, subdirs_or_none
 from ckptstage.daemon.tiers.interface import Manifest, PartWriter, QuarantinedCopy, Usage
@@ -262,29 +263,19 @@ class FsTier:
         st = os.statvfs(self._root)
         return Usage(free_bytes=st.f_bavail * st.f_frsize, total_bytes=st.f_blocks * st.f_frsize)
 
+    # --- copies moved aside as corrupt (see fsquarantine.py) -----------------------------
+
     def quarantine_part(self, part: Path) -> Path:
-        target = part.parent / f"{layout.CORRUPT_PREFIX}{part.name}-{uuid.uuid4().hex[:6]}"
-        os.rename(part, target)
-        return target
+        return fsquarantine.quarantine_part(part)
 
     def quarantine_chunk(self, location: Path) -> Path | None:
-        target = chunks.corrupt_location(location)
-        if target is None:
-            return None
-        target.parent.mkdir(exist_ok=True)
-        os.rename(location, target)
-        return target
+        return fsquarantine.quarantine_chunk(location)
 
     def list_quarantined(self) -> list[QuarantinedCopy]:
-        found = []
-        for job_dir in subdirs_or_none(self._root):
-            for step_dir in subdirs_or_none(job_dir):
-                for entry in subdirs_or_none(step_dir, prefix=layout.CORRUPT_PREFIX):
-                    step = layout.parse_step_dirname(step_dir.name)
-                    rank = layout.parse_rank_dirname(entry.name[len(layout.CORRUPT_PREFIX):].rsplit("-", 1)[0])
-                    if step is not None and rank is not None:
-                        found.append(QuarantinedCopy(job_dir.name, step, rank, entry))
-        return found
+        return fsquarantine.list_quarantined(self._root)
+
+    def delete_quarantined(self, location: Path) -> int:
+        return fsquarantine.delete_quarantined(self._root, location)
 
     # --- replacing a step (see fsreplace.py) --------------------------------------------
 

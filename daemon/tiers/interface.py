@@ -69,12 +69,17 @@ class Usage:
 
 @dataclass(frozen=True)
 class QuarantinedCopy:
-    """A part moved aside as corrupt (found when the daemon starts)."""
+    """A copy moved aside as corrupt: a part (``step``, ``rank``), or a chunk of a job's store (``chunk``: its
+    name; no step or rank, since steps share it). ``nbytes`` it holds; ``since``: when it was moved aside (unix
+    time)."""
 
     job: str
-    step: int
-    rank: int
+    step: int | None
+    rank: int | None
     location: Path
+    nbytes: int = 0
+    since: float = 0.0
+    chunk: str = ""
 
 
 class DataSink(Protocol):
@@ -320,7 +325,12 @@ class Housekeeping(Protocol):
         """Moves a corrupt chunk out of its store, so that no save reuses it; None when ``location`` is not
         a chunk (a part's own file goes with the part)."""
 
-    def list_quarantined(self) -> list[QuarantinedCopy]: ...
+    def list_quarantined(self) -> list[QuarantinedCopy]:
+        """Every part and chunk moved aside on the tier, by any daemon."""
+
+    def delete_quarantined(self, location: Path) -> int:
+        """Removes a copy :meth:`list_quarantined` lists (nothing else: ValueError); returns the bytes freed.
+        Raises FileNotFoundError when it is gone."""
 
 
 @runtime_checkable

@@ -1,4 +1,5 @@
-"""A tier whose writes of part files and chunks are paced to a byte rate (``[shared] max_bandwidth``).
+"""A tier whose writes of part files and chunks are paced: to a byte rate (``[shared] max_bandwidth``), and
+held back while a checkpoint is being loaded on this node (:mod:`~ckptstage.daemon.tiers.loadgate`).
 
 Like restic's limiter backend, which overrides only Save and Load: the
 wrapper overrides the two calls that hand out data-moving writers
@@ -13,13 +14,29 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ckptstage.daemon.tiers.interface import ChunkBatch, DataSink, PartWriter, Tier
 
 # A write takes its tokens this many bytes at a time (the digest block the drain reads and checks in): a
 # whole 64 MiB piece's credit at once would fill the bucket to a piece and overshoot the cap.
 _SLICE_BYTES = 1 << 20
+
+
+class Pacer(Protocol):
+    def acquire(self, nbytes: int) -> None:
+        """Returns when ``nbytes`` may be written."""
+
+
+class Pacers:
+    """Several pacers, each taken in turn."""
+
+    def __init__(self, pacers: list[Pacer]) -> None:
+        self._pacers = pacers
+
+    def acquire(self, nbytes: int) -> None:
+        for pacer in self._pacers:
+            pacer.acquire(nbytes)
 
 
 class RateLimiter:
@@ -58,18 +75,23 @@ class RateLimiter:
             self._sleep(debt / self.rate)
 
 
-def limited(tier: Tier, rate: int | None, sleep: Callable[[float], object] = time.sleep) -> Tier:
-    """``tier`` with its data writes capped at ``rate`` bytes a second; ``tier`` itself when there is no cap.
+def limited(tier: Tier, rate: int | None, sleep: Callable[[float], object] = time.sleep,
+            gate: Pacer | None = None) -> Tier:
+    """``tier`` with its data writes capped at ``rate`` bytes a second and held at ``gate`` (a
+    :class:`~ckptstage.daemon.tiers.loadgate.LoadGate`); ``tier`` itself when there is neither.
 
     ``sleep`` is how a write waits for its tokens (the drain's stop event, so that stopping never waits out
     a debt)."""
-    return LimitedTier(tier, RateLimiter(rate, sleep=sleep)) if rate else tier
+    pacers: list[Pacer] = [p for p in (gate, RateLimiter(rate, sleep=sleep) if rate else None) if p is not None]
+    if not pacers:
+        return tier
+    return LimitedTier(tier, pacers[0] if len(pacers) == 1 else Pacers(pacers))
 
 
 class _Paced:
     """Wraps ``inner``: every call the subclass does not override passes through to it."""
 
-    def __init__(self, inner: Any, limiter: RateLimiter) -> None:
+    def __init__(self, inner: Any, limiter: Pacer) -> None:
         self._inner = inner
         self._limiter = limiter
 
@@ -80,7 +102,7 @@ class _Paced:
 class LimitedTier(_Paced):
     """A :class:`Tier` whose part files and new chunks are written at most at ``limiter``'s rate."""
 
-    def __init__(self, tier: Tier, limiter: RateLimiter) -> None:
+    def __init__(self, tier: Tier, limiter: Pacer) -> None:
         super().__init__(tier, limiter)
 
     def begin_part(self, job: str, step: int, rank: int, replace: Callable[[Path], bool] | None = None,

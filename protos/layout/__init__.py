@@ -55,6 +55,7 @@ from ckptstage.protos.layout.names import (  # noqa: F401 - re-exported
     check_step,
     commit_path,
     is_verification_failure,
+    parse_corrupt_dirname,
     parse_rank_dirname,
     parse_step_dirname,
     part_dir,

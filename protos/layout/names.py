@@ -166,6 +166,13 @@ def parse_rank_dirname(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def parse_corrupt_dirname(name: str) -> int | None:
+    """The rank of a part moved aside as ``.corrupt-rank-RRRRR-<random>``; None for any other name."""
+    if not name.startswith(CORRUPT_PREFIX):
+        return None
+    return parse_rank_dirname(name[len(CORRUPT_PREFIX):].rsplit("-", 1)[0])
+
+
 def part_dir(tier_dir: Path, job: str, step: int, rank: int) -> Path:
     return tier_dir / check_job(job) / step_dirname(step) / rank_dirname(rank)
 

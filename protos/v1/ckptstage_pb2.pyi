@@ -285,18 +285,24 @@ class ListResponse(_message.Message):
     def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ..., quarantined: _Optional[_Iterable[_Union[QuarantinedCopy, _Mapping]]] = ...) -> None: ...
 
 class QuarantinedCopy(_message.Message):
-    __slots__ = ("step", "rank", "tier", "path", "detail")
+    __slots__ = ("step", "rank", "tier", "path", "detail", "chunk", "bytes", "since")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
     step: int
     rank: int
     tier: Tier
     path: str
     detail: str
-    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., path: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    chunk: str
+    bytes: int
+    since: float
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., path: _Optional[str] = ..., detail: _Optional[str] = ..., chunk: _Optional[str] = ..., bytes: _Optional[int] = ..., since: _Optional[float] = ...) -> None: ...
 
 class LocateRequest(_message.Message):
     __slots__ = ("job", "step", "latest", "rank", "all_ranks", "memory", "ranks", "node_copy", "step_index")
@@ -397,6 +403,16 @@ class ReportCorruptRequest(_message.Message):
     tier: Tier
     detail: str
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class LoadingRequest(_message.Message):
+    __slots__ = ("lease", "ttl_s", "done")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    lease: str
+    ttl_s: float
+    done: bool
+    def __init__(self, lease: _Optional[str] = ..., ttl_s: _Optional[float] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("job", "step", "pinned")

@@ -104,6 +104,11 @@ class CheckpointerStub:
                 request_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ReportCorruptRequest.SerializeToString,
                 response_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Loading = channel.unary_unary(
+                '/ckptstage.v1.Checkpointer/Loading',
+                request_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.LoadingRequest.SerializeToString,
+                response_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.Empty.FromString,
+                _registered_method=True)
         self.SetPin = channel.unary_unary(
                 '/ckptstage.v1.Checkpointer/SetPin',
                 request_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PinRequest.SerializeToString,
@@ -246,6 +251,14 @@ class CheckpointerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Loading(self, request, context):
+        """A load on this node begins (or goes on: sent again within ttl_s) or ends (done): drains and replicas
+        sent to peers wait while any is in flight ([persist] yield_to_loads_s).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetPin(self, request, context):
         """Pins (or unpins) a step; says whether that changed anything.
         """
@@ -372,6 +385,11 @@ def add_CheckpointerServicer_to_server(servicer, server):
             'ReportCorrupt': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportCorrupt,
                     request_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ReportCorruptRequest.FromString,
+                    response_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.Empty.SerializeToString,
+            ),
+            'Loading': grpc.unary_unary_rpc_method_handler(
+                    servicer.Loading,
+                    request_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.LoadingRequest.FromString,
                     response_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.Empty.SerializeToString,
             ),
             'SetPin': grpc.unary_unary_rpc_method_handler(
@@ -792,6 +810,33 @@ class Checkpointer:
             target,
             '/ckptstage.v1.Checkpointer/ReportCorrupt',
             ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ReportCorruptRequest.SerializeToString,
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Loading(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptstage.v1.Checkpointer/Loading',
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.LoadingRequest.SerializeToString,
             ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.Empty.FromString,
             options,
             channel_credentials,

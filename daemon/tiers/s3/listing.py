@@ -12,11 +12,12 @@ from __future__ import annotations
 import errno
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from ckptstage.daemon.tiers.interface import Manifest, QuarantinedCopy
 from ckptstage.daemon.tiers.s3.keys import REPLACE_DIR, Keys
 from ckptstage.daemon.tiers.s3.objects import Objects, version
-from ckptstage.protos import layout
+from ckptstage.protos import chunks, layout
 
 
 class S3Index:
@@ -112,16 +113,46 @@ class S3Index:
         return version(head["ETag"]), int(head["ContentLength"])
 
     def list_quarantined(self) -> list[QuarantinedCopy]:
+        """Parts moved aside (``<job>/step-N/.corrupt-rank-R-<random>/``) and chunks
+        (``<job>/chunks/.corrupt/<name>-<random>``); ``since``: their objects' newest LastModified (the copy
+        that moved them aside)."""
         found: dict[Path, QuarantinedCopy] = {}
+
+        def add(job: str, step: int | None, rank: int | None, where: Path, obj: dict[str, Any],
+                chunk: str = "") -> None:
+            was = found.get(where)
+            since = obj["LastModified"].timestamp() if "LastModified" in obj else 0.0
+            found[where] = QuarantinedCopy(job, step, rank, where, (was.nbytes if was else 0) + int(obj.get("Size", 0)),
+                                           max(since, was.since if was else 0.0), chunk)
+
         for job in self.list_jobs():
             job_key = self._keys.dir_key(self._keys.root / job)
             for obj in self._objects.listing(job_key + "step-"):
                 names = obj.get("Key", "")[len(job_key):].split("/")
-                if len(names) < 3 or not names[1].startswith(layout.CORRUPT_PREFIX):
-                    continue
                 step = layout.parse_step_dirname(names[0])
-                rank = layout.parse_rank_dirname(names[1][len(layout.CORRUPT_PREFIX):].rsplit("-", 1)[0])
+                rank = layout.parse_corrupt_dirname(names[1]) if len(names) >= 3 else None
                 if step is not None and rank is not None:
-                    where = self._keys.root / job / names[0] / names[1]
-                    found[where] = QuarantinedCopy(job, step, rank, where)
+                    add(job, step, rank, self._keys.root / job / names[0] / names[1], obj)
+            corrupt = f"{job_key}{chunks.CHUNKS_DIR}/{chunks.CORRUPT_DIR}/"
+            for obj in self._objects.listing(corrupt):
+                name = obj.get("Key", "")[len(corrupt):]
+                chunk = chunks.corrupt_chunk_name(name)
+                if chunk is not None and "/" not in name:
+                    add(job, None, None, self._keys.location(obj["Key"]), obj, chunk)
         return list(found.values())
+
+    def delete_quarantined(self, location: Path) -> int:
+        """Deletes the objects of a copy :meth:`list_quarantined` lists; refuses (ValueError) any other."""
+        if layout.parse_corrupt_dirname(location.name) is not None and \
+                layout.parse_step_dirname(location.parent.name) is not None:
+            found = [o for o in self._objects.listing(self._keys.dir_key(location)) if "Key" in o]
+        elif chunks.corrupt_chunk_name(location.name) is not None and location.parent.name == chunks.CORRUPT_DIR:
+            key = self._keys.key(location)
+            head = self._objects.head(key)
+            found = [] if head is None else [{"Key": key, "Size": int(head["ContentLength"])}]
+        else:
+            raise ValueError(f"{self._objects.where(self._keys.key(location))} is not a copy moved aside as corrupt")
+        if not found:
+            raise FileNotFoundError(errno.ENOENT, f"no quarantined copy {self._objects.where(self._keys.key(location))}")
+        self._objects.delete_many([o["Key"] for o in found])
+        return sum(int(o.get("Size", 0)) for o in found)

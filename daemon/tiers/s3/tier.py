@@ -346,6 +346,9 @@ class S3Tier:
     def list_quarantined(self) -> list[QuarantinedCopy]:
         return self._index.list_quarantined()
 
+    def delete_quarantined(self, location: Path) -> int:
+        return self._index.delete_quarantined(location)
+
     # --- replacing a step (see replacing.py) --------------------------------------------
 
     def staged_location(self, job: str, step: int, rank: int) -> Path:
