@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -110,9 +111,11 @@ def test_a_process_whose_save_failed_exits_with_its_own_status(daemon_factory: A
     d = daemon_factory(**{"arena.dir": str(small_shm)}).start()
     with open(small_shm / "someone-else", "wb") as f:  # no room for an arena
         os.posix_fallocate(f.fileno(), 0, SHM_BYTES - 512 * 1024)
-    # The abort came from a thread inside a gRPC call at interpreter finalization, a race: several tries.
-    for _ in range(4):
-        done = run_script(FAILS_THEN_EXITS, str(d.socket), how)
+    # The abort came from a thread inside a gRPC call at interpreter finalization, a race: several tries,
+    # at once (each process mostly waits for its imports).
+    with ThreadPoolExecutor(4) as pool:
+        tries = list(pool.map(lambda _: run_script(FAILS_THEN_EXITS, str(d.socket), how), range(4)))
+    for done in tries:
         assert done.stdout.strip() == "ArenaFull", done.stdout + done.stderr
         assert "terminate called" not in done.stderr
         assert done.returncode == status, f"exit status {done.returncode}: {done.stderr[-2000:]}"
