@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -292,20 +293,20 @@ def test_cli_consolidate_json_and_errors(daemon: Any, tmp_path: Path) -> None:
     assert "wrote model-00001-of-" in res.stderr  # not a terminal: a plain line per file
     assert_same(read_out(tmp_path / "o")[0], want)
 
-    again = ckptstage("consolidate", "co-cli", "12", "--out", str(tmp_path / "o"), socket=daemon.socket)
+    refused = [["consolidate", "co-cli", "12", "--out", str(tmp_path / "o")],
+               ["consolidate", "co-cli", "13", "--out", str(tmp_path / "x")],
+               ["consolidate", "no-such-job", "--out", str(tmp_path / "x")],
+               ["consolidate", "co-cli", "--out", str(tmp_path / "x"), "--max-shard-size", "5XB"]]
+    with ThreadPoolExecutor(len(refused)) as pool:  # each CLI process mostly waits for its imports
+        again, missing_step, missing_job, bad_size = pool.map(lambda a: ckptstage(*a, socket=daemon.socket), refused)
     assert again.returncode == 1 and "--overwrite" in again.stderr
+    assert missing_step.returncode == 1 and "step 13 of job 'co-cli'" in missing_step.stderr
+    assert missing_job.returncode == 1 and "'no-such-job'" in missing_job.stderr
+    assert bad_size.returncode == 2 and "invalid size '5XB'" in bad_size.stderr
+    assert not (tmp_path / "x").exists()
     human = ckptstage("consolidate", "co-cli", "12", "--out", str(tmp_path / "o"), "--overwrite", "--prefix",
                       "model.", socket=daemon.socket)
     assert human.returncode == 0 and human.stdout.startswith("co-cli step 12: 8 tensors"), human.stdout
-
-    missing_step = ckptstage("consolidate", "co-cli", "13", "--out", str(tmp_path / "x"), socket=daemon.socket)
-    assert missing_step.returncode == 1 and "step 13 of job 'co-cli'" in missing_step.stderr
-    missing_job = ckptstage("consolidate", "no-such-job", "--out", str(tmp_path / "x"), socket=daemon.socket)
-    assert missing_job.returncode == 1 and "'no-such-job'" in missing_job.stderr
-    bad_size = ckptstage("consolidate", "co-cli", "--out", str(tmp_path / "x"), "--max-shard-size", "5XB",
-                         socket=daemon.socket)
-    assert bad_size.returncode == 2 and "invalid size '5XB'" in bad_size.stderr
-    assert not (tmp_path / "x").exists()
 
 
 def test_api_unknown_step_raises_not_found(daemon: Any, tmp_path: Path) -> None:
