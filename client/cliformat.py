@@ -127,6 +127,14 @@ def peers_text(p: pb.PeerState) -> str:
     return text
 
 
+def stored_text(stored: int, logical: int, ranks: Iterable[int]) -> str:
+    """What a step added on a tier and its share of the step's size: ``4.1 MiB (0.8%)``; ``-`` where the tier
+    holds none of it."""
+    if not list(ranks):
+        return "-"
+    return f"{size_text(stored)} ({100 * stored / logical:.3g}%)" if logical else size_text(stored)
+
+
 def ranges(ranks: Iterable[int]) -> str:
     """``[0, 1, 2, 5, 7, 8]`` as ``0-2,5,7-8``: a 1,000-rank job's missing ranks on one line."""
     runs: list[list[int]] = []

@@ -13,7 +13,8 @@ from typing import Any
 
 from ckptstage.client import errors
 from ckptstage.client.cliformat import (
-    age, drain_text, emit, job_line, one_line, print_json, ranges, size_text, table, tier_line, tier_name, when,
+    age, drain_text, emit, job_line, one_line, print_json, ranges, size_text, stored_text, table, tier_line,
+    tier_name, when,
 )
 from ckptstage.client.progress import Mode, Progress
 from ckptstage.client.rpc import FETCH_TIMEOUT_S, Connection
@@ -96,10 +97,13 @@ def cmd_ls(conn: Connection, args: argparse.Namespace) -> int:
                                else f"memory:{len(c.ranks_memory)}/{c.world_size}")
             complete = "yes" if c.complete else "no" + (f" (missing ranks {ranges(c.ranks_missing)})"
                                                        if c.ranks_missing else "")
-            rows.append([str(c.step), ",".join(tiers + partial) or "-", size_text(c.bytes), when(c.created),
-                         complete, c.attempt[:12] or "-", c.drain_state, "pinned" if c.pinned else "",
+            rows.append([str(c.step), ",".join(tiers + partial) or "-", size_text(c.bytes),
+                         stored_text(c.stored_local, c.bytes, c.ranks_local), stored_text(c.stored_shared, c.bytes,
+                                                                                         c.ranks_shared),
+                         when(c.created), complete, c.attempt[:12] or "-", c.drain_state, "pinned" if c.pinned else "",
                          " ".join(f"{k}={v:g}" for k, v in sorted(c.metrics.items()))])
-        return table(rows, ["STEP", "TIERS", "SIZE", "CREATED", "COMPLETE", "ATTEMPT", "DRAIN", "PIN", "METRICS"])
+        return table(rows, ["STEP", "TIERS", "SIZE", "LOCAL STORED", "SHARED STORED", "CREATED", "COMPLETE",
+                            "ATTEMPT", "DRAIN", "PIN", "METRICS"])
 
     emit(args, resp, text)
     return EXIT_OK

@@ -59,6 +59,7 @@ class StateProbe:
     yielded_to_loads_s: Callable[[], float] = lambda: 0.0
     loads_began: Callable[[], int] = lambda: 0
     quarantined: Callable[[str], tuple[int, int]] = lambda tier: (0, 0)  # copies moved aside, their bytes
+    tier_stored: Callable[[str], int | None] = lambda tier: None  # chunks shared once (None: not weighed yet)
 
 
 def package_version() -> str:
@@ -165,10 +166,15 @@ class _StateCollector(Collector):
         free = GaugeMetricFamily("ckptstage_tier_free_bytes", "Free bytes on the tier's file system.",
                                  labels=["tier"])
         size = GaugeMetricFamily("ckptstage_tier_size_bytes", "Size of the tier's file system.", labels=["tier"])
+        stored_fam = GaugeMetricFamily("ckptstage_tier_stored_bytes", "Bytes the committed checkpoints take on the "
+                                   "tier, each chunk of incremental ones once (ckptstage_tier_used_bytes counts "
+                                   "every part whole); as of the last retention pass.", labels=["tier"])
         aside = GaugeMetricFamily("ckptstage_quarantined_copies", "Copies moved aside as corrupt, kept for "
                                   "forensics until [retention] quarantine_keep_s.", labels=["tier"])
         aside_bytes = GaugeMetricFamily("ckptstage_quarantined_bytes", "Their bytes.", labels=["tier"])
         for tier in p.tiers():
+            weighed = p.tier_stored(tier)
+            stored_fam.add_metric([tier], weighed if weighed is not None else p.tier_used(tier))
             n, b = p.quarantined(tier)
             aside.add_metric([tier], n)
             aside_bytes.add_metric([tier], b)
@@ -182,6 +188,7 @@ class _StateCollector(Collector):
         yield used
         yield free
         yield size
+        yield stored_fam
         yield aside
         yield aside_bytes
         parts, nbytes = p.drain_queue()

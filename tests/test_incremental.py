@@ -316,3 +316,38 @@ def test_a_mark_rereads_a_manifest_replaced_since_the_last_one(tmp_path):
     _manifest_naming(part, [y])  # the step saved again with overwrite: same path, another manifest
     assert referenced(fs, JOB, seen) == {y}
     assert referenced(fs, JOB, seen) == {y} and list(seen) == [part / layout.MANIFEST_FILE]
+
+
+def test_added_bytes_counts_each_chunk_once_with_the_oldest_step_that_names_it():
+    from ckptstage.daemon.catalog.storedbytes import added_bytes
+
+    got = added_bytes([(2, 999, (("a", 10), ("c", 7))), (1, 999, (("a", 10), ("b", 5))), (3, 100, None),
+                       (2, 999, (("d", 1), ("c", 7)))])
+    assert got == {1: 15, 2: 8, 3: 100}  # step 2 adds c (once, though two of its parts name it) and d
+
+
+def test_ls_and_metrics_show_what_each_step_stores_next_to_its_size(daemon_factory, capsys):
+    from ckptstage.client.cli import main as cli
+    from support import free_port, metric, scrape
+
+    port = free_port()
+    d = daemon_factory("n", **INCREMENTAL, **{"metrics.listen": f"127.0.0.1:{port}", "local.keep_last": 5,
+                                              "shared.keep_last": 5}).start()
+    with Client(JOB, socket=d.socket) as c:
+        for step in (1, 2, 3):
+            save(c, step, lora_like(step), "shared")
+    assert cli(["--socket", str(d.socket), "gc"]) == 0  # a retention pass weighs every part
+    capsys.readouterr()
+    assert cli(["--socket", str(d.socket), "ls", JOB, "--json"]) == 0
+    listed = {c["step"]: c for c in json.loads(capsys.readouterr().out)["checkpoints"]}
+    full = listed[1]["bytes"]
+    for tier in ("stored_local", "stored_shared"):
+        assert listed[1][tier] >= 0.95 * full, (tier, listed[1])  # the first step stores the base
+        assert all(0 < listed[s][tier] <= 0.05 * full for s in (2, 3)), (tier, listed)  # then the adapters only
+    assert cli(["--socket", str(d.socket), "ls", JOB]) == 0
+    text = capsys.readouterr().out
+    assert "LOCAL STORED" in text and "SHARED STORED" in text and "%)" in text
+    scraped = scrape(port)
+    held = sum(listed[s]["stored_local"] for s in (1, 2, 3))
+    assert metric(scraped, "ckptstage_tier_stored_bytes", tier="local") == held
+    assert metric(scraped, "ckptstage_tier_used_bytes", tier="local") == sum(listed[s]["bytes"] for s in (1, 2, 3))

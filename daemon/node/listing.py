@@ -46,6 +46,7 @@ class CheckpointEntry:
     attempt: str
     ranks_peer: list[int] = field(default_factory=list)
     committed_peer: bool = False
+    stored: dict[TierName, int] = field(default_factory=dict)  # per disk tier: the bytes the step added there
 
 
 @dataclass(frozen=True)
@@ -85,14 +86,17 @@ class IndexCopy:
     digest: str
 
 
-def entry(ckpt: Checkpoint, drain_state: str, ranks_memory: list[int]) -> CheckpointEntry:
+def entry(ckpt: Checkpoint, drain_state: str, ranks_memory: list[int],
+          stored: dict[TierName, int] | None = None) -> CheckpointEntry:
+    """``stored``: per disk tier, what the step added there (see :mod:`ckptstage.daemon.catalog.storedbytes`)."""
     return CheckpointEntry(
         job=ckpt.job, step=ckpt.step, world_size=ckpt.world_size, ranks_local=ckpt.ranks_on(TierName.LOCAL),
         ranks_shared=ckpt.ranks_on(TierName.SHARED), ranks_memory=ranks_memory, ranks_missing=ckpt.ranks_missing(),
         nbytes=ckpt.nbytes(), created=ckpt.created, complete=ckpt.complete,
         committed_local=ckpt.complete_on(TierName.LOCAL), committed_shared=ckpt.complete_on(TierName.SHARED),
         pinned=ckpt.pinned, drain_state=drain_state, metrics=ckpt.metrics, attempt=ckpt.attempt,
-        ranks_peer=ckpt.ranks_on(TierName.PEER), committed_peer=ckpt.complete_on(TierName.PEER))
+        ranks_peer=ckpt.ranks_on(TierName.PEER), committed_peer=ckpt.complete_on(TierName.PEER),
+        stored=stored or {})
 
 
 def memory_entry(kept: MemoryStep) -> CheckpointEntry:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from ckptstage.daemon.catalog.commits import Commits
 from ckptstage.daemon.catalog.index import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.catalog.quarantine import Quarantine
+from ckptstage.daemon.catalog.storedbytes import ChunkLists
 from ckptstage.daemon.config import Config
 from ckptstage.daemon.drain.drainer import Drainer
 from ckptstage.daemon.drain.indexcopy import IndexCopies
@@ -47,8 +48,10 @@ class Lookup:
     def __init__(self, config: Config, catalog: Catalog, commits: Commits, memory: MemoryTier,
                  quarantine: Quarantine, tiers: dict[TierName, Tier], drainer: Drainer | None,
                  shared_sync: SharedSync | None, stopping: threading.Event,
-                 index_copies: IndexCopies | None = None, peers: PeerTier | None = None) -> None:
+                 index_copies: IndexCopies | None = None, peers: PeerTier | None = None,
+                 chunk_lists: ChunkLists | None = None) -> None:
         self._config = config
+        self._chunk_lists = chunk_lists or ChunkLists(tiers)
         self._catalog = catalog
         self._commits = commits
         self._memory = memory
@@ -76,8 +79,13 @@ class Lookup:
     def list_checkpoints(self, job: str, memory: bool = False) -> listing.Listing:
         """A job's steps, oldest first, with their drain state and the ranks the memory tier holds; with
         ``memory`` also the steps only the memory tier holds. And the copies of the job quarantined."""
-        entries = [listing.entry(c, self.drain_state(c), self._memory.ranks(c.job, c.step, c.world_size))
-                   for c in self.checkpoints(job)]
+        ckpts = self.checkpoints(job)
+        # What each step added on each disk tier, from the chunk lists retention read (never a tier read here).
+        added = {tier: self._chunk_lists.added(job, tier, ckpts, read=False)
+                 for tier in (TierName.LOCAL, TierName.SHARED) if tier in self._tiers}
+        entries = [listing.entry(c, self.drain_state(c), self._memory.ranks(c.job, c.step, c.world_size),
+                                 {tier: step_added.get(c.step, 0) for tier, step_added in added.items()})
+                   for c in ckpts]
         if memory:
             entries = sorted(entries + [listing.memory_entry(m) for m in self._memory.memory_steps(job)],
                              key=lambda e: e.step)

@@ -148,7 +148,7 @@ class Node:
         index_copies = IndexCopies(shared, config.local.dir / STATE_DIR / indexcopy.DIR, config.local.dir) \
             if shared is not None else None
         self.lookup = Lookup(config, catalog, self.commits, self.memory, self.quarantine, self.tiers, self.drainer,
-                             self.shared_sync, self._stopping, index_copies, self.peers)
+                             self.shared_sync, self._stopping, index_copies, self.peers, self.janitor.chunk_lists)
         self.session_desk = SessionDesk(config, self.sessions, self.budget, self.memory, catalog, self.job_rules,
                                         self.persister, self.metrics, self._check_running, self.timers.shared_wake)
         self.save_desk = SaveDesk(config, self.sessions, self.saves, self.persister, catalog, self.commits,
@@ -165,7 +165,7 @@ class Node:
         self._subscribe()
         self.metrics.add_state(probe.state_probe(self.budget, self.sessions, catalog, self.tier_probes, self.drainer,
                                                  self.incomplete, self.memory, self.job_summaries, self.peers,
-                                                 self.loads, self.quarantine))
+                                                 self.loads, self.quarantine, self.janitor.chunk_lists))
 
     def _subscribe(self) -> None:
         """What follows each event of the layers below, on the thread that published it (see

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from ckptstage.daemon.catalog.index import Catalog, TierName
 from ckptstage.daemon.catalog.quarantine import Quarantine
+from ckptstage.daemon.catalog.storedbytes import ChunkLists
 from ckptstage.daemon.drain.drainer import Drainer
 from ckptstage.daemon.drain.health import NO_DRAIN
 from ckptstage.daemon.metrics import StateProbe
@@ -41,7 +42,8 @@ def job_summaries(catalog: Catalog, sessions: SessionTable, memory: MemoryTier,
 def state_probe(budget: Budget, sessions: SessionTable, catalog: Catalog, tier_probes: dict[TierName, TierProbe],
                 drainer: Drainer | None, incomplete: IncompleteSteps, memory: MemoryTier,
                 summaries: Callable[[], list[jobs.JobSummary]], peers: PeerTier | None = None,
-                gate: LoadGate | None = None, quarantine: Quarantine | None = None) -> StateProbe:
+                gate: LoadGate | None = None, quarantine: Quarantine | None = None,
+                chunk_lists: ChunkLists | None = None) -> StateProbe:
     """What :class:`~ckptstage.daemon.metrics.Metrics` reads of the node at each scrape."""
     def tier_used(tier: str) -> int:
         return sum(p.nbytes for p in catalog.all_parts(TierName(tier)))
@@ -68,4 +70,5 @@ def state_probe(budget: Budget, sessions: SessionTable, catalog: Catalog, tier_p
         loads_in_flight=gate.loads if gate else (lambda: 0),
         yielded_to_loads_s=gate.waited_s if gate else (lambda: 0.0),
         loads_began=gate.began if gate else (lambda: 0),
-        quarantined=(lambda tier: quarantine.usage(TierName(tier))) if quarantine else (lambda tier: (0, 0)))
+        quarantined=(lambda tier: quarantine.usage(TierName(tier))) if quarantine else (lambda tier: (0, 0)),
+        tier_stored=(lambda tier: chunk_lists.total(TierName(tier))) if chunk_lists else (lambda tier: None))

@@ -7,12 +7,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from ckptstage.daemon.catalog import chunkstore
 from ckptstage.daemon.retention import planner as retention
 from ckptstage.daemon.catalog.index import Catalog, Checkpoint, Part, TierName
 from ckptstage.daemon.catalog.chunkstore import ChunkStore
+from ckptstage.daemon.catalog.storedbytes import ChunkLists
 from ckptstage.daemon.config import Config
 from ckptstage.daemon.drain.queue import DrainQueue
 from ckptstage.daemon.retention.floorwatch import FloorWatch
@@ -20,7 +20,7 @@ from ckptstage.daemon.retention.job_rules import JobRetention, JobRules
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.tiers.interface import Tier
-from ckptstage.protos import chunks, layout
+from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class Janitor:
     def __init__(self, config: Config, catalog: Catalog, metrics: Metrics, drain: DrainQueue | None,
                  job_rules: JobRules, in_flight: Callable[[str, int, int], bool],
                  chunk_stores: dict[TierName, ChunkStore] | None = None, *,
-                 tiers: Mapping[TierName, Tier]) -> None:
+                 tiers: Mapping[TierName, Tier], chunk_lists: ChunkLists | None = None) -> None:
         """``drain``: the queue of parts bound for the shared tier (no shared tier: None); ``tiers``: each disk
         tier's storage (no shared tier: no entry)."""
         self.config = config
@@ -66,9 +66,7 @@ class Janitor:
         self.job_rules = job_rules
         self._in_flight = in_flight
         self.chunk_stores = chunk_stores or {}
-        # Per (job, tier), per part (path, inode): its chunks, from its manifest (None: stored whole).
-        self._chunk_lists: dict[tuple[str, TierName], dict[tuple[Path, int], tuple[tuple[str, int], ...] | None]] = {}
-        self._cache_lock = threading.Lock()
+        self.chunk_lists = chunk_lists or ChunkLists(self.tiers)  # each part's chunks, from its manifest once
         self._swept_at: dict[tuple[str, TierName], float] = {}  # monotonic time of each job's last sweep
         self._locks = {TierName.LOCAL: threading.Lock(), TierName.SHARED: threading.Lock()}
         self.floor = FloorWatch(config.local.min_free_bytes, str(config.local.dir),
@@ -204,32 +202,12 @@ class Janitor:
         return [GcAction(job, s, tier, why, _nbytes(records, s)) for s, why in sorted(plan.delete.items())]
 
     def _stored_bytes(self, job: str, tier: TierName, ckpts: list[Checkpoint]) -> dict[int, int]:
-        """What each step of a job holds on ``tier`` when some of it is incremental (see
+        """What deleting each step of a job frees on ``tier`` when some of it is incremental (see
         :func:`chunkstore.stored_bytes`); empty when the job has no chunk store there (every part counts
-        its own bytes). A part's chunk list is read from its manifest once (parts never change)."""
-        storage = self.tiers[tier]
-        if not storage.has_chunk_store(job):
-            return {}
-        with self._cache_lock:
-            known = self._chunk_lists.get((job, tier), {})
-        seen: dict[tuple[Path, int], tuple[tuple[str, int], ...] | None] = {}
-        rows: list[tuple[int, int, tuple[tuple[str, int], ...] | None]] = []
-        for c in ckpts:
-            for part in c.on_tier(tier):
-                key = (part.path, part.ino)
-                if key in known:
-                    seen[key] = known[key]
-                else:
-                    try:
-                        listed = chunks.manifest_chunks(storage.read_manifest(part.path)[0])
-                    except layout.ManifestError:
-                        rows.append((c.step, part.nbytes, None))  # unreadable now: counted whole, read next pass
-                        continue
-                    seen[key] = None if listed is None else tuple((x.name, x.nbytes) for x in listed)
-                rows.append((c.step, part.nbytes, seen[key]))
-        with self._cache_lock:
-            self._chunk_lists[(job, tier)] = seen  # parts gone since the last pass leave the cache
-        return chunkstore.stored_bytes(rows)
+        its own bytes)."""
+        rows = self.chunk_lists.rows(job, tier, ckpts)
+        self.chunk_lists.added(job, tier, ckpts)  # what the tier's metrics show, as of this pass
+        return {} if rows is None else chunkstore.stored_bytes(rows)
 
     def _free_bytes(self, tier: TierName) -> int | None:
         try:

@@ -350,7 +350,8 @@ def _checkpoint_info(c: CheckpointEntry) -> pb.CheckpointInfo:
         bytes=c.nbytes, created=c.created, complete=c.complete, pinned=c.pinned, drain_state=c.drain_state,
         metrics=c.metrics, attempt=c.attempt, committed_local=c.committed_local, committed_shared=c.committed_shared,
         ranks_missing=c.ranks_missing, ranks_memory=c.ranks_memory, ranks_peer=c.ranks_peer,
-        committed_peer=c.committed_peer)
+        committed_peer=c.committed_peer, stored_local=c.stored.get(TierName.LOCAL, 0),
+        stored_shared=c.stored.get(TierName.SHARED, 0))
 
 
 def _located(found: Located, handoff: str) -> pb.LocateResponse:

@@ -222,7 +222,7 @@ class WaitSaveResponse(_message.Message):
     def __init__(self, done: _Optional[bool] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("job", "step", "world_size", "ranks_local", "ranks_shared", "bytes", "created", "complete", "pinned", "drain_state", "metrics", "attempt", "committed_local", "committed_shared", "ranks_missing", "ranks_memory", "ranks_peer", "committed_peer")
+    __slots__ = ("job", "step", "world_size", "ranks_local", "ranks_shared", "bytes", "created", "complete", "pinned", "drain_state", "metrics", "attempt", "committed_local", "committed_shared", "ranks_missing", "ranks_memory", "ranks_peer", "committed_peer", "stored_local", "stored_shared")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +248,8 @@ class CheckpointInfo(_message.Message):
     RANKS_MEMORY_FIELD_NUMBER: _ClassVar[int]
     RANKS_PEER_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_PEER_FIELD_NUMBER: _ClassVar[int]
+    STORED_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    STORED_SHARED_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     world_size: int
@@ -266,7 +268,9 @@ class CheckpointInfo(_message.Message):
     ranks_memory: _containers.RepeatedScalarFieldContainer[int]
     ranks_peer: _containers.RepeatedScalarFieldContainer[int]
     committed_peer: bool
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks_local: _Optional[_Iterable[int]] = ..., ranks_shared: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., created: _Optional[float] = ..., complete: _Optional[bool] = ..., pinned: _Optional[bool] = ..., drain_state: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., attempt: _Optional[str] = ..., committed_local: _Optional[bool] = ..., committed_shared: _Optional[bool] = ..., ranks_missing: _Optional[_Iterable[int]] = ..., ranks_memory: _Optional[_Iterable[int]] = ..., ranks_peer: _Optional[_Iterable[int]] = ..., committed_peer: _Optional[bool] = ...) -> None: ...
+    stored_local: int
+    stored_shared: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks_local: _Optional[_Iterable[int]] = ..., ranks_shared: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., created: _Optional[float] = ..., complete: _Optional[bool] = ..., pinned: _Optional[bool] = ..., drain_state: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., attempt: _Optional[str] = ..., committed_local: _Optional[bool] = ..., committed_shared: _Optional[bool] = ..., ranks_missing: _Optional[_Iterable[int]] = ..., ranks_memory: _Optional[_Iterable[int]] = ..., ranks_peer: _Optional[_Iterable[int]] = ..., committed_peer: _Optional[bool] = ..., stored_local: _Optional[int] = ..., stored_shared: _Optional[int] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("job", "memory")

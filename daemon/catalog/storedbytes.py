@@ -1,0 +1,106 @@
+"""What a job's steps hold on a tier once incremental parts share chunks: stored bytes next to logical ones.
+
+A step's *logical* bytes are its parts' data, as saved. What it *stores* on
+a tier differs once parts are incremental (docs/FORMAT.md, "Incremental
+parts"): a chunk that several steps name is stored once. Two questions are
+asked of that, each answered from the same rows (each part's chunk list,
+read from its manifest once per part, since parts never change):
+
+* what a step *added* (:func:`added_bytes`): the chunks no older step on the
+  tier names; ``ckptstage ls`` shows it, and the sum over a job's steps is
+  what its parts hold there;
+* what deleting it would *free* (:func:`~ckptstage.daemon.catalog.chunkstore.stored_bytes`),
+  steps deleted oldest first: retention's ``max_bytes`` weighs that.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+from ckptstage.daemon.catalog.parts import Checkpoint
+from ckptstage.daemon.tiers.interface import Tier, TierName
+from ckptstage.protos import chunks, layout
+
+ChunkList = tuple[tuple[str, int], ...]
+Row = tuple[int, int, ChunkList | None]  # (step, a part's logical bytes, its chunks: None when stored whole)
+
+
+class ChunkLists:
+    """Each part's chunk list, per job and tier, read from its manifest once and kept while the part is."""
+
+    def __init__(self, tiers: Mapping[TierName, Tier]) -> None:
+        self._tiers = dict(tiers)
+        self._lock = threading.Lock()
+        self._known: dict[tuple[str, TierName], dict[tuple[Path, int], ChunkList | None]] = {}
+        self._added: dict[tuple[str, TierName], int] = {}  # what the job's parts hold there, as last computed
+
+    def rows(self, job: str, tier: TierName, ckpts: Sequence[Checkpoint], read: bool = True) -> list[Row] | None:
+        """One row per part of ``ckpts`` on ``tier``; None when the job has no chunk store there (every part
+        holds its own bytes). A manifest that cannot be read now counts its part whole (read next time);
+        without ``read`` (an answer that must not wait on a tier) so does every part not read before."""
+        storage = self._tiers.get(tier)
+        if storage is None or (read and not storage.has_chunk_store(job)):
+            return None
+        with self._lock:
+            known = dict(self._known.get((job, tier), {}))
+        if not read and not known:
+            return None
+        seen: dict[tuple[Path, int], ChunkList | None] = {}
+        rows: list[Row] = []
+        for c in ckpts:
+            for part in c.on_tier(tier):
+                key = (part.path, part.ino)
+                if key not in known and not read:
+                    rows.append((c.step, part.nbytes, None))
+                    continue
+                if key not in known:
+                    try:
+                        listed = chunks.manifest_chunks(storage.read_manifest(part.path)[0])
+                    except (layout.ManifestError, OSError):
+                        rows.append((c.step, part.nbytes, None))
+                        continue
+                    known[key] = None if listed is None else tuple((x.name, x.nbytes) for x in listed)
+                seen[key] = known[key]
+                rows.append((c.step, part.nbytes, seen[key]))
+        if read:
+            with self._lock:
+                self._known[(job, tier)] = seen  # parts gone since leave the cache
+        return rows
+
+    def added(self, job: str, tier: TierName, ckpts: Sequence[Checkpoint], read: bool = True) -> dict[int, int]:
+        """Per step, the bytes it added on ``tier`` (:func:`added_bytes`; its parts' own bytes when whole);
+        ``read``: see :meth:`rows`."""
+        rows = self.rows(job, tier, ckpts, read)
+        if rows is None:
+            rows = [(c.step, p.nbytes, None) for c in ckpts for p in c.on_tier(tier)]
+        out = added_bytes(rows)
+        if read:
+            with self._lock:
+                self._added[(job, tier)] = sum(out.values())
+        return out
+
+    def total(self, tier: TierName) -> int | None:
+        """What every job's parts held on ``tier`` when each was last listed or weighed by retention (None:
+        none was yet since the daemon started)."""
+        with self._lock:
+            held = [n for (_, t), n in self._added.items() if t == tier]
+        return sum(held) if held else None
+
+
+def added_bytes(rows: Iterable[Row]) -> dict[int, int]:
+    """Per step, its whole parts' bytes plus the chunks that no older step (and no other part of the step
+    before it) names: what the step added to the tier. Summed over the steps: what the parts hold there."""
+    out: dict[int, int] = {}
+    named: set[str] = set()
+    for step, nbytes, listed in sorted(rows, key=lambda r: r[0]):
+        out.setdefault(step, 0)
+        if listed is None:
+            out[step] += nbytes
+            continue
+        for name, length in listed:
+            if name not in named:
+                named.add(name)
+                out[step] += length
+    return out
