@@ -81,10 +81,13 @@ class ChunkLists:
                 self._added[(job, tier)] = sum(out.values())
         return out
 
-    def total(self, tier: TierName) -> int | None:
-        """What every job's parts held on ``tier`` when each was last listed or weighed by retention (None:
-        none was yet since the daemon started)."""
+    def total(self, tier: TierName, jobs: Iterable[str]) -> int | None:
+        """What the parts of ``jobs`` (those the node knows of now) held on ``tier`` when retention last weighed
+        each (None: none was weighed yet since the daemon started)."""
+        live = set(jobs)
         with self._lock:
+            for gone in [key for key in self._added if key[0] not in live]:
+                del self._added[gone]
             held = [n for (_, t), n in self._added.items() if t == tier]
         return sum(held) if held else None
 

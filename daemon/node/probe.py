@@ -71,4 +71,5 @@ def state_probe(budget: Budget, sessions: SessionTable, catalog: Catalog, tier_p
         yielded_to_loads_s=gate.waited_s if gate else (lambda: 0.0),
         loads_began=gate.began if gate else (lambda: 0),
         quarantined=(lambda tier: quarantine.usage(TierName(tier))) if quarantine else (lambda tier: (0, 0)),
-        tier_stored=(lambda tier: chunk_lists.total(TierName(tier))) if chunk_lists else (lambda tier: None))
+        tier_stored=(lambda tier: chunk_lists.total(TierName(tier), catalog.jobs())) if chunk_lists
+        else (lambda tier: None))
