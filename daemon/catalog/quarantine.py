@@ -125,10 +125,8 @@ class Quarantine:
             held = sorted((q for q in self._moved if q.tier == tier.value), key=lambda q: q.since)
         total = sum(q.nbytes for q in held)
         doomed = []
-        for q in held:
-            why = f"older than {self._keep_s:g} s ([retention] quarantine_keep_s)" if now - q.since > self._keep_s \
-                else f"{total} bytes quarantined on the tier, more than [retention] quarantine_max_bytes" \
-                if self._max_bytes is not None and total > self._max_bytes else None
+        for q in held:  # oldest first
+            why = self._why_remove(q, now, total)
             if why is not None:
                 doomed.append((q, why))
                 total -= q.nbytes
@@ -148,6 +146,14 @@ class Quarantine:
                 self._moved = [m for m in self._moved if m is not q]
             removed += 1
         return removed
+
+    def _why_remove(self, q: Quarantined, now: float, total: int) -> str | None:
+        """Why ``q`` goes now (``total``: what the tier's quarantined copies still hold), or None."""
+        if now - q.since > self._keep_s:
+            return f"older than {self._keep_s:g} s ([retention] quarantine_keep_s)"
+        if self._max_bytes is not None and total > self._max_bytes:
+            return f"{total} bytes quarantined on the tier, more than [retention] quarantine_max_bytes"
+        return None
 
     def _storage(self, part: Part) -> Tier:
         return self._tiers[part.tier]

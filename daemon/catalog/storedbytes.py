@@ -38,8 +38,9 @@ class ChunkLists:
 
     def rows(self, job: str, tier: TierName, ckpts: Sequence[Checkpoint], read: bool = True) -> list[Row] | None:
         """One row per part of ``ckpts`` on ``tier``; None when the job has no chunk store there (every part
-        holds its own bytes). A manifest that cannot be read now counts its part whole (read next time);
-        without ``read`` (an answer that must not wait on a tier) so does every part not read before."""
+        holds its own bytes). A manifest that fails its checks counts its part whole (read next time); one the
+        tier cannot give raises OSError, as retention's pass must then stop. Without ``read`` (an answer that
+        must not wait on a tier) every part not read before counts whole."""
         storage = self._tiers.get(tier)
         if storage is None or (read and not storage.has_chunk_store(job)):
             return None
@@ -58,8 +59,8 @@ class ChunkLists:
                 if key not in known:
                     try:
                         listed = chunks.manifest_chunks(storage.read_manifest(part.path)[0])
-                    except (layout.ManifestError, OSError):
-                        rows.append((c.step, part.nbytes, None))
+                    except layout.ManifestError:
+                        rows.append((c.step, part.nbytes, None))  # unreadable now: counted whole, read next time
                         continue
                     known[key] = None if listed is None else tuple((x.name, x.nbytes) for x in listed)
                 seen[key] = known[key]
