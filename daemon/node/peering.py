@@ -16,11 +16,11 @@ from ckptstage.daemon.peers.tier import PeerTier
 from ckptstage.daemon.save.arena import Budget
 from ckptstage.daemon.save.memtier import MemoryTier
 from ckptstage.daemon.tiers.interface import Tier
-from ckptstage.daemon.tiers.limiter import Pacer
+from ckptstage.daemon.tiers.loadgate import LoadGate
 
 
 def open_peers(config: Config, local: Tier, state_dir: Path, owner: str, catalog: Catalog, budget: Budget,
-               metrics: Metrics, gate: Pacer | None = None) -> PeerTier | None:
+               metrics: Metrics, gate: LoadGate | None = None) -> PeerTier | None:
     """The peer tier ``[peers]`` asks for (None: off); replicas it sends wait at ``gate`` during loads."""
     if not config.peers.enabled:
         return None

@@ -35,6 +35,7 @@ from ckptstage.daemon.peers.store import READ_BYTES, parse_header
 from ckptstage.daemon.peers.transport import Dialer
 from ckptstage.daemon.tiers.interface import TierName
 from ckptstage.daemon.tiers.limiter import Pacer, Pacers, RateLimiter
+from ckptstage.daemon.tiers.loadgate import LoadGate
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
@@ -63,14 +64,15 @@ class Replicator:
 
     def __init__(self, members: Members, dialer: Dialer, replicas: int, max_bandwidth: int | None,
                  metrics: Metrics, nice: int = 0, clock: Callable[[], float] = time.time,
-                 gate: Pacer | None = None) -> None:
+                 gate: LoadGate | None = None) -> None:
         """``gate``: where each piece sent waits while a checkpoint is being loaded on this node (its reads of the
-        local disk stop with it)."""
+        local disk stop with it); a send's deadline allows for one such wait."""
         self._members = members
         self._dialer = dialer
         self._replicas = replicas
         limiter = RateLimiter(max_bandwidth)
         self._limiter: Pacer = Pacers([gate, limiter]) if gate is not None else limiter
+        self._yield_s = gate.max_pause_s if gate is not None else 0.0
         self._metrics = metrics
         self._clock = clock
         self._nice = nice  # as the drain's threads: under contention the trainer and the control plane first
@@ -225,7 +227,7 @@ class Replicator:
         except DaemonError as e:
             raise _Gone(str(e)) from None
         started = time.monotonic()
-        timeout = 30.0 + part.nbytes / MIN_SEND_RATE
+        timeout = 30.0 + part.nbytes / MIN_SEND_RATE + self._yield_s
         stub = self._dialer.stub(target)
         stub.PutReplica(self._messages(part, raw, manifest), timeout=timeout, metadata=self._dialer.metadata)
         elapsed = time.monotonic() - started

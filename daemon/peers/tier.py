@@ -27,7 +27,7 @@ from ckptstage.daemon.peers.transport import Dialer
 from ckptstage.daemon.peers.view import PeerView
 from ckptstage.daemon.save.arena import Budget
 from ckptstage.daemon.tiers.interface import Tier, TierName
-from ckptstage.daemon.tiers.limiter import Pacer
+from ckptstage.daemon.tiers.loadgate import LoadGate
 from ckptstage.protos import layout
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class PeerTier:
 
     def __init__(self, config: PeersConfig, local: Tier, state_dir: Path, owner: str, catalog: Catalog,
                  budget: Budget, metrics: Metrics, on_shared: Callable[[str, int], bool], nice: int = 0,
-                 gate: Pacer | None = None) -> None:
+                 gate: LoadGate | None = None) -> None:
         """``gate``: where replicas being sent wait while a checkpoint is being loaded on this node."""
         self.address = config.address
         self._catalog = catalog
