@@ -369,3 +369,25 @@ def test_mutual_tls_replicates_and_refuses_a_caller_without_a_certificate(daemon
         with pytest.raises(grpc.RpcError) as info:
             s.Holdings(pb.HoldingsRequest(job=JOB), timeout=10)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_replicas_wait_while_a_checkpoint_is_loaded_on_the_sending_node(daemon_factory: Any, tmp_path: Path) -> None:
+    """A restart reading its step on A comes first: A's replicas wait at its load gate, then go."""
+    a, b = peer_nodes(daemon_factory, tmp_path / "nodes", 2)
+    clients = [Client(JOB, socket=d.socket, rank=r, world_size=2, attempt="run-1") for r, d in enumerate((a, b))]
+    try:
+        join(clients, [a, b])
+        with a.connection() as conn:
+            conn.call("Loading", pb.LoadingRequest(lease="restart", ttl_s=30))
+            handles = [c.save(1, state_of(1, c.rank)) for c in clients]
+            for h in handles:
+                h.wait("local", timeout=30)
+            handles[1].wait("peer", timeout=30)  # B's part reaches A: A's load does not hold B back
+            time.sleep(1.0)
+            assert (1, 0) not in replicas_held(b, JOB), "A sent its replica during the load"
+            conn.call("Loading", pb.LoadingRequest(lease="restart", done=True))
+            handles[0].wait("peer", timeout=30)
+        assert (1, 0) in replicas_held(b, JOB)
+    finally:
+        for cl in clients:
+            cl.close()
