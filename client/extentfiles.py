@@ -130,16 +130,19 @@ class ExtentFiles:
         if self._counted:
             h = self._acquire(i, kind)
             try:
-                return os.preadv(h.fds[kind], views, offset - e.base)
+                n = os.preadv(h.fds[kind], views, offset - e.base)
             finally:
                 self._let_go(i)
-        # Nothing closes an extent under a read here: no use count, and no lock once its file is open.
-        found = self._open.get(i)
-        fd = found.fds.get(kind) if found is not None else None
-        if fd is None:
-            fd = self._acquire(i, kind).fds[kind]
-            self._let_go(i)
-        return os.preadv(fd, views, offset - e.base)
+        else:
+            # Nothing closes an extent under a read here: no use count, and no lock once its file is open.
+            found = self._open.get(i)
+            fd = found.fds.get(kind) if found is not None else None
+            if fd is None:
+                fd = self._acquire(i, kind).fds[kind]
+                self._let_go(i)
+            n = os.preadv(fd, views, offset - e.base)
+        # A chunk in a pack: what follows it in the file (padding to the page, another chunk) is not the part's.
+        return n if e.whole else min(n, e.hi - offset)
 
     def pread_exact(self, kind: str, views: list[memoryview], offset: int, need: int | None = None) -> None:
         """Reads until ``need`` bytes (all of ``views`` by default) are in; an end of file before is an error."""
@@ -330,9 +333,9 @@ def _open_extent(e: chunks.Extent, flags: int, check: bool = True) -> int:
     if not check:
         return fd
     try:
-        size = os.fstat(fd).st_size
-        if size != e.hi - e.base:
-            raise layout.ChecksumMismatch(e.path, f"size {size} != {e.hi - e.base} in the manifest")
+        wrong = e.size_error(os.fstat(fd).st_size)
+        if wrong:
+            raise layout.ChecksumMismatch(e.path, wrong)
     except BaseException:
         os.close(fd)
         raise

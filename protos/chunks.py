@@ -32,14 +32,14 @@ from __future__ import annotations
 import os
 import re
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from ckptstage.protos import layout
+from ckptstage.protos import layout, packs
 
 CHUNKS_DIR = "chunks"
 CONDEMNED_DIR = ".condemned"  # in a store: chunks a sweep is about to delete (put back if named again)
@@ -191,21 +191,54 @@ def chunk_list(chunks: Sequence[Chunk]) -> list[list[Any]]:
 
 @dataclass(frozen=True)
 class Extent:
-    """Bytes [lo, hi) of a part's data file are those of ``path`` from file offset ``lo - base``."""
+    """Bytes [lo, hi) of a part's data file are those of ``path`` from file offset ``lo - base``; ``whole``: the
+    file holds exactly those bytes (the data file itself, a chunk's own file), else it holds more (a pack)."""
 
     lo: int
     hi: int
     path: Path
     base: int
+    whole: bool = True
+
+    def size_error(self, size: int) -> str | None:
+        """What is wrong with the extent's file being ``size`` bytes long (None: nothing)."""
+        end = self.hi - self.base
+        if size == end or (size > end and not self.whole):
+            return None
+        return f"size {size} != {end} in the manifest" if self.whole else f"size {size} < {end}, where the chunk ends"
 
 
-def extents(part: Path, manifest: dict[str, Any], file: str = layout.DATA_FILE) -> list[Extent]:
-    """Where the bytes of a part's data file are: the file itself, or its chunks in the job's store."""
+Find = Callable[[str], "packs.Place | None"]
+
+
+def extents(part: Path, manifest: dict[str, Any], file: str = layout.DATA_FILE, find: Find | None = None
+            ) -> list[Extent]:
+    """Where the bytes of a part's data file are: the file itself, or its chunks in the job's store.
+
+    ``find(name)`` says where a chunk is (:meth:`packs.StoreIndex.find`, the default, looks in the store's
+    packs and for its own file); a chunk found nowhere is named by its own file, which a reader then misses.
+    """
     chunks = manifest_chunks(manifest, file)
     if chunks is None:
         return [Extent(0, layout.manifest_files(manifest)[file].size, part / file, 0)]
     store = store_of(part, str(manifest["job"]))
-    return [Extent(c.lo, c.hi, chunk_path(store, c.name), c.lo) for c in chunks]
+    if find is None:
+        found = packs.store_index(store).find_all(c.name for c in chunks)
+        find = found.get
+    out = []
+    for c in chunks:
+        place = find(c.name)
+        if place is None or place.whole:
+            out.append(Extent(c.lo, c.hi, place.path if place else chunk_path(store, c.name), c.lo))
+        else:
+            out.append(Extent(c.lo, c.hi, place.path, c.lo - place.offset, whole=False))
+    return out
+
+
+def loose(store: Path) -> Find:
+    """A ``find`` for a store whose chunks are each a file of their own where :func:`chunk_path` says (an
+    object store's, whose locations are not files to look for)."""
+    return lambda name: packs.Place(chunk_path(store, name), 0, 0, whole=True)
 
 
 def referenced(manifest: dict[str, Any]) -> set[str]:
@@ -214,8 +247,9 @@ def referenced(manifest: dict[str, Any]) -> set[str]:
 
 
 def missing(store: Path, names: Iterable[str]) -> list[str]:
-    """The chunks among ``names`` that are not in ``store`` (a sweep took them, or they never arrived)."""
-    return [n for n in names if not chunk_path(store, n).is_file()]
+    """The chunks among ``names`` that are not in ``store``, loose or packed (a sweep took them, or they never
+    arrived)."""
+    return [n for n, place in packs.store_index(store).find_all(names).items() if place is None]
 
 
 def verify_part(part: Path, manifest: dict[str, Any] | None = None) -> None:
@@ -234,9 +268,9 @@ def verify_part(part: Path, manifest: dict[str, Any] | None = None) -> None:
             except OSError as e:
                 raise layout.ChecksumMismatch(ext.path, f"missing: {e}") from e
             with f:
-                size = os.fstat(f.fileno()).st_size
-                if size != ext.hi - ext.base:
-                    raise layout.ChecksumMismatch(ext.path, f"size {size} != {ext.hi - ext.base} in the manifest")
+                wrong = ext.size_error(os.fstat(f.fileno()).st_size)
+                if wrong:
+                    raise layout.ChecksumMismatch(ext.path, wrong)
                 f.seek(ext.lo - ext.base)
                 left = ext.hi - ext.lo
                 while left:

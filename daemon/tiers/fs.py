@@ -10,6 +10,7 @@ path below the root ever goes through a symbolic link
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import threading
@@ -25,7 +26,7 @@ from ckptstage.daemon.tiers import fsquarantine
 from ckptstage.daemon.tiers.fsreplace import REPLACE_DIR, FsReplacing
 from ckptstage.daemon.tiers.fswalk import subdirs, subdirs_or_none
 from ckptstage.daemon.tiers.interface import Manifest, PartWriter, QuarantinedCopy, Usage
-from ckptstage.protos import chunks, layout
+from ckptstage.protos import chunks, layout, packs
 
 SYNC_THREADS = 8  # fsyncs in flight at once when a batch of chunks is made durable
 
@@ -162,21 +163,32 @@ class FsTier:
     def has_chunk_store(self, job: str) -> bool:
         return self._store(job).is_dir()
 
+    def _find(self, job: str, name: str) -> packs.Place:
+        """Where a chunk of the job's store is: its own file, or a range of a pack (FileNotFoundError: neither)."""
+        place = packs.store_index(self._store(job)).find(name)
+        if place is None:
+            raise FileNotFoundError(errno.ENOENT, f"no chunk {name} in {self._store(job)}")
+        return place
+
     def chunk_location(self, job: str, name: str) -> Path:
-        return chunks.chunk_path(self._store(job), name)
+        """The file holding the chunk (a pack, or its own file; where its own file would be when it is
+        nowhere)."""
+        place = packs.store_index(self._store(job)).find(name)
+        return place.path if place is not None else chunks.chunk_path(self._store(job), name)
 
     def touch_chunk(self, job: str, name: str) -> bool:
         try:
-            os.utime(self.chunk_location(job, name))
+            os.utime(self._find(job, name).path)  # a pack: every chunk in it counts as relied on
             return True
         except FileNotFoundError:
             return False
 
     def chunk_size(self, job: str, name: str) -> int:
-        return os.stat(self.chunk_location(job, name)).st_size
+        return self._find(job, name).length
 
     def open_chunk(self, job: str, name: str) -> FileReader:
-        return FileReader(self.chunk_location(job, name), sequential=False)
+        place = self._find(job, name)
+        return FileReader(place.path, sequential=False, place=place)
 
     def missing_chunks(self, job: str, names: Iterable[str]) -> list[str]:
         return chunks.missing(self._store(job), names)
@@ -205,12 +217,16 @@ class FsTier:
     def list_chunks(self, job: str) -> list[str]:
         out = []
         for sub in subdirs(self._store(job)):  # fan-out directories; not .condemned nor .corrupt
+            if sub.name == packs.PACKS_DIR:
+                continue
             with os.scandir(sub) as it:
                 out += [e.name for e in it if chunks.is_chunk_name(e.name)]
-        return out
+        index = packs.store_index(self._store(job))
+        index.refresh()
+        return sorted(set(out) | set(index.packed()))
 
     def condemn_chunk(self, job: str, name: str, untouched_since: float) -> bool:
-        path = self.chunk_location(job, name)
+        path = chunks.chunk_path(self._store(job), name)  # a chunk's own file (a pack is never condemned here)
         condemned = self._store(job) / chunks.CONDEMNED_DIR
         try:
             if os.stat(path).st_mtime >= untouched_since:
@@ -229,7 +245,7 @@ class FsTier:
             return []
 
     def restore_chunk(self, job: str, name: str) -> None:
-        final = self.chunk_location(job, name)
+        final = chunks.chunk_path(self._store(job), name)
         final.parent.mkdir(exist_ok=True)
         os.rename(self._store(job) / chunks.CONDEMNED_DIR / name, final)  # a copy written meanwhile has the same bytes
 
@@ -296,12 +312,20 @@ class FsTier:
 
 
 class FileReader:
-    """A file read from its start with unbuffered reads (:class:`ckptstage.daemon.tiers.interface.Reader`)."""
+    """A file read from its start with unbuffered reads (:class:`ckptstage.daemon.tiers.interface.Reader`); with
+    ``place``, only the ``length`` bytes from ``offset`` (a chunk in a pack), as if they were the file."""
 
-    def __init__(self, path: Path, sequential: bool) -> None:
+    def __init__(self, path: Path, sequential: bool, place: packs.Place | None = None) -> None:
         self._file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
         try:
             self.size = os.fstat(self._file.fileno()).st_size
+            self._left = self.size
+            if place is not None and not place.whole:
+                if place.offset + place.length > self.size:
+                    raise FileNotFoundError(errno.ENOENT, f"{path} ends before its chunk at {place.offset} "
+                                                          f"({place.length} bytes)")
+                self._file.seek(place.offset)
+                self.size = self._left = place.length
             if sequential:
                 os.posix_fadvise(self._file.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         except BaseException:
@@ -309,10 +333,14 @@ class FileReader:
             raise
 
     def readinto(self, buf: memoryview) -> int | None:
-        return self._file.readinto(buf)
+        n = self._file.readinto(buf[:self._left]) or 0
+        self._left -= n
+        return n
 
     def read(self, n: int) -> bytes:
-        return self._file.read(n) or b""
+        data = self._file.read(min(n, self._left)) or b""
+        self._left -= len(data)
+        return data
 
     def close(self) -> None:
         self._file.close()
@@ -361,12 +389,13 @@ class FsChunkBatch:
         if written:
             root, job = self._tier.root, self._job
             _each(fsutil.fsync_file, written.values())
-            parents = {self._tier.chunk_location(job, n).parent for n in written}
+            store = chunks.store_dir(root, job)
+            parents = {chunks.chunk_path(store, n).parent for n in written}
             for d in parents:
                 if not d.is_dir():
                     fsutil.makedirs_durable(d, within=root)
             for name, path in written.items():
-                final = self._tier.chunk_location(job, name)
+                final = chunks.chunk_path(store, name)  # its own file: never where a pack holds it
                 fsutil.check_contained(root, final)
                 os.rename(path, final)
             _each(layout.fsync_dir, parents)

@@ -96,6 +96,8 @@ from ckptstage.protos.layout.manifest import (  # noqa: F401 - re-exported
     read_manifest,
     read_manifest_and_digest,
     validate_tensor_table,
+    verified_body,
+    with_trailer,
 )
 from ckptstage.protos.layout.stepindex import (  # noqa: F401 - re-exported
     MAX_STEP_INDEX_BYTES,

@@ -133,7 +133,7 @@ def read_manifest_and_digest(part: Path) -> tuple[dict[str, Any], str]:
     return parse_manifest_file(raw, path), chunk_digest(raw)
 
 
-def _verified_body(raw: bytes, path: Path, what: str) -> bytes:
+def verified_body(raw: bytes, path: Path, what: str) -> bytes:
     """The JSON line of a two-line file whose second line is its ``xxh3_64:`` digest; raises if it differs."""
     body, _, trailer = raw[:-1].rpartition(b"\n")
     if not raw.endswith(b"\n") or trailer != _manifest_trailer(body):
@@ -143,7 +143,7 @@ def _verified_body(raw: bytes, path: Path, what: str) -> bytes:
 
 def parse_manifest_file(raw: bytes, path: Path) -> dict[str, Any]:
     """The manifest in the bytes of a ``manifest.json`` file, verified (see :func:`read_manifest`)."""
-    manifest = decode_manifest(_verified_body(raw, path, "manifest"), str(path))
+    manifest = decode_manifest(verified_body(raw, path, "manifest"), str(path))
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ManifestError(f"{path}: not a {FORMAT} manifest (format={manifest.get('format')!r})"
                             if isinstance(manifest, dict) else f"{path}: not a JSON object")

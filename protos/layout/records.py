@@ -25,7 +25,7 @@ from ckptstage.protos.layout.names import (
     check_step,
 )
 from ckptstage.protos.layout.checksums import chunk_digest
-from ckptstage.protos.layout.manifest import _verified_body, decode_manifest, manifest_file_bytes
+from ckptstage.protos.layout.manifest import verified_body, decode_manifest, manifest_file_bytes
 
 @dataclass(frozen=True)
 class CommittedPart:
@@ -151,7 +151,7 @@ def commit_record_bytes(record: CommitRecord) -> bytes:
 
 def parse_commit_record(raw: bytes, path: Path) -> CommitRecord:
     """Verifies the trailer, then every field; raises :class:`ManifestError` (a changed byte is never trusted)."""
-    body = _verified_body(raw, path, "commit record")
+    body = verified_body(raw, path, "commit record")
     return CommitRecord.from_json(decode_manifest(body, str(path)), str(path))
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptstage.protos.layout.checksums import chunk_digest
-from ckptstage.protos.layout.manifest import _verified_body, manifest_file_bytes, parse_manifest_file, with_trailer
+from ckptstage.protos.layout.manifest import verified_body, manifest_file_bytes, parse_manifest_file, with_trailer
 from ckptstage.protos.layout.names import CHECKSUM, FORMAT, ManifestError
 
 # Largest step index written or read: past it readers open the parts' manifests (a step of thousands of
@@ -152,7 +152,7 @@ def parse_step_index(raw: bytes, path: Path, digest: str) -> StepIndex:
     :class:`ManifestError` naming what does not hold."""
     if len(raw) > MAX_STEP_INDEX_BYTES:
         raise ManifestError(f"{path}: step index of {len(raw)} bytes exceeds {MAX_STEP_INDEX_BYTES}")
-    body = _verified_body(raw, path, "step index")
+    body = verified_body(raw, path, "step index")
     if step_index_digest(raw) != digest:
         raise ManifestError(f"{path}: not the step index the commit record names ({digest or 'none'})")
     end = body.find(b"\n")

@@ -24,7 +24,7 @@ def verify_part(part: Path, manifest: Manifest, keys: Keys, transfers: Transfers
     piece = memoryview(bytearray(VERIFY_PIECE_BYTES))
     for name, entry in layout.manifest_files(manifest).items():
         verifier = layout.BlockVerifier(entry, part / name)
-        for ext in chunks.extents(part, manifest, name):
+        for ext in chunks.extents(part, manifest, name, chunks.loose(chunks.store_of(part, str(manifest["job"])))):
             verifier.path = ext.path  # a bad block is named by the object its last bytes came from
             try:
                 reader = transfers.reader(keys.key(ext.path))
@@ -32,9 +32,9 @@ def verify_part(part: Path, manifest: Manifest, keys: Keys, transfers: Transfers
                 raise layout.ChecksumMismatch(ext.path, f"missing: {e}") from e
             except OSError as e:
                 raise layout.ManifestError(f"{keys.url_of(ext.path)}: unreadable: {e}") from e
-            if reader.size != ext.hi - ext.base:
-                raise layout.ChecksumMismatch(ext.path, f"size {reader.size} != {ext.hi - ext.base} in the "
-                                                        "manifest")
+            wrong = ext.size_error(reader.size)
+            if wrong:
+                raise layout.ChecksumMismatch(ext.path, wrong)
             reader.seek(ext.lo - ext.base)
             left = ext.hi - ext.lo
             while left:

@@ -1,0 +1,213 @@
+"""Chunk packs: many chunks of a job's store in one file, found through the pack's index.
+
+A chunk store (:mod:`ckptstage.protos.chunks`) keeps chunks either as a file
+each (``<store>/9f/<name>``) or in packs::
+
+    <store>/packs/<id>.pack   the chunks' bytes, each at a 4 KiB-aligned offset
+    <store>/packs/<id>.idx    {"format": "ckptstage-pack/1", "chunks": [[name, offset, length], ...]}
+                              xxh3_64:<16 hex digits of the line above>
+
+A writer fills the ``.pack`` file, makes it durable, then writes its ``.idx``
+atomically: the index is what publishes the pack, and a pack with no index
+is not part of the store (a writer cut short; it is removed once stale).
+Packs never change after that. A chunk may be in several packs and loose as
+well (a repack copies a pack's live chunks into a new one before the old
+goes): any of them holds its bytes, which are checked against the part's
+manifest as every read is.
+
+Which pack holds a chunk is the store's business, not the manifest's, so that
+chunks can move between packs without a committed manifest changing: a reader
+looks its chunks up in the store (:class:`StoreIndex`, which reads each
+index once, since none changes).
+
+This module is imported by the daemon and the client alike: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptstage.protos import layout
+
+PACKS_DIR = "packs"
+PACK_SUFFIX = ".pack"
+INDEX_SUFFIX = ".idx"
+FORMAT = "ckptstage-pack/1"
+PAGE = 4096
+MAX_INDEX_BYTES = 64 << 20
+
+_ID_RE = re.compile(r"[0-9a-z][0-9a-z_-]{0,99}")
+_NAME_RE = re.compile(r"[0-9a-f]{32}")
+
+
+class PackError(layout.ManifestError):
+    """A pack's index that cannot be trusted (torn, changed, not of this format)."""
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a chunk's bytes are: ``length`` bytes of ``path`` from ``offset``; ``whole``: the file holds exactly
+    those (a chunk stored loose), else a range of a pack."""
+
+    path: Path
+    offset: int
+    length: int
+    whole: bool
+
+
+def packs_dir(store: Path) -> Path:
+    return store / PACKS_DIR
+
+
+def pack_path(store: Path, pack_id: str) -> Path:
+    return packs_dir(store) / f"{pack_id}{PACK_SUFFIX}"
+
+
+def index_path(store: Path, pack_id: str) -> Path:
+    return packs_dir(store) / f"{pack_id}{INDEX_SUFFIX}"
+
+
+def pack_id_of(name: str) -> str | None:
+    """The id of a pack's file or index name; None for any other name."""
+    for suffix in (PACK_SUFFIX, INDEX_SUFFIX):
+        if name.endswith(suffix) and _ID_RE.fullmatch(name[:-len(suffix)]):
+            return name[:-len(suffix)]
+    return None
+
+
+def encode_index(entries: Sequence[tuple[str, int, int]]) -> bytes:
+    """The ``.idx`` file of a pack holding ``entries`` (name, offset, length)."""
+    body = json.dumps({"format": FORMAT, "chunks": [list(e) for e in entries]}, separators=(",", ":")).encode()
+    return layout.with_trailer(body)
+
+
+def decode_index(raw: bytes, path: Path) -> list[tuple[str, int, int]]:
+    """The entries of a ``.idx`` file, checked: its trailer, its format, each name (32 hex digits), each offset
+    (on a page) and length (positive), no two ranges overlapping. Raises :class:`PackError` naming ``path``."""
+    if len(raw) > MAX_INDEX_BYTES:
+        raise PackError(f"{path}: a pack index of {len(raw)} bytes exceeds {MAX_INDEX_BYTES}")
+    try:
+        doc = json.loads(layout.verified_body(raw, path, "pack index"))
+    except (ValueError, layout.ManifestError) as e:
+        raise PackError(f"{path}: not a pack index: {e}") from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("chunks"), list):
+        raise PackError(f"{path}: not a {FORMAT} index")
+    out: list[tuple[str, int, int]] = []
+    for item in doc["chunks"]:
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and _NAME_RE.fullmatch(item[0])
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in item[1:])
+                and item[1] >= 0 and item[1] % PAGE == 0 and item[2] > 0):
+            raise PackError(f"{path}: entry {len(out)} is not [32 hex digits, page-aligned offset, length]: "
+                            f"{str(item)[:80]}")
+        out.append((item[0], item[1], item[2]))
+    ranges = sorted((off, off + n) for _, off, n in out)
+    if any(a_hi > b_lo for (_, a_hi), (b_lo, _) in zip(ranges, ranges[1:])):
+        raise PackError(f"{path}: two chunks overlap")
+    return out
+
+
+def read_index(path: Path) -> list[tuple[str, int, int]]:
+    with open(path, "rb") as f:
+        return decode_index(f.read(MAX_INDEX_BYTES + 1), path)
+
+
+class StoreIndex:
+    """Where each chunk of one store is on a file system: its packs (each index read once) or its own file.
+
+    :meth:`find` looks in the packs read so far, then, once per call that
+    misses, reads the indexes published since, then looks for the chunk's own
+    file. Thread-safe. An index that fails its checks is left out (the chunks
+    it lists are then not found there: a reader falls back to another copy).
+    """
+
+    def __init__(self, store: Path) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self._read: set[str] = set()                       # index file names read (or found bad)
+        self._places: dict[str, tuple[Path, int, int]] = {}  # chunk -> (pack, offset, length)
+
+    def refresh(self) -> None:
+        """Reads the indexes published since the last call."""
+        try:
+            names = os.listdir(packs_dir(self.store))
+        except FileNotFoundError:
+            return
+        with self._lock:
+            new = [n for n in names if n.endswith(INDEX_SUFFIX) and n not in self._read and pack_id_of(n)]
+        for name in sorted(new):
+            pack = packs_dir(self.store) / (name[:-len(INDEX_SUFFIX)] + PACK_SUFFIX)
+            try:
+                entries = read_index(packs_dir(self.store) / name) if pack.exists() else []  # gone: nothing
+            except FileNotFoundError:
+                continue  # removed meanwhile (a repack's old pack)
+            except PackError:
+                entries = []
+            with self._lock:
+                self._read.add(name)
+                for chunk, offset, length in entries:
+                    self._places.setdefault(chunk, (pack, offset, length))
+
+    def reset(self) -> None:
+        """A pack went (or is going): every index is read again at the next miss (another pack may hold its
+        chunks, and only the first pack read was remembered for each)."""
+        with self._lock:
+            self._read.clear()
+            self._places.clear()
+
+    def packed(self) -> dict[str, tuple[Path, int, int]]:
+        """Every chunk the packs read so far hold: name -> (pack, offset, length)."""
+        with self._lock:
+            return dict(self._places)
+
+    def find(self, name: str, refreshed: bool = False) -> Place | None:
+        """Where chunk ``name`` is (None: nowhere in this store). ``refreshed``: the caller refreshed just now."""
+        for attempt in range(2):
+            with self._lock:
+                hit = self._places.get(name)
+            if hit is not None:
+                return Place(hit[0], hit[1], hit[2], whole=False)
+            if attempt or refreshed:
+                break
+            self.refresh()
+        loose = self.store / name[:2] / name
+        try:
+            return Place(loose, 0, os.stat(loose).st_size, whole=True)
+        except FileNotFoundError:
+            return None
+
+    def find_all(self, names: Iterable[str]) -> dict[str, Place | None]:
+        """:meth:`find` of every name, refreshing at most once; a pack found gone (removed by a sweep since its
+        index was read) is forgotten and its chunks looked up again."""
+        names = list(dict.fromkeys(names))
+        out: dict[str, Place | None] = {}
+        refreshed = False
+        for name in names:
+            place = self.find(name, refreshed)
+            if place is None or place.whole:
+                refreshed = True  # find() refreshed on its miss
+            out[name] = place
+        gone = {p.path for p in out.values() if p is not None and not p.whole and not p.path.exists()}
+        if gone:
+            self.reset()
+            self.refresh()
+            out.update({n: self.find(n, refreshed=True) for n, p in out.items() if p is not None and p.path in gone})
+        return out
+
+
+_STORES: dict[Path, StoreIndex] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def store_index(store: Path) -> StoreIndex:
+    """The process's :class:`StoreIndex` of ``store`` (one per store, kept: indexes never change)."""
+    with _STORES_LOCK:
+        found = _STORES.get(store)
+        if found is None:
+            found = _STORES[store] = StoreIndex(store)
+        return found

@@ -1,0 +1,166 @@
+"""Chunk packs (protos/packs.py): a store's chunks in pack files found through their indexes.
+
+The index format and its checks; then a real daemon's incremental steps whose store is rewritten into a pack
+behind its back, read by the client's restore, the daemon's own verification and the drain as they read
+chunks stored one file each.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ckptstage.client import Client
+from ckptstage.daemon.tiers.fs import FsTier
+from ckptstage.protos import chunks, layout, packs
+
+JOB = "packed"
+INCREMENTAL = {"persist.incremental": True, "memory.enabled": False, "shared.drain_every": 1000}
+NAMES = [f"{i:032x}" for i in range(1, 4)]
+
+
+def to_pack(store: Path, pack_id: str = "p1") -> dict[str, tuple[int, int]]:
+    """Moves every loose chunk of ``store`` into one pack (each at a page-aligned offset, filler between), as a
+    writer of packs would leave it; returns name -> (offset, length)."""
+    loose = sorted(p for p in store.glob("??/*") if chunks.is_chunk_name(p.name))
+    entries, offset = [], 0
+    packs.packs_dir(store).mkdir(exist_ok=True)
+    with open(packs.pack_path(store, pack_id), "wb") as out:
+        for p in loose:
+            data = p.read_bytes()
+            out.seek(offset)
+            out.write(data)
+            entries.append((p.name, offset, len(data)))
+            offset = -(-(offset + len(data) + 1) // packs.PAGE) * packs.PAGE  # a page of filler at least
+        out.write(b"\xee" * 100)  # the pack goes on past its last chunk
+    packs.index_path(store, pack_id).write_bytes(packs.encode_index(entries))
+    for p in loose:
+        p.unlink()
+    packs.store_index(store).reset()
+    return {n: (o, ln) for n, o, ln in entries}
+
+
+def test_an_index_round_trips_and_every_damage_is_refused(tmp_path: Path) -> None:
+    entries = [(NAMES[0], 0, 10), (NAMES[1], 4096, 5000), (NAMES[2], 12288, 1)]
+    raw = packs.encode_index(entries)
+    assert packs.decode_index(raw, tmp_path / "x.idx") == entries
+    flipped = bytearray(raw)
+    flipped[20] ^= 1
+    bad = {
+        "a changed byte": bytes(flipped),
+        "torn": raw[:-5],
+        "overlapping": packs.encode_index([(NAMES[0], 0, 5000), (NAMES[1], 4096, 10)]),
+        "off a page": packs.encode_index([(NAMES[0], 100, 10)]),
+        "not a chunk name": packs.encode_index([("xyz", 0, 10)]),
+        "empty chunk": packs.encode_index([(NAMES[0], 0, 0)]),
+        "another format": layout.with_trailer(b'{"format":"other","chunks":[]}'),
+    }
+    for why, data in bad.items():
+        with pytest.raises(packs.PackError, match="x.idx"):
+            packs.decode_index(data, tmp_path / "x.idx")
+            pytest.fail(why)
+    assert packs.pack_id_of("p1.pack") == "p1" and packs.pack_id_of("p1.idx") == "p1"
+    assert packs.pack_id_of("../p1.idx") is None and packs.pack_id_of("p1.json") is None
+
+
+def test_a_store_finds_packed_and_loose_chunks_and_looks_again_once_a_pack_is_gone(tmp_path: Path) -> None:
+    store = tmp_path / "chunks"
+    for name in NAMES:
+        path = chunks.chunk_path(store, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(name.encode())
+    where = to_pack(store)
+    loose = chunks.chunk_path(store, NAMES[0])
+    loose.write_bytes(NAMES[0].encode())  # also loose: either copy serves
+    index = packs.StoreIndex(store)
+    found = index.find_all(NAMES + ["f" * 32])
+    assert found["f" * 32] is None
+    for name in NAMES:
+        place = found[name]
+        assert place is not None and not place.whole and (place.offset, place.length) == where[name]
+    assert chunks.missing(store, NAMES + ["f" * 32]) == ["f" * 32]
+    packs.pack_path(store, "p1").unlink()  # a sweep removed the pack after its index was read
+    again = index.find_all(NAMES)
+    assert again[NAMES[0]] == packs.Place(loose, 0, 32, whole=True) and again[NAMES[1]] is None
+
+
+def save_steps(d: Any, steps: range) -> dict[int, dict[str, torch.Tensor]]:
+    states = {}
+    with Client(JOB, socket=d.socket) as c:
+        for step in steps:
+            g = torch.Generator().manual_seed(step)
+            states[step] = {"frozen": torch.ones(300_000), "w": torch.randn(50_000, generator=g),
+                            "tail": torch.arange(step + 10, dtype=torch.float64)}
+            c.save(step, states[step]).wait("local", timeout=30)
+    return states
+
+
+def test_steps_whose_chunks_are_packed_load_verify_and_drain(daemon_factory: Any) -> None:
+    d = daemon_factory(**INCREMENTAL).start()
+    states = save_steps(d, range(1, 3))
+    store = chunks.store_dir(d.local, JOB)
+    where = to_pack(store)
+    assert len(where) > 3 and not list(store.glob("??/*"))
+    tier = FsTier(d.local)
+    for step in (1, 2):
+        part = layout.part_dir(d.local, JOB, step, 0)
+        tier.verify_part(part)  # the daemon's own check reads the pack's ranges
+        with Client(JOB, socket=d.socket) as c:
+            got = c.load(step)
+            assert c.last_load_tier == "local"
+        assert all(torch.equal(got[k], v) for k, v in states[step].items())
+    some = next(iter(where))
+    assert tier.chunk_size(JOB, some) == where[some][1] and tier.touch_chunk(JOB, some)
+    with tier.open_chunk(JOB, some) as f:
+        data = f.read(1 << 30)
+    assert len(data) == where[some][1] and chunks.digest(data) == some
+    d.stop()
+    again = daemon_factory("again", **{**INCREMENTAL, "local.dir": str(d.local), "shared.dir": str(d.shared),
+                                       "shared.drain_every": 1}).start()
+    with Client(JOB, socket=again.socket) as c:  # the drain copies the chunks out of the pack
+        c.wait_step(2, "shared", timeout=60)
+    for step in (1, 2):
+        chunks.verify_part(layout.part_dir(d.shared, JOB, step, 0))
+
+
+def test_a_flipped_byte_in_a_pack_is_caught_and_the_load_reads_the_other_copy(daemon_factory: Any) -> None:
+    d = daemon_factory(**{**INCREMENTAL, "shared.drain_every": 1}).start()
+    states = save_steps(d, range(1, 2))
+    with Client(JOB, socket=d.socket) as c:
+        c.wait_step(1, "shared", timeout=30)
+    where = to_pack(chunks.store_dir(d.local, JOB))
+    name, (offset, length) = max(where.items(), key=lambda kv: kv[1][1])
+    pack = packs.pack_path(chunks.store_dir(d.local, JOB), "p1")
+    with open(pack, "r+b") as f:
+        f.seek(offset + length // 2)
+        byte = f.read(1)
+        f.seek(offset + length // 2)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(layout.ChecksumMismatch, match=str(pack)):
+        chunks.verify_part(layout.part_dir(d.local, JOB, 1, 0))
+    with Client(JOB, socket=d.socket) as c:
+        got = c.load(1)
+        assert c.last_load_tier == "shared"
+    assert all(torch.equal(got[k], v) for k, v in states[1].items())
+    assert os.path.exists(pack)  # a pack is never moved aside for one chunk's sake
+
+
+def format_doc_script() -> str:
+    """docs/FORMAT.md's script that rebuilds an incremental part's data file without ckptstage."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md").read_text()
+    after = text[text.index("**Packs.**"):]
+    start = after.index("```python\n") + len("```python\n")
+    return after[start:after.index("```", start)]
+
+
+def test_the_documented_script_rebuilds_a_packed_part_without_ckptstage(daemon_factory: Any) -> None:
+    d = daemon_factory(**INCREMENTAL).start()
+    states = save_steps(d, range(1, 3))
+    to_pack(chunks.store_dir(d.local, JOB))
+    scope = {"part": str(layout.part_dir(d.local, JOB, 2, 0)), "job_dir": str(d.local / JOB)}
+    exec(format_doc_script(), scope)  # noqa: S102 - the documentation's own code, run as a reader would
+    tensors = scope["tensors"]
+    assert torch.equal(tensors["['w']"], states[2]["w"]) and torch.equal(tensors["['tail']"], states[2]["tail"])
