@@ -21,7 +21,7 @@ import torch
 from ckptstage.client import Client
 from ckptstage.daemon.catalog.chunkstore import CONDEMNED_DIR, ChunkStore
 from ckptstage.daemon.tiers.fs import FsTier
-from ckptstage.protos import chunks, layout
+from ckptstage.protos import chunks, layout, packs
 
 from support import wait_until
 
@@ -39,9 +39,11 @@ def lora_like(step: int) -> dict[str, Any]:
 
 
 def store(tier: Path, job: str = JOB) -> dict[str, int]:
-    """The chunks in a job's store on a tier: name -> bytes."""
+    """The chunks in a job's store on a tier, in packs or files of their own: name -> bytes."""
     root = chunks.store_dir(tier, job)
-    out = {}
+    index = packs.StoreIndex(root)
+    index.refresh()
+    out = {name: length for name, (_, _, length) in index.packed().items()}
     for p in root.glob("??/*"):
         try:
             if chunks.is_chunk_name(p.name):
@@ -52,15 +54,23 @@ def store(tier: Path, job: str = JOB) -> dict[str, int]:
 
 
 def read_without_ckptstage(part: Path) -> dict[str, torch.Tensor]:
-    """The part's data file rebuilt from its manifest and chunk files alone, as docs/FORMAT.md describes."""
+    """The part's data file rebuilt from its manifest and the store's packs and chunk files alone, as
+    docs/FORMAT.md's script does (run verbatim by test_packs)."""
     manifest = json.loads(part.joinpath(layout.MANIFEST_FILE).read_bytes().split(b"\n")[0])
-    job_dir = part.parent.parent
-    data = b"".join((job_dir / "chunks" / name[:2] / name).read_bytes() for name, _ in manifest["chunks"]["data.safetensors"])
+    index = packs.StoreIndex(part.parent.parent / "chunks")
+    data = b"".join(read_place(index.find(name)) for name, _ in manifest["chunks"]["data.safetensors"])
     from safetensors.torch import load
 
     header = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])
     assert header["__metadata__"]["format"] == layout.FORMAT
     return load(data)
+
+
+def read_place(place: packs.Place | None) -> bytes:
+    assert place is not None
+    with open(place.path, "rb") as f:
+        f.seek(place.offset)
+        return f.read(place.length)
 
 
 def save(c: Client, step: int, state: dict[str, Any], tier: str = "local") -> None:

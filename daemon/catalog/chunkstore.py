@@ -35,8 +35,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptstage.daemon.catalog import repack
 from ckptstage.daemon.logs import fields
-from ckptstage.daemon.tiers.interface import ChunkBatch, PartWriter, Tier
+from ckptstage.daemon.tiers.interface import ChunkBatch, Pack, PartWriter, Tier
 from ckptstage.protos import chunks, layout
 
 log = logging.getLogger(__name__)
@@ -123,9 +124,11 @@ def stored_bytes(parts: Iterable[tuple[int, int, Sequence[tuple[str, int]] | Non
 class ChunkStore:
     """The chunk stores (one per job) of one tier, as this daemon uses them: leases, and the sweep."""
 
-    def __init__(self, tier: Tier, grace_s: float) -> None:
+    def __init__(self, tier: Tier, grace_s: float, pace: Callable[[int], None] = lambda n: None) -> None:
+        """``pace(n)``: called before a repack writes ``n`` bytes (the node's load gate)."""
         self.tier = tier
         self.grace_s = grace_s
+        self._pace = pace
         self._lock = threading.Lock()
         self._leases: Counter[tuple[str, str]] = Counter()
         self._sweeping: Counter[str] = Counter()
@@ -176,9 +179,16 @@ class ChunkStore:
         try:
             marked = mark()
             cutoff = time.time() - self.grace_s
+            stored = self.tier.list_packs(job)
+            packed = set().union(*(p.names for p in stored))
             for name in self.tier.list_chunks(job):
-                if name not in marked:
+                if name not in marked and name not in packed:
                     self._condemn(job, name, cutoff)
+            if repack.repack(self.tier, job, stored, marked, pace=self._pace):
+                stored = self.tier.list_packs(job)  # with the new packs: the old ones' live chunks are there too
+            held = Counter(n for p in stored for n in p.names)
+            for pack in stored:
+                self._condemn_pack(job, pack, marked, cutoff, held)
             return self._finish(job, mark())
         finally:
             with self._lock:
@@ -195,6 +205,14 @@ class ChunkStore:
             if not self._busy(job, name):
                 self.tier.condemn_chunk(job, name, cutoff)
 
+    def _condemn_pack(self, job: str, pack: Pack, marked: set[str], cutoff: float, held: Counter[str]) -> None:
+        """A pack goes as a whole: only when each of its chunks is neither named nor leased here, or held by
+        another pack still in the store (``held``: how many packs hold each chunk; updated as packs go)."""
+        with self._lock:  # against reuse(), as for a chunk of its own
+            if all(held[n] > 1 or not (n in marked or self._busy(job, n)) for n in pack.names) and \
+                    self.tier.condemn_pack(job, pack.pack_id, cutoff):
+                held.subtract(pack.names)
+
     def _finish(self, job: str, marked: set[str]) -> Swept:
         """Puts back the condemned chunks referred to now (or leased), deletes the others.
 
@@ -210,6 +228,20 @@ class ChunkStore:
                 else:
                     freed += self.tier.delete_condemned_chunk(job, name)
                     removed += 1
+            except FileNotFoundError:
+                pass  # another node's sweep finished it
+        published = Counter(n for p in self.tier.list_packs(job) for n in p.names)
+        for pack in self.tier.condemned_packs(job):
+            with self._lock:
+                keep = any((n in marked or self._busy(job, n)) and not published[n] for n in pack.names)
+            try:
+                if keep:
+                    self.tier.restore_pack(job, pack.pack_id)
+                    published.update(pack.names)
+                    restored += len(pack.names)
+                else:
+                    freed += self.tier.delete_condemned_pack(job, pack.pack_id)
+                    removed += len(pack.names)
             except FileNotFoundError:
                 pass  # another node's sweep finished it
         if removed or restored:

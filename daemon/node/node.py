@@ -111,9 +111,10 @@ class Node:
         self.job_rules = JobRules(config.local.dir / STATE_DIR / "job-retention.json", shared)
         self._stopping = threading.Event()
         self.tier_probes = {name: TierProbe(name.value, tier) for name, tier in self.tiers.items()}
-        self.chunk_stores = {name: ChunkStore(tier, config.persist.chunk_grace_s) for name, tier in self.tiers.items()}
-        # Loads in flight on this node: drains and replicas sent to peers wait while there are any.
+        # Loads in flight on this node: drains, repacks and replicas sent to peers wait while there are any.
         self.loads = LoadGate(config.persist.yield_to_loads_s)
+        self.chunk_stores = {name: ChunkStore(tier, config.persist.chunk_grace_s, self.loads.acquire)
+                             for name, tier in self.tiers.items()}
         # What the persister and the drainer report (see _subscribe): their events, handled in order.
         self.events = Bus()
         self.persister = Persister(config.persist.workers, self.events, config.persist.nice)

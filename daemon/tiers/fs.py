@@ -22,13 +22,13 @@ from types import TracebackType
 from typing import Any
 
 from ckptstage.daemon import fsutil
-from ckptstage.daemon.tiers import fsquarantine
+from ckptstage.daemon.tiers import fspacks, fsquarantine
+from ckptstage.daemon.tiers.fspacks import FsPackBatch
 from ckptstage.daemon.tiers.fsreplace import REPLACE_DIR, FsReplacing
 from ckptstage.daemon.tiers.fswalk import subdirs, subdirs_or_none
-from ckptstage.daemon.tiers.interface import Manifest, PartWriter, QuarantinedCopy, Usage
+from ckptstage.daemon.tiers.interface import Manifest, Pack, PartWriter, QuarantinedCopy, Usage
 from ckptstage.protos import chunks, layout, packs
 
-SYNC_THREADS = 8  # fsyncs in flight at once when a batch of chunks is made durable
 
 
 class FsTier:
@@ -193,7 +193,7 @@ class FsTier:
     def missing_chunks(self, job: str, names: Iterable[str]) -> list[str]:
         return chunks.missing(self._store(job), names)
 
-    def new_chunks(self, job: str, part: PartWriter | None = None) -> FsChunkBatch:
+    def new_chunks(self, job: str, part: PartWriter | None = None) -> FsPackBatch:
         if part is not None:
             assert isinstance(part, fsutil.PartWriter), "a part of this tier stages the batch"
             staging = part.path(".new")  # inside the part's temporary: an abort removes it with the rest
@@ -201,7 +201,7 @@ class FsTier:
             staging = layout.tmp_root(self._root, self._owner) / f"chunks.{uuid.uuid4().hex[:12]}"
             fsutil.makedirs_durable(staging.parent, within=self._root)
         staging.mkdir()
-        return FsChunkBatch(self, job, staging)
+        return FsPackBatch(self._root, self._store(job), staging)
 
     def list_manifests(self, job: str) -> list[Path]:
         parts = [p.path for p in layout.scan_tier(self._root, job)]
@@ -254,6 +254,23 @@ class FsTier:
         size = path.stat().st_size
         path.unlink()
         return size
+
+    # --- packs (see fspacks.py) ----------------------------------------------------------
+
+    def list_packs(self, job: str) -> list[Pack]:
+        return fspacks.list_packs(self._store(job))
+
+    def condemn_pack(self, job: str, pack_id: str, untouched_since: float) -> bool:
+        return fspacks.condemn_pack(self._store(job), pack_id, untouched_since)
+
+    def condemned_packs(self, job: str) -> list[Pack]:
+        return fspacks.condemned_packs(self._store(job))
+
+    def restore_pack(self, job: str, pack_id: str) -> None:
+        fspacks.restore_pack(self._store(job), pack_id)
+
+    def delete_condemned_pack(self, job: str, pack_id: str) -> int:
+        return fspacks.delete_condemned_pack(self._store(job), pack_id)
 
     # --- housekeeping -------------------------------------------------------------------
 
@@ -351,67 +368,3 @@ class FileReader:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
-
-
-class FsChunkBatch:
-    """New chunks written under a staging directory in the tier's temporaries, then moved into the store."""
-
-    def __init__(self, tier: FsTier, job: str, staging: Path) -> None:
-        self._tier = tier
-        self._job = job
-        self._staging = staging
-        self._lock = threading.Lock()
-        self._written: dict[str, Path] = {}
-
-    def write(self, name: str, data: memoryview, direct_io: bool) -> None:
-        """Writes one new chunk's file (not fsynced: :meth:`publish` syncs the batch together)."""
-        path = self._staging / name
-        out = fsutil.DataFile(path, len(data), direct_io, reserve=False)
-        try:
-            out.write(data, 0)
-        finally:
-            out.close()
-        with self._lock:
-            self._written[name] = path
-
-    def publish(self) -> None:
-        """Moves the chunks into the store, durably, and removes the emptied staging directory.
-
-        The files are fsynced, renamed into place, and the store directories
-        they went to fsynced, each step on :data:`SYNC_THREADS` threads at once
-        (fsyncs issued together share the file system's journal commits:
-        one by one, a few hundred chunks cost a few hundred of them). A chunk
-        of the same name already there (another save's, just now) has the
-        same bytes: the rename replaces it, atomically.
-        """
-        with self._lock:
-            written, self._written = self._written, {}
-        if written:
-            root, job = self._tier.root, self._job
-            _each(fsutil.fsync_file, written.values())
-            store = chunks.store_dir(root, job)
-            parents = {chunks.chunk_path(store, n).parent for n in written}
-            for d in parents:
-                if not d.is_dir():
-                    fsutil.makedirs_durable(d, within=root)
-            for name, path in written.items():
-                final = chunks.chunk_path(store, name)  # its own file: never where a pack holds it
-                fsutil.check_contained(root, final)
-                os.rename(path, final)
-            _each(layout.fsync_dir, parents)
-        self._staging.rmdir()
-
-    def discard(self) -> None:
-        shutil.rmtree(self._staging, ignore_errors=True)
-
-
-def _each(fn: Callable[[Path], None], paths: Iterable[Path]) -> None:
-    """``fn`` on every path, :data:`SYNC_THREADS` at once (fsync releases the GIL); the first error is raised."""
-    paths = list(paths)
-    if len(paths) <= 1:
-        for p in paths:
-            fn(p)
-        return
-    with ThreadPoolExecutor(min(SYNC_THREADS, len(paths)), thread_name_prefix="chunk-sync") as pool:
-        for f in [pool.submit(fn, p) for p in paths]:
-            f.result()

@@ -35,6 +35,7 @@ format (:mod:`ckptstage.protos.layout`) and nothing of the daemon.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -80,6 +81,44 @@ class QuarantinedCopy:
     nbytes: int = 0
     since: float = 0.0
     chunk: str = ""
+
+
+@dataclass(frozen=True)
+class Pack:
+    """A pack of a chunk store (docs/FORMAT.md, "Packs"): its chunks (none: no index publishes it, a writer cut
+    short) and when it was last written or relied on (unix time)."""
+
+    pack_id: str
+    chunks: tuple[tuple[str, int], ...]  # (name, length) of each chunk it holds
+    mtime: float
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(n for n, _ in self.chunks)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(length for _, length in self.chunks)
+
+
+class NoPacks:
+    """The pack calls of :class:`ChunkStorage` for a store that keeps every chunk on its own (an object store,
+    where a chunk is one object): it has no pack to list, condemn, put back or delete."""
+
+    def list_packs(self, job: str) -> list[Pack]:
+        return []
+
+    def condemn_pack(self, job: str, pack_id: str, untouched_since: float) -> bool:
+        return False
+
+    def condemned_packs(self, job: str) -> list[Pack]:
+        return []
+
+    def restore_pack(self, job: str, pack_id: str) -> None:
+        raise FileNotFoundError(errno.ENOENT, f"no pack {pack_id} of {job}: this store keeps no packs")
+
+    def delete_condemned_pack(self, job: str, pack_id: str) -> int:
+        raise FileNotFoundError(errno.ENOENT, f"no pack {pack_id} of {job}: this store keeps no packs")
 
 
 class DataSink(Protocol):
@@ -295,6 +334,21 @@ class ChunkStorage(Protocol):
 
     def delete_condemned_chunk(self, job: str, name: str) -> int:
         """Deletes a condemned chunk; returns the bytes freed. Raises FileNotFoundError when it is gone."""
+
+    def list_packs(self, job: str) -> list[Pack]:
+        """The packs of the job's store (a store that keeps every chunk on its own has none)."""
+
+    def condemn_pack(self, job: str, pack_id: str, untouched_since: float) -> bool:
+        """Moves a pack nobody wrote or relied on since ``untouched_since`` out of the store, as a whole;
+        False when it was touched since, or is gone."""
+
+    def condemned_packs(self, job: str) -> list[Pack]: ...
+
+    def restore_pack(self, job: str, pack_id: str) -> None:
+        """Puts a condemned pack back. Raises FileNotFoundError when it is gone."""
+
+    def delete_condemned_pack(self, job: str, pack_id: str) -> int:
+        """Deletes a condemned pack; returns the bytes freed. Raises FileNotFoundError when it is gone."""
 
 
 @runtime_checkable

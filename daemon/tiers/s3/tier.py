@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ckptstage.daemon.tiers.interface import Manifest, PartWriter, QuarantinedCopy, Usage
+from ckptstage.daemon.tiers.interface import Manifest, NoPacks, PartWriter, QuarantinedCopy, Usage
 from ckptstage.daemon.tiers.s3.chunks import S3ChunkBatch, S3Chunks
 from ckptstage.daemon.tiers.s3.claims import CLAIM_STALE_S, Claims
 from ckptstage.daemon.tiers.s3.cleanup import Cleanup
@@ -66,7 +66,7 @@ THREADS = 16                 # uploads (and, apart, ranged reads) in flight, acr
 MAX_THREADS = MAX_CONNECTIONS // 2  # both pools together hold at most the client's connections
 
 
-class S3Tier:
+class S3Tier(NoPacks):
     """One bucket and prefix holding checkpoints, as the daemon ``owner`` uses it.
 
     ``owner`` names this daemon's temporaries (``.tmp/<owner>/``); a tier used

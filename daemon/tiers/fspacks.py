@@ -1,0 +1,172 @@
+"""Chunk packs on a file-system tier: a batch of new chunks written as one pack, and packs condemned, put
+back or removed as a whole by the chunk store's sweep (:mod:`ckptstage.daemon.catalog.chunkstore`).
+
+A batch writes its chunks at page-aligned offsets of one file in its
+staging directory (the part's temporary: an abort removes it), from any
+number of threads, through :class:`fsutil.DataFile` (aligned chunks with
+``O_DIRECT``). :meth:`FsPackBatch.publish` makes the file durable, writes its
+index, and renames the pack, then its index, into ``<store>/packs/``: the
+index publishes it (:mod:`ckptstage.protos.packs`). A crash between the two
+renames leaves a pack with no index, which no reader sees and the sweep
+removes once it is older than the grace period.
+
+A sweep condemns a pack (its index, then its file, into ``.condemned/``)
+only when none of its chunks is named or leased; it puts it back (file,
+then index) if one is named again before it is deleted.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from ckptstage.daemon import fsutil
+from ckptstage.daemon.tiers.interface import Pack
+from ckptstage.protos import chunks, layout, packs
+
+PAGE = packs.PAGE
+
+
+class FsPackBatch:
+    """New chunks written into one pack under ``staging``, then published into ``store``."""
+
+    def __init__(self, root: Path, store: Path, staging: Path) -> None:
+        self._root = root
+        self._store = store
+        self._staging = staging
+        self._id = uuid.uuid4().hex[:16]
+        self._lock = threading.Lock()
+        self._file: fsutil.DataFile | None = None
+        self._next = 0
+        self._entries: list[tuple[str, int, int]] = []
+
+    def write(self, name: str, data: memoryview, direct_io: bool) -> None:
+        """Writes one new chunk at the pack's next page (several threads at once; each its own range)."""
+        with self._lock:
+            if self._file is None:
+                self._file = fsutil.DataFile(self._staging / f"{self._id}{packs.PACK_SUFFIX}", 0, direct_io,
+                                             reserve=False)
+            offset = self._next
+            self._next = -(-(offset + len(data)) // PAGE) * PAGE
+            out = self._file
+        out.write(data, offset)
+        with self._lock:
+            self._entries.append((name, offset, len(data)))
+
+    def publish(self) -> None:
+        """Durable pack, its index, both renamed into the store (the index last), the store's directory synced;
+        the staging directory goes."""
+        with self._lock:
+            out, entries, self._file = self._file, sorted(self._entries, key=lambda e: e[1]), None
+        if out is not None:
+            try:
+                out.sync()
+            finally:
+                out.close()
+            staged_pack = self._staging / f"{self._id}{packs.PACK_SUFFIX}"
+            staged_index = self._staging / f"{self._id}{packs.INDEX_SUFFIX}"
+            fsutil.write_file_durable(staged_index, packs.encode_index(entries))
+            where = packs.packs_dir(self._store)
+            fsutil.makedirs_durable(where, within=self._root)
+            for staged, final in ((staged_pack, packs.pack_path(self._store, self._id)),
+                                  (staged_index, packs.index_path(self._store, self._id))):
+                fsutil.check_contained(self._root, final)
+                os.rename(staged, final)
+            layout.fsync_dir(where)
+        self._staging.rmdir()
+
+    def discard(self) -> None:
+        with self._lock:
+            out, self._file = self._file, None
+        if out is not None:
+            out.close()
+        shutil.rmtree(self._staging, ignore_errors=True)
+
+
+def list_packs(store: Path) -> list[Pack]:
+    """Every pack in ``store`` (a pack with no index has no names), with its file's modification time."""
+    where = packs.packs_dir(store)
+    try:
+        files = os.listdir(where)
+    except FileNotFoundError:
+        return []
+    out = []
+    for pack_id in sorted({i for n in files if n.endswith(packs.PACK_SUFFIX) for i in [packs.pack_id_of(n)] if i}):
+        try:
+            mtime = os.stat(packs.pack_path(store, pack_id)).st_mtime
+            held = _held(packs.index_path(store, pack_id))
+        except FileNotFoundError:
+            if not os.path.exists(packs.pack_path(store, pack_id)):
+                continue  # removed meanwhile
+            held = ()  # a writer cut short between its two renames
+        except packs.PackError:
+            held = ()  # an index that cannot be trusted publishes nothing
+        out.append(Pack(pack_id, held, mtime))
+    return out
+
+
+def _held(index: Path) -> tuple[tuple[str, int], ...]:
+    return tuple((name, length) for name, _, length in packs.read_index(index))
+
+
+def _condemned(store: Path) -> Path:
+    return packs.packs_dir(store) / chunks.CONDEMNED_DIR
+
+
+def condemn_pack(store: Path, pack_id: str, untouched_since: float) -> bool:
+    """Moves a pack nobody relied on since ``untouched_since`` out of the store (its index first: readers stop
+    finding it); False when it was touched since, or is gone."""
+    pack, index = packs.pack_path(store, pack_id), packs.index_path(store, pack_id)
+    try:
+        if os.stat(pack).st_mtime >= untouched_since:
+            return False
+        _condemned(store).mkdir(exist_ok=True)
+        if index.exists():
+            os.rename(index, _condemned(store) / index.name)
+        os.rename(pack, _condemned(store) / pack.name)
+    except FileNotFoundError:
+        return False
+    packs.store_index(store).reset()
+    return True
+
+
+def condemned_packs(store: Path) -> list[Pack]:
+    where = _condemned(store)
+    try:
+        files = os.listdir(where)
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in files:
+        pack_id = packs.pack_id_of(name)
+        if pack_id is None or not name.endswith(packs.PACK_SUFFIX):
+            continue
+        try:
+            held = _held(where / f"{pack_id}{packs.INDEX_SUFFIX}")
+        except (FileNotFoundError, packs.PackError):
+            held = ()
+        out.append(Pack(pack_id, held, time.time()))
+    return out
+
+
+def restore_pack(store: Path, pack_id: str) -> None:
+    """Puts a condemned pack back (its file, then its index). FileNotFoundError: it is gone."""
+    where = _condemned(store)
+    os.rename(where / f"{pack_id}{packs.PACK_SUFFIX}", packs.pack_path(store, pack_id))
+    index = where / f"{pack_id}{packs.INDEX_SUFFIX}"
+    if index.exists():
+        os.rename(index, packs.index_path(store, pack_id))
+
+
+def delete_condemned_pack(store: Path, pack_id: str) -> int:
+    """Deletes a condemned pack (its index first); returns the bytes freed. FileNotFoundError: it is gone."""
+    where = _condemned(store)
+    pack = where / f"{pack_id}{packs.PACK_SUFFIX}"
+    size = os.stat(pack).st_size
+    (where / f"{pack_id}{packs.INDEX_SUFFIX}").unlink(missing_ok=True)
+    pack.unlink()
+    return size
