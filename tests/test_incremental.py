@@ -20,6 +20,8 @@ import pytest
 import torch
 from ckptstage.client import Client
 from ckptstage.daemon.catalog.chunkstore import CONDEMNED_DIR, ChunkStore
+from ckptstage.daemon.catalog import repack
+from ckptstage.daemon.tiers import fspacks
 from ckptstage.daemon.tiers.fs import FsTier
 from ckptstage.protos import chunks, layout, packs
 
@@ -64,6 +66,21 @@ def read_without_ckptstage(part: Path) -> dict[str, torch.Tensor]:
     header = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])
     assert header["__metadata__"]["format"] == layout.FORMAT
     return load(data)
+
+
+def swept(tier: Path, named: set[str], job: str = JOB) -> bool:
+    """Whether the job's store on ``tier`` holds every chunk in ``named`` and what a sweep leaves of the rest:
+    no chunk file of its own that nothing names, no pack that nothing in it is named, no pack worth repacking
+    (its dead bytes are at most a small share of it: :mod:`ckptstage.daemon.catalog.repack`). Raises if a named
+    chunk is missing."""
+    held = store(tier, job)
+    missing = named - set(held)
+    assert not missing, f"named chunks gone from the store: {sorted(missing)[:3]}"
+    stored = fspacks.list_packs(chunks.store_dir(tier, job))
+    packed = {n for p in stored for n in p.names}
+    if any(n not in named and n not in packed for n in held):
+        return False  # a chunk file of its own that nothing names
+    return all(any(n in named for n in p.names) and not repack.worth_repacking(p, named) for p in stored)
 
 
 def read_place(place: packs.Place | None) -> bytes:
@@ -118,11 +135,19 @@ def test_retention_sweeps_the_chunks_no_retained_step_refers_to(daemon_factory):
         only_1 = set(store(d.local))
         save(c, 2, lora_like(2))
         refs_2 = chunks.referenced(layout.read_manifest(layout.part_dir(d.local, JOB, 2, 0)))
-        # Step 1 goes (keep_last 1): its adapters' chunks with it, the base's stay (step 2 has them).
-        wait_until(lambda: set(store(d.local)) == refs_2, timeout=10, what="step 1's own chunks swept")
+        # Step 1 goes (keep_last 1): the base's chunks stay (step 2 has them), and with them in their pack step 1's
+        # adapters (a small share of it: not worth a repack); step 2's own pack holds its adapters.
+        wait_until(lambda: swept(d.local, refs_2), timeout=10, what="step 1's own chunks swept")
         assert only_1 - refs_2 and only_1 & refs_2
         chunks.verify_part(layout.part_dir(d.local, JOB, 2, 0))
         assert torch.equal(c.load(2)["model"]["layer0.weight"], lora_like(2)["model"]["layer0.weight"])
+        save(c, 3, lora_like(3))
+        refs_3 = chunks.referenced(layout.read_manifest(layout.part_dir(d.local, JOB, 3, 0)))
+        # Step 2 goes: its pack held nothing step 3 names, and goes whole.
+        wait_until(lambda: swept(d.local, refs_3) and not (refs_2 - only_1) & set(store(d.local)), timeout=10,
+                   what="step 2's pack removed")
+        dead = sum(n for name, n in store(d.local).items() if name not in refs_3)
+        assert dead == sum(n for name, n in store(d.local).items() if name in only_1 - refs_3) and dead < 1 << 20
 
 
 def test_a_sweep_puts_back_a_condemned_chunk_a_part_published_meanwhile_refers_to(tmp_path):
@@ -168,16 +193,25 @@ def test_a_sweep_killed_midway_is_finished_by_the_next_daemon(daemon_factory):
     with Client(JOB, socket=d.socket) as c:
         save(c, 1, lora_like(1))
     d.kill()
-    # As a SIGKILL between condemning and marking again leaves it: a live chunk and an orphan condemned.
-    live = next(iter(chunks.referenced(layout.read_manifest(layout.part_dir(d.local, JOB, 1, 0)))))
+    # As a SIGKILL between condemning and marking again leaves it: the live pack condemned (its index first,
+    # then its file), an orphan chunk condemned, and a pack a writer left without its index.
     root = chunks.store_dir(d.local, JOB)
+    [live] = fspacks.list_packs(root)
+    condemned = packs.packs_dir(root) / CONDEMNED_DIR
+    condemned.mkdir()
+    for path in (packs.index_path(root, live.pack_id), packs.pack_path(root, live.pack_id)):
+        os.rename(path, condemned / path.name)
     (root / CONDEMNED_DIR).mkdir()
-    os.rename(chunks.chunk_path(root, live), root / CONDEMNED_DIR / live)
     orphan = chunks.digest(b"orphan")
     (root / CONDEMNED_DIR / orphan).write_bytes(b"orphan")
+    unpublished = packs.pack_path(root, "cut-short")
+    unpublished.write_bytes(b"x" * 8192)
+    os.utime(unpublished, (time.time() - 3600, time.time() - 3600))
     d.start()
-    wait_until(lambda: not any((root / CONDEMNED_DIR).iterdir()), timeout=10, what="the sweep finished")
-    assert chunks.chunk_path(root, live).is_file() and not chunks.chunk_path(root, orphan).exists()
+    wait_until(lambda: not any((root / CONDEMNED_DIR).iterdir()) and not any(condemned.iterdir())
+               and not unpublished.exists(), timeout=10, what="the sweep finished")
+    assert [p.pack_id for p in fspacks.list_packs(root)] == [live.pack_id]
+    assert not chunks.chunk_path(root, orphan).exists()
     chunks.verify_part(layout.part_dir(d.local, JOB, 1, 0))
 
 
@@ -188,18 +222,51 @@ def test_a_corrupt_chunk_is_quarantined_and_written_again_by_the_next_save(daemo
         part = layout.part_dir(d.local, JOB, 1, 0)
         manifest = layout.read_manifest(part)
         big = max(chunks.manifest_chunks(manifest) or [], key=lambda ch: ch.nbytes)
-        path = chunks.chunk_path(chunks.store_dir(d.local, JOB), big.name)
-        raw = bytearray(path.read_bytes())
-        raw[100] ^= 1
-        path.write_bytes(bytes(raw))
+        root = chunks.store_dir(d.local, JOB)
+        place = packs.StoreIndex(root).find(big.name)
+        assert place is not None and not place.whole
+        with open(place.path, "r+b") as f:
+            f.seek(place.offset + 100)
+            byte = f.read(1)
+            f.seek(place.offset + 100)
+            f.write(bytes([byte[0] ^ 1]))
         with pytest.raises(layout.ChecksumMismatch):
             chunks.verify_part(part)
         with pytest.raises(Exception):  # noqa: B017 - no other copy: the load fails, and reports it
             c.load(1)
-        wait_until(lambda: not path.exists(), timeout=10, what="the corrupt chunk moved aside")
+        wait_until(lambda: not place.path.exists(), timeout=10, what="the pack moved aside")
+        # The pack's intact chunks were copied into a new pack first; the bad one is out of the store.
+        assert set(store(d.local)) == chunks.referenced(manifest) - {big.name}
+        [aside] = [p for p in (root / chunks.CORRUPT_DIR).iterdir() if p.suffix == ".pack"]
+        assert any(q.location == aside for q in FsTier(d.local).list_quarantined())
         save(c, 2, lora_like(1))  # the same bytes again: the chunk is written anew, not reused
-        assert path.is_file()
+        assert big.name in store(d.local)
         chunks.verify_part(layout.part_dir(d.local, JOB, 2, 0))
+
+
+def test_a_pack_mostly_dead_is_repacked_and_its_space_comes_back(daemon_factory):
+    """A small frozen tensor beside a large one that changes every step: once step 1 goes, its pack holds one
+    live chunk (the frozen one) among megabytes no step names; the sweep copies that chunk into a new pack and
+    removes the old one."""
+    d = daemon_factory("n", **INCREMENTAL, **{"shared.dir": "", "local.keep_last": 1}).start()
+
+    def state(step):
+        torch.manual_seed(step)
+        return {"frozen": torch.ones(128 << 10), "w": torch.randn(1 << 20)}  # 512 KiB frozen, 4 MiB changing
+
+    with Client(JOB, socket=d.socket) as c:
+        save(c, 1, state(1))
+        root = chunks.store_dir(d.local, JOB)
+        [first] = fspacks.list_packs(root)
+        save(c, 2, state(2))
+        named = chunks.referenced(layout.read_manifest(layout.part_dir(d.local, JOB, 2, 0)))
+        wait_until(lambda: set(store(d.local)) == named and first.pack_id not in
+                   {p.pack_id for p in fspacks.list_packs(root)}, timeout=10, what="step 1's pack repacked away")
+        assert "repacked pack" in d.log.read_text()
+        on_disk = sum(p.stat().st_size for p in packs.packs_dir(root).glob("*.pack"))
+        assert on_disk <= sum(store(d.local).values()) + 2 * len(named) * packs.PAGE  # dead bytes gone
+        chunks.verify_part(layout.part_dir(d.local, JOB, 2, 0))
+        assert torch.equal(c.load(2)["w"], state(2)["w"])
 
 
 def _orphans(root: Path, n: int) -> set[str]:
@@ -255,8 +322,8 @@ def test_saves_reusing_chunks_that_retention_is_sweeping_always_commit_whole(dae
                 except layout.ChecksumMismatch:
                     if part.is_dir():  # a part that still exists must verify
                         raise
-    wait_until(lambda: set(store(d.local)) == chunks.referenced(layout.read_manifest(
-        layout.part_dir(d.local, JOB, 40, 0))), timeout=10, what="only step 40's chunks left")
+    named = chunks.referenced(layout.read_manifest(layout.part_dir(d.local, JOB, 40, 0)))
+    wait_until(lambda: swept(d.local, named), timeout=10, what="only what step 40 names left, pack by pack")
 
 
 def test_a_sweep_on_another_node_never_tears_a_step_this_node_drains(daemon_factory):

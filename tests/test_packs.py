@@ -1,8 +1,9 @@
 """Chunk packs (protos/packs.py): a store's chunks in pack files found through their indexes.
 
-The index format and its checks; then a real daemon's incremental steps whose store is rewritten into a pack
-behind its back, read by the client's restore, the daemon's own verification and the drain as they read
-chunks stored one file each.
+The index format and its checks, the lookup of a store mixing packs and chunk files; then a real daemon's
+incremental steps, whose new chunks it writes as one pack per part: read by the client's restore, the
+daemon's own verification and the drain (which writes packs on the shared tier), a corrupt chunk in a pack,
+and the documented way to read a step without ckptstage.
 """
 
 from __future__ import annotations
@@ -98,12 +99,21 @@ def save_steps(d: Any, steps: range) -> dict[int, dict[str, torch.Tensor]]:
     return states
 
 
-def test_steps_whose_chunks_are_packed_load_verify_and_drain(daemon_factory: Any) -> None:
+def packed(store: Path) -> dict[str, tuple[Path, int, int]]:
+    """What the packs of ``store`` hold, read afresh: name -> (pack, offset, length)."""
+    index = packs.StoreIndex(store)
+    index.refresh()
+    return index.packed()
+
+
+def test_each_part_s_new_chunks_are_one_pack_that_loads_verifies_and_drains(daemon_factory: Any) -> None:
     d = daemon_factory(**INCREMENTAL).start()
     states = save_steps(d, range(1, 3))
     store = chunks.store_dir(d.local, JOB)
-    where = to_pack(store)
-    assert len(where) > 3 and not list(store.glob("??/*"))
+    held = packed(store)
+    assert not list(store.glob("??/*")) and len(held) > 3  # no chunk file of its own
+    assert len({pack for pack, _, _ in held.values()}) == 2  # step 2's new chunks: a pack of their own
+    where = {name: (offset, length) for name, (_, offset, length) in held.items()}
     tier = FsTier(d.local)
     for step in (1, 2):
         part = layout.part_dir(d.local, JOB, step, 0)
@@ -124,16 +134,17 @@ def test_steps_whose_chunks_are_packed_load_verify_and_drain(daemon_factory: Any
         c.wait_step(2, "shared", timeout=60)
     for step in (1, 2):
         chunks.verify_part(layout.part_dir(d.shared, JOB, step, 0))
+    assert set(packed(chunks.store_dir(d.shared, JOB))) == set(held)  # into packs on the shared tier too
 
 
-def test_a_flipped_byte_in_a_pack_is_caught_and_the_load_reads_the_other_copy(daemon_factory: Any) -> None:
+def test_a_flipped_byte_in_a_pack_is_caught_the_load_reads_the_other_copy_and_the_pack_goes_aside(
+        daemon_factory: Any) -> None:
     d = daemon_factory(**{**INCREMENTAL, "shared.drain_every": 1}).start()
     states = save_steps(d, range(1, 2))
     with Client(JOB, socket=d.socket) as c:
         c.wait_step(1, "shared", timeout=30)
-    where = to_pack(chunks.store_dir(d.local, JOB))
-    name, (offset, length) = max(where.items(), key=lambda kv: kv[1][1])
-    pack = packs.pack_path(chunks.store_dir(d.local, JOB), "p1")
+    store = chunks.store_dir(d.local, JOB)
+    name, (pack, offset, length) = max(packed(store).items(), key=lambda kv: kv[1][2])
     with open(pack, "r+b") as f:
         f.seek(offset + length // 2)
         byte = f.read(1)
@@ -145,7 +156,11 @@ def test_a_flipped_byte_in_a_pack_is_caught_and_the_load_reads_the_other_copy(da
         got = c.load(1)
         assert c.last_load_tier == "shared"
     assert all(torch.equal(got[k], v) for k, v in states[1].items())
-    assert os.path.exists(pack)  # a pack is never moved aside for one chunk's sake
+    # The daemon's own read confirms it: the pack's intact chunks go into a new pack, the pack goes aside.
+    from support import wait_until
+    wait_until(lambda: not os.path.exists(pack), timeout=20, what="the pack moved aside")
+    assert set(packed(store)) == set(chunks.referenced(layout.read_manifest(
+        layout.part_dir(d.shared, JOB, 1, 0)))) - {name}
 
 
 def format_doc_script() -> str:
@@ -159,7 +174,6 @@ def format_doc_script() -> str:
 def test_the_documented_script_rebuilds_a_packed_part_without_ckptstage(daemon_factory: Any) -> None:
     d = daemon_factory(**INCREMENTAL).start()
     states = save_steps(d, range(1, 3))
-    to_pack(chunks.store_dir(d.local, JOB))
     scope = {"part": str(layout.part_dir(d.local, JOB, 2, 0)), "job_dir": str(d.local / JOB)}
     exec(format_doc_script(), scope)  # noqa: S102 - the documentation's own code, run as a reader would
     tensors = scope["tensors"]

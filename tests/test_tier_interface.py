@@ -24,7 +24,7 @@ from ckptstage.daemon.catalog.chunkstore import ChunkStore, referenced
 from ckptstage.daemon.catalog.commits import Commits
 from ckptstage.daemon.tiers.fs import FsTier
 from ckptstage.daemon.tiers.interface import Tier, TierName
-from ckptstage.protos import chunks, layout
+from ckptstage.protos import chunks, layout, packs
 from s3server import object_bytes, open_tier, s3_server  # noqa: F401 - s3_server: the fixture
 from support import RecordingTier
 
@@ -70,6 +70,22 @@ def tier(request: Any, tmp_path: Path) -> Tier:
     if request.param == "s3":
         return open_tier(request.getfixturevalue("s3_server"), OWNER)
     return FsTier(tmp_path / "tier", OWNER)
+
+
+def _put_chunks(t: Tier, items: dict[str, bytes]) -> None:
+    """Chunks stored one each (name -> bytes): through a batch on a store that keeps them so (the object store);
+    as files of their own on the file system, as stores written before packs hold them (a batch there writes a
+    pack: see the pack tests below)."""
+    if isinstance(t, FsTier):
+        for name, data in items.items():
+            path = chunks.chunk_path(chunks.store_dir(t.root, JOB), name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        return
+    batch = t.new_chunks(JOB)
+    for name, data in items.items():
+        batch.write(name, memoryview(data), direct_io=False)
+    batch.publish()
 
 
 def _stored(t: Tier, location: Path, data: bytes | None = None) -> bytes:
@@ -278,10 +294,7 @@ def test_an_incremental_part_publishes_its_chunks_before_its_manifest_and_holds_
 
 def test_condemned_chunks_go_only_when_untouched_and_come_back_on_request(tier: Tier) -> None:
     names = {n: chunks.digest(n.encode()) for n in ("old", "new", "back")}
-    batch = tier.new_chunks(JOB)
-    for text, name in names.items():
-        batch.write(name, memoryview(text.encode()), direct_io=False)
-    batch.publish()
+    _put_chunks(tier, {name: text.encode() for text, name in names.items()})
     past, future = time.time() - 3600, time.time() + 3600
     assert not tier.condemn_chunk(JOB, names["new"], past)  # touched since: stays
     assert tier.condemn_chunk(JOB, names["old"], future) and tier.condemn_chunk(JOB, names["back"], future)
@@ -297,10 +310,7 @@ def test_condemned_chunks_go_only_when_untouched_and_come_back_on_request(tier: 
 
 def test_a_sweep_through_the_interface_keeps_exactly_the_chunks_a_manifest_names(tier: Tier) -> None:
     live, dead = b"L" * 4096, b"D" * 4096
-    batch = tier.new_chunks(JOB)
-    for data in (live, dead):
-        batch.write(chunks.digest(data), memoryview(data), direct_io=False)
-    batch.publish()
+    _put_chunks(tier, {chunks.digest(data): data for data in (live, dead)})
     writer = tier.begin_part(JOB, 1, 0)
     writer.commit(_manifest(1, 0, live, chunk_list=[[chunks.digest(live), len(live)]]))
     assert referenced(tier, JOB) == {chunks.digest(live)}
@@ -335,9 +345,7 @@ def test_a_quarantined_part_leaves_every_listing_and_is_found_again(tier: Tier) 
 
 def test_a_corrupt_chunk_is_moved_out_of_its_store(tier: Tier) -> None:
     data = b"q" * 10
-    batch = tier.new_chunks(JOB)
-    batch.write(chunks.digest(data), memoryview(data), direct_io=False)
-    batch.publish()
+    _put_chunks(tier, {chunks.digest(data): data})
     moved = tier.quarantine_chunk(tier.chunk_location(JOB, chunks.digest(data)))
     assert moved is not None and _stored(tier, moved) == data
     assert tier.missing_chunks(JOB, [chunks.digest(data)]) == [chunks.digest(data)] and tier.list_chunks(JOB) == []
@@ -348,9 +356,7 @@ def test_quarantined_copies_are_listed_with_their_size_and_time_and_removed_alon
     part, _ = _publish(tier, 6)
     moved_part = tier.quarantine_part(part)
     data = b"c" * 1000
-    batch = tier.new_chunks(JOB)
-    batch.write(chunks.digest(data), memoryview(data), direct_io=False)
-    batch.publish()
+    _put_chunks(tier, {chunks.digest(data): data})
     moved_chunk = tier.quarantine_chunk(tier.chunk_location(JOB, chunks.digest(data)))
     assert moved_chunk is not None
     kept, _ = _publish(tier, 7)
@@ -415,3 +421,46 @@ def test_the_catalogue_and_commits_use_whatever_tier_they_are_given(tmp_path: Pa
     assert fs.read_commit_record(fs.step_location(JOB, 11)) == record
     ckpt = catalog.get(JOB, 11)
     assert ckpt is not None and ckpt.complete_on(TierName.LOCAL)
+
+
+# --- packs: the file-system tier writes a batch of new chunks as one pack ------------------------------------
+
+
+def test_a_batch_is_one_pack_published_by_its_index_and_read_by_range(tmp_path: Path) -> None:
+    fs = FsTier(tmp_path / "tier", OWNER)
+    items = {chunks.digest(d): d for d in (b"a" * 5000, b"b" * 4096, b"c" * 3)}
+    batch = fs.new_chunks(JOB)
+    for name, data in items.items():
+        batch.write(name, memoryview(data), direct_io=True)
+    assert fs.missing_chunks(JOB, list(items)) == list(items)  # nothing is in the store before publish
+    batch.publish()
+    [pack] = fs.list_packs(JOB)
+    assert dict(pack.chunks) == {n: len(d) for n, d in items.items()} and fs.missing_chunks(JOB, list(items)) == []
+    for name, data in items.items():
+        with fs.open_chunk(JOB, name) as f:
+            assert f.size == len(data) and f.read(1 << 20) == data  # its range only, nothing after it
+    assert sorted(fs.list_chunks(JOB)) == sorted(items) and fs.clean_temporaries() == 0
+
+
+def test_packs_are_condemned_put_back_and_deleted_whole_and_a_pack_with_no_index_is_none(tmp_path: Path) -> None:
+    fs = FsTier(tmp_path / "tier", OWNER)
+    for data in (b"1" * 10, b"2" * 10):
+        batch = fs.new_chunks(JOB)
+        batch.write(chunks.digest(data), memoryview(data), direct_io=False)
+        batch.publish()
+    first, second = sorted(fs.list_packs(JOB), key=lambda p: p.mtime)
+    past, future = time.time() - 3600, time.time() + 3600
+    assert not fs.condemn_pack(JOB, first.pack_id, past)  # written since: stays
+    assert fs.condemn_pack(JOB, first.pack_id, future) and fs.condemn_pack(JOB, second.pack_id, future)
+    assert fs.list_packs(JOB) == [] and fs.missing_chunks(JOB, [chunks.digest(b"1" * 10)]) != []
+    assert {p.pack_id for p in fs.condemned_packs(JOB)} == {first.pack_id, second.pack_id}
+    fs.restore_pack(JOB, first.pack_id)
+    assert fs.delete_condemned_pack(JOB, second.pack_id) >= 10
+    with pytest.raises(FileNotFoundError):
+        fs.delete_condemned_pack(JOB, second.pack_id)
+    assert [p.pack_id for p in fs.list_packs(JOB)] == [first.pack_id] and fs.condemned_packs(JOB) == []
+    cut_short = packs.pack_path(chunks.store_dir(tmp_path / "tier", JOB), "cut-short")
+    cut_short.write_bytes(b"x" * 100)  # its writer died before renaming the index in
+    assert {p.pack_id: p.names for p in fs.list_packs(JOB)}["cut-short"] == frozenset()
+    swept = ChunkStore(fs, grace_s=-3600).sweep(JOB, mark=lambda: {chunks.digest(b"1" * 10)})
+    assert swept.restored == 0 and [p.pack_id for p in fs.list_packs(JOB)] == [first.pack_id]

@@ -218,7 +218,8 @@ class Quarantine:
                 size = _size_of(storage, part.job, failure.path)
                 moved = storage.quarantine_chunk(failure.path)
                 if moved is not None:
-                    self._record(part, moved, why, size, chunk=failure.path.name)
+                    size = size or next((q.nbytes for q in storage.list_quarantined() if q.location == moved), 0)
+                    self._record(part, moved, why, size, chunk=failure.path.name)  # a chunk's name, or its pack's
                     log.error("quarantined the corrupt chunk %s as %s", storage.name_of(failure.path),
                               storage.name_of(moved),
                               extra=_fields(part, error=why))

@@ -26,12 +26,12 @@ from ckptstage.daemon.tiers import fspacks, fsquarantine
 from ckptstage.daemon.tiers.fspacks import FsPackBatch
 from ckptstage.daemon.tiers.fsreplace import REPLACE_DIR, FsReplacing
 from ckptstage.daemon.tiers.fswalk import subdirs, subdirs_or_none
-from ckptstage.daemon.tiers.interface import Manifest, Pack, PartWriter, QuarantinedCopy, Usage
+from ckptstage.daemon.tiers.interface import Manifest, PartWriter, QuarantinedCopy, Usage
 from ckptstage.protos import chunks, layout, packs
 
 
 
-class FsTier:
+class FsTier(fspacks.PackCalls):
     """One directory tree holding checkpoints, as the daemon ``owner`` uses it.
 
     ``owner`` names this daemon's temporaries (``.tmp/<owner>/``); a tier
@@ -255,23 +255,6 @@ class FsTier:
         path.unlink()
         return size
 
-    # --- packs (see fspacks.py) ----------------------------------------------------------
-
-    def list_packs(self, job: str) -> list[Pack]:
-        return fspacks.list_packs(self._store(job))
-
-    def condemn_pack(self, job: str, pack_id: str, untouched_since: float) -> bool:
-        return fspacks.condemn_pack(self._store(job), pack_id, untouched_since)
-
-    def condemned_packs(self, job: str) -> list[Pack]:
-        return fspacks.condemned_packs(self._store(job))
-
-    def restore_pack(self, job: str, pack_id: str) -> None:
-        fspacks.restore_pack(self._store(job), pack_id)
-
-    def delete_condemned_pack(self, job: str, pack_id: str) -> int:
-        return fspacks.delete_condemned_pack(self._store(job), pack_id)
-
     # --- housekeeping -------------------------------------------------------------------
 
     def prepare(self) -> None:
@@ -302,6 +285,14 @@ class FsTier:
         return fsquarantine.quarantine_part(part)
 
     def quarantine_chunk(self, location: Path) -> Path | None:
+        """A chunk's own file moves aside; a pack (the file a failed read named) is rewritten without the chunks
+        that fail their digest, then moves aside (:func:`fspacks.quarantine_pack`)."""
+        if location.name.endswith(packs.PACK_SUFFIX) and location.parent.name == packs.PACKS_DIR:
+            fsutil.check_contained(self._root, location)
+            staging = layout.tmp_root(self._root, self._owner) / f"chunks.{uuid.uuid4().hex[:12]}"
+            fsutil.makedirs_durable(staging.parent, within=self._root)
+            staging.mkdir()
+            return fspacks.quarantine_pack(self._root, location.parent.parent, location, staging)
         return fsquarantine.quarantine_chunk(location)
 
     def list_quarantined(self) -> list[QuarantinedCopy]:

@@ -17,6 +17,7 @@ then index) if one is named again before it is deleted.
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import threading
@@ -85,6 +86,29 @@ class FsPackBatch:
         if out is not None:
             out.close()
         shutil.rmtree(self._staging, ignore_errors=True)
+
+
+class PackCalls:
+    """The pack calls of :class:`~ckptstage.daemon.tiers.interface.ChunkStorage` for a file-system tier, on the
+    job's store that ``_store(job)`` names."""
+
+    def _store(self, job: str) -> Path:
+        raise NotImplementedError
+
+    def list_packs(self, job: str) -> list[Pack]:
+        return list_packs(self._store(job))
+
+    def condemn_pack(self, job: str, pack_id: str, untouched_since: float) -> bool:
+        return condemn_pack(self._store(job), pack_id, untouched_since)
+
+    def condemned_packs(self, job: str) -> list[Pack]:
+        return condemned_packs(self._store(job))
+
+    def restore_pack(self, job: str, pack_id: str) -> None:
+        restore_pack(self._store(job), pack_id)
+
+    def delete_condemned_pack(self, job: str, pack_id: str) -> int:
+        return delete_condemned_pack(self._store(job), pack_id)
 
 
 def list_packs(store: Path) -> list[Pack]:
@@ -170,3 +194,42 @@ def delete_condemned_pack(store: Path, pack_id: str) -> int:
     (where / f"{pack_id}{packs.INDEX_SUFFIX}").unlink(missing_ok=True)
     pack.unlink()
     return size
+
+
+def quarantine_pack(root: Path, store: Path, pack: Path, staging: Path) -> Path:
+    """A pack one of whose chunks failed verification: every chunk that still hashes to its name is copied into
+    a new pack (published first: no intact chunk leaves the store), then the pack and its index move to
+    ``<store>/.corrupt/`` (kept for forensics, listed and expired like every quarantined copy), so that no save
+    reuses the bad chunk and the next one with its bytes writes them again. Returns where the pack went."""
+    pack_id = packs.pack_id_of(pack.name)
+    if pack_id is None or pack.parent != packs.packs_dir(store):
+        raise ValueError(f"{pack} is not a pack of {store}")
+    index = packs.index_path(store, pack_id)
+    try:
+        entries = packs.read_index(index)
+    except (FileNotFoundError, packs.PackError):
+        entries = []  # nothing it holds can be trusted to be anywhere: it only goes aside
+    batch = FsPackBatch(root, store, staging)
+    try:
+        with open(pack, "rb", buffering=0) as f:
+            for name, offset, length in entries:
+                buf = mmap.mmap(-1, max(length, 1))
+                view = memoryview(buf)[:length]
+                try:
+                    if os.preadv(f.fileno(), [view], offset) == length and chunks.digest(view) == name:
+                        batch.write(name, view, direct_io=True)
+                finally:
+                    view.release()
+                    buf.close()
+        batch.publish()
+    finally:
+        batch.discard()
+    aside = store / chunks.CORRUPT_DIR
+    aside.mkdir(exist_ok=True)
+    tag = f"{pack_id}-{uuid.uuid4().hex[:6]}"
+    if index.exists():
+        os.rename(index, aside / f"{tag}{packs.INDEX_SUFFIX}")
+    target = aside / f"{tag}{packs.PACK_SUFFIX}"
+    os.rename(pack, target)
+    packs.store_index(store).reset()
+    return target
