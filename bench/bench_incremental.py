@@ -188,12 +188,17 @@ def files_under(path: Path, skip: str = "") -> dict[Path, int]:
 
 
 def chunk_files(tier: Path, job: str) -> dict[str, int]:
-    """The chunks in a job's store on a tier (name -> bytes); the sweep's condemned ones excluded."""
+    """The chunks in a job's store on a tier, in its packs or files of their own (name -> bytes); the sweep's
+    condemned ones excluded."""
     from ckptstage.daemon.catalog.chunkstore import CONDEMNED_DIR
-    from ckptstage.protos import chunks
+    from ckptstage.protos import chunks, packs
 
-    return {p.name: n for p, n in files_under(chunks.store_dir(tier, job), skip=CONDEMNED_DIR).items()
-            if chunks.is_chunk_name(p.name)}
+    index = packs.StoreIndex(chunks.store_dir(tier, job))  # a fresh one: the store changes between calls
+    index.refresh()
+    found = {name: length for name, (_, _, length) in index.packed().items()}
+    found.update({p.name: n for p, n in files_under(chunks.store_dir(tier, job), skip=CONDEMNED_DIR).items()
+                  if chunks.is_chunk_name(p.name)})
+    return found
 
 
 @dataclass
