@@ -255,9 +255,29 @@ def missing(store: Path, names: Iterable[str]) -> list[str]:
 def verify_part(part: Path, manifest: dict[str, Any] | None = None) -> None:
     """Re-reads every byte of a part (its files, or its chunks) and checks sizes and block checksums.
 
-    Raises :class:`layout.ChecksumMismatch` naming the file or chunk and the first bad block.
+    Raises :class:`layout.ChecksumMismatch` naming the file or chunk and the first bad block. A pack that
+    vanished under the read (a repack moved its chunks, a sweep removed it) is looked up again, once.
     """
     manifest = manifest if manifest is not None else layout.read_manifest(part)
+    try:
+        _verify_files(part, manifest)
+    except _PackGone:
+        packs.store_index(store_of(part, str(manifest["job"]))).reset()
+        try:
+            _verify_files(part, manifest)
+        except _PackGone as e:
+            raise layout.ChecksumMismatch(e.path, "missing: removed while it was read") from e
+
+
+class _PackGone(Exception):
+    """A pack named by the store's index was not there when read."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path))
+        self.path = path
+
+
+def _verify_files(part: Path, manifest: dict[str, Any]) -> None:
     for name, entry in layout.manifest_files(manifest).items():
         view = memoryview(bytearray(entry.chunk_bytes))
         verifier = layout.BlockVerifier(entry, part / name)
@@ -265,6 +285,10 @@ def verify_part(part: Path, manifest: dict[str, Any] | None = None) -> None:
             verifier.path = ext.path  # a bad block is named by the file its last bytes came from
             try:
                 f = open(ext.path, "rb", buffering=0)  # noqa: SIM115 - closed below, on every path
+            except FileNotFoundError as e:
+                if not ext.whole:
+                    raise _PackGone(ext.path) from e
+                raise layout.ChecksumMismatch(ext.path, f"missing: {e}") from e
             except OSError as e:
                 raise layout.ChecksumMismatch(ext.path, f"missing: {e}") from e
             with f:

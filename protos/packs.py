@@ -153,6 +153,13 @@ class StoreIndex:
                 for chunk, offset, length in entries:
                     self._places.setdefault(chunk, (pack, offset, length))
 
+    def add(self, pack: Path, entries: Sequence[tuple[str, int, int]]) -> None:
+        """A pack this process just published (its index renamed into place): known without a listing."""
+        with self._lock:
+            self._read.add(pack.name[:-len(PACK_SUFFIX)] + INDEX_SUFFIX)
+            for chunk, offset, length in entries:
+                self._places.setdefault(chunk, (pack, offset, length))
+
     def reset(self) -> None:
         """A pack went (or is going): every index is read again at the next miss (another pack may hold its
         chunks, and only the first pack read was remembered for each)."""

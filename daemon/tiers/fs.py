@@ -177,8 +177,13 @@ class FsTier(fspacks.PackCalls):
         return place.path if place is not None else chunks.chunk_path(self._store(job), name)
 
     def touch_chunk(self, job: str, name: str) -> bool:
+        """Without listing the store for a chunk it does not know (a save asks this of each of its chunks): one
+        another node packed since the last listing is then written again, which is harmless."""
+        place = packs.store_index(self._store(job)).find(name, refreshed=True)
         try:
-            os.utime(self._find(job, name).path)  # a pack: every chunk in it counts as relied on
+            if place is None:
+                return False
+            os.utime(place.path)  # a pack: every chunk in it counts as relied on
             return True
         except FileNotFoundError:
             return False
@@ -187,8 +192,17 @@ class FsTier(fspacks.PackCalls):
         return self._find(job, name).length
 
     def open_chunk(self, job: str, name: str) -> FileReader:
+        """A reader of the chunk's bytes. A pack a repack emptied and a sweep removed between the lookup and the
+        open is looked up again (the chunk is in the new pack)."""
         place = self._find(job, name)
-        return FileReader(place.path, sequential=False, place=place)
+        try:
+            return FileReader(place.path, sequential=False, place=place)
+        except FileNotFoundError:
+            if place.whole:
+                raise
+            packs.store_index(self._store(job)).reset()
+            place = self._find(job, name)
+            return FileReader(place.path, sequential=False, place=place)
 
     def missing_chunks(self, job: str, names: Iterable[str]) -> list[str]:
         return chunks.missing(self._store(job), names)

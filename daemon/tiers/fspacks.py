@@ -78,6 +78,7 @@ class FsPackBatch:
                 fsutil.check_contained(self._root, final)
                 os.rename(staged, final)
             layout.fsync_dir(where)
+            packs.store_index(self._store).add(packs.pack_path(self._store, self._id), entries)
         self._staging.rmdir()
 
     def discard(self) -> None:
