@@ -131,6 +131,7 @@ class StoreIndex:
         self._lock = threading.Lock()
         self._read: set[str] = set()                       # index file names read (or found bad)
         self._places: dict[str, tuple[Path, int, int]] = {}  # chunk -> (pack, offset, length)
+        self._listed = False                                 # refreshed since created or reset
 
     def refresh(self) -> None:
         """Reads the indexes published since the last call."""
@@ -139,6 +140,7 @@ class StoreIndex:
         except FileNotFoundError:
             return
         with self._lock:
+            self._listed = True
             new = [n for n in names if n.endswith(INDEX_SUFFIX) and n not in self._read and pack_id_of(n)]
         for name in sorted(new):
             pack = packs_dir(self.store) / (name[:-len(INDEX_SUFFIX)] + PACK_SUFFIX)
@@ -166,6 +168,7 @@ class StoreIndex:
         with self._lock:
             self._read.clear()
             self._places.clear()
+            self._listed = False
 
     def packed(self) -> dict[str, tuple[Path, int, int]]:
         """Every chunk the packs read so far hold: name -> (pack, offset, length)."""
@@ -173,7 +176,11 @@ class StoreIndex:
             return dict(self._places)
 
     def find(self, name: str, refreshed: bool = False) -> Place | None:
-        """Where chunk ``name`` is (None: nowhere in this store). ``refreshed``: the caller refreshed just now."""
+        """Where chunk ``name`` is (None: nowhere in this store). ``refreshed``: the caller refreshed just now, or
+        does not need what was published since the last listing (the store is listed all the same when it was
+        never listed since this index was made or reset)."""
+        with self._lock:
+            refreshed = refreshed and self._listed
         for attempt in range(2):
             with self._lock:
                 hit = self._places.get(name)

@@ -428,3 +428,18 @@ def test_ls_and_metrics_show_what_each_step_stores_next_to_its_size(daemon_facto
     held = sum(listed[s]["stored_local"] for s in (1, 2, 3))
     assert metric(scraped, "ckptstage_tier_stored_bytes", tier="local") == held
     assert metric(scraped, "ckptstage_tier_used_bytes", tier="local") == sum(listed[s]["bytes"] for s in (1, 2, 3))
+
+
+def test_after_retention_removes_a_pack_the_next_drain_still_reuses_what_the_store_holds(daemon_factory):
+    """A sweep that removes a pack makes the daemon read the store's indexes again: each later drain must find
+    the base's chunks there and write only the adapters, not the whole base again."""
+    d = daemon_factory("n", **INCREMENTAL, **{"shared.keep_last": 1, "local.keep_last": 1}).start()
+    shared_store = chunks.store_dir(d.shared, JOB) if d.shared else Path()
+    written = []
+    with Client(JOB, socket=d.socket) as c:
+        for step in range(1, 6):
+            before = {p.pack_id for p in fspacks.list_packs(shared_store)}
+            save(c, step, lora_like(step), "shared")
+            written.append(sum(p.nbytes for p in fspacks.list_packs(shared_store) if p.pack_id not in before))
+    full = layout.read_manifest(layout.part_dir(d.shared, JOB, 5, 0))["files"][layout.DATA_FILE]["size"]
+    assert written[0] >= 0.95 * full and all(w <= 0.1 * full for w in written[1:]), (written, full)
