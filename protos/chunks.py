@@ -29,6 +29,7 @@ This module is imported by the daemon and the client alike: no torch.
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import uuid
@@ -56,6 +57,22 @@ _DIGEST_RE = re.compile(r"[0-9a-f]{32}")
 def digest(data: Any) -> str:
     """The chunk's name: xxh3-128 of its bytes (any buffer), 32 lower-case hex digits."""
     return xxhash.xxh3_128_hexdigest(data)
+
+
+def copy_checked(name: str, size: int, read_into: Callable[[memoryview], int | None],
+                 write: Callable[[memoryview], None]) -> bool:
+    """Reads chunk ``name`` (``size`` bytes) into a page-aligned buffer (its write can then go O_DIRECT) and
+    hands it to ``write`` only if it came whole and hashes to its name; False when it did not."""
+    buf = mmap.mmap(-1, max(size, 1))
+    view = memoryview(buf)[:size]
+    try:
+        if read_into(view) != size or digest(view) != name:
+            return False
+        write(view)
+        return True
+    finally:
+        view.release()
+        buf.close()
 
 
 def is_chunk_name(name: str) -> bool:

@@ -20,7 +20,6 @@ copy at most ``budget`` bytes per sweep of a job.
 from __future__ import annotations
 
 import logging
-import mmap
 from collections.abc import Callable
 
 from ckptstage.daemon.logs import fields
@@ -66,17 +65,13 @@ def _copy(tier: Tier, job: str, live: list[tuple[str, int]], pace: Callable[[int
     batch = tier.new_chunks(job)
     try:
         for name, size in live:
-            buf = mmap.mmap(-1, max(size, 1))  # page-aligned: the pack's write can go O_DIRECT
-            view = memoryview(buf)[:size]
-            try:
-                with tier.open_chunk(job, name) as f:
-                    if f.readinto(view) != size or chunks.digest(view) != name:
-                        raise ValueError(f"chunk {name} does not hash to its name (or is short): left in place")
+            def write(view: memoryview, name: str = name, size: int = size) -> None:
                 pace(size)
                 batch.write(name, view, direct_io=True)
-            finally:
-                view.release()
-                buf.close()
+
+            with tier.open_chunk(job, name) as f:
+                if not chunks.copy_checked(name, size, f.readinto, write):
+                    raise ValueError(f"chunk {name} does not hash to its name (or is short): left in place")
         batch.publish()
     finally:
         batch.discard()
