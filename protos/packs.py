@@ -61,6 +61,56 @@ class Place:
     whole: bool
 
 
+@dataclass(frozen=True)
+class Run:
+    """Chunks read with one read: ``length`` bytes of ``path`` from ``offset``, holding each chunk ``(name, offset
+    in the run, length)``; chunks of a pack lie at page-aligned offsets of the run, with the pack's padding
+    between them. A run of a chunk stored on its own (``whole``) is that file, its length what the reader finds."""
+
+    path: Path
+    offset: int
+    length: int
+    chunks: tuple[tuple[str, int, int], ...]
+    whole: bool = False
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _, _ in self.chunks]
+
+    def sized(self, size: int) -> tuple[tuple[str, int, int], ...]:
+        """The chunks of the run once its reader says it holds ``size`` bytes (what a whole file's one chunk is)."""
+        return ((self.chunks[0][0], 0, size),) if self.whole else self.chunks
+
+
+def runs(places: Iterable[tuple[str, Place]], max_bytes: int) -> list[Run]:
+    """Chunks at ``places`` grouped into as few reads as possible: ranges of one pack that follow each other (up
+    to the page padding between them) in runs of at most ``max_bytes`` (a chunk longer is a run alone); a chunk
+    stored on its own is a run by itself. Runs come in the order of their files and offsets."""
+    places = list(places)
+    out: list[Run] = []
+    ranged = sorted((p.path, p.offset, p.length, name) for name, p in places if not p.whole)
+    out += [Run(p.path, 0, p.length, ((name, 0, p.length),), whole=True) for name, p in places if p.whole]
+    held: list[tuple[str, int, int]] = []
+    path, lo, hi = Path(), 0, 0
+    for where, offset, length, name in ranged:
+        follows = where == path and lo <= offset <= page_up(hi) and offset + length - lo <= max_bytes
+        if held and not follows:
+            out.append(Run(path, lo, hi - lo, tuple(held)))
+            held = []
+        if not held:
+            path, lo, hi = where, offset, offset
+        held.append((name, offset - lo, length))
+        hi = max(hi, offset + length)
+    if held:
+        out.append(Run(path, lo, hi - lo, tuple(held)))
+    return out
+
+
+def page_up(n: int) -> int:
+    """``n`` rounded up to a page: where the next chunk of a pack may start."""
+    return -(-n // PAGE) * PAGE
+
+
 def packs_dir(store: Path) -> Path:
     return store / PACKS_DIR
 

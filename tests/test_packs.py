@@ -8,13 +8,16 @@ and the documented way to read a step without ckptstage.
 
 from __future__ import annotations
 
+import mmap
 import os
+import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from ckptstage.client import Client
+from ckptstage.daemon import fsutil
 from ckptstage.daemon.tiers.fs import FsTier
 from ckptstage.protos import chunks, layout, packs
 
@@ -86,6 +89,73 @@ def test_a_store_finds_packed_and_loose_chunks_and_looks_again_once_a_pack_is_go
     packs.pack_path(store, "p1").unlink()  # a sweep removed the pack after its index was read
     again = index.find_all(NAMES)
     assert again[NAMES[0]] == packs.Place(loose, 0, 32, whole=True) and again[NAMES[1]] is None
+
+
+def test_neighbours_in_a_pack_are_read_together_and_every_other_chunk_alone(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.pack", tmp_path / "b.pack"
+    n = [f"{i:032x}" for i in range(1, 9)]
+    places = [(n[0], packs.Place(a, 0, 5000, whole=False)),
+              (n[1], packs.Place(a, 8192, 4096, whole=False)),     # right after n[0]'s padding
+              (n[2], packs.Place(a, 12288, 100, whole=False)),
+              (n[3], packs.Place(a, 20480, 100, whole=False)),     # a page skipped: a chunk not asked for
+              (n[4], packs.Place(b, 0, 3 * 4096, whole=False)),    # another pack
+              (n[5], packs.Place(b, 3 * 4096, 30_000, whole=False)),  # would make the run too long
+              (n[6], packs.Place(tmp_path / n[6], 0, 77, whole=True)),
+              (n[7], packs.Place(a, 24576, 10, whole=False))]     # follows n[3]'s page
+    got = packs.runs(reversed(places), max_bytes=32 * 1024)
+    assert got == [
+        packs.Run(tmp_path / n[6], 0, 77, ((n[6], 0, 77),), whole=True),
+        packs.Run(a, 0, 12388, ((n[0], 0, 5000), (n[1], 8192, 4096), (n[2], 12288, 100))),
+        packs.Run(a, 20480, 4106, ((n[3], 0, 100), (n[7], 4096, 10))),
+        packs.Run(b, 0, 12288, ((n[4], 0, 12288),)),
+        packs.Run(b, 12288, 30_000, ((n[5], 0, 30_000),))]
+    assert got[0].sized(80) == ((n[6], 0, 80),) and got[1].sized(1) == got[1].chunks  # a pack's run is as listed
+    assert packs.runs([], 1) == []
+
+
+def test_one_pass_over_a_unit_gives_its_block_checksums_and_its_chunks_names() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        n = rng.choice([0, 1, 4096, 1 << 20, 3 * (1 << 20) + 17, rng.randrange(1, 5 << 20)])
+        data = rng.randbytes(n)
+        block = rng.choice([4096, 1 << 16, 1 << 20])
+        start = block * rng.randrange(0, 4)
+        points = sorted({start, start + n, *(start + rng.randrange(0, n + 1) for _ in range(rng.randrange(8)))})
+        cuts = [(lo, hi) for lo, hi in zip(points, points[1:]) if hi > lo]
+        blocks, names = chunks.hash_unit(data, start, block, cuts)
+        assert blocks == layout.block_digests(data, block)
+        assert names == [chunks.digest(data[lo - start:hi - start]) for lo, hi in cuts]
+
+
+def test_a_batch_writes_a_run_at_once_and_keeps_no_reserved_space(tmp_path: Path) -> None:
+    tier = FsTier(tmp_path / "tier", "daemon")
+    batch = tier.new_chunks(JOB)
+    one, two, big = b"a" * 5000, b"b" * 100, os.urandom(3 << 20)
+    run = bytearray(one) + bytes(4096 * 2 - len(one)) + bytearray(two)
+    names = [chunks.digest(one), chunks.digest(two), chunks.digest(big)]
+    batch.write(names[2], memoryview(big), direct_io=True)
+    batch.write_run([(names[0], 0, len(one)), (names[1], 8192, len(two))], memoryview(run), direct_io=True)
+    batch.publish()
+    store = chunks.store_dir(tmp_path / "tier", JOB)
+    held = packed(store)
+    assert {name: (off, length) for name, (_, off, length) in held.items()} == {
+        names[2]: (0, len(big)), names[0]: (3 << 20, len(one)), names[1]: ((3 << 20) + 8192, len(two))}
+    pack = next(iter(held.values()))[0]
+    assert pack.stat().st_size == (3 << 20) + 8192 + len(two)  # what was reserved beyond it is given back
+    for name, data in zip(names, (one, two, big)):
+        with tier.open_chunk(JOB, name) as f:
+            assert f.read(1 << 30) == data
+
+
+def test_a_write_puts_its_aligned_pages_and_its_tail_where_they_belong(tmp_path: Path) -> None:
+    for length in (4096 * 3, 4096 * 3 + 5, 17, 0):
+        out = fsutil.DataFile(tmp_path / f"f{length}", 0, direct_io=True, reserve=False)
+        buf = mmap.mmap(-1, 4096 * 4)
+        buf[:length] = os.urandom(length)
+        out.write(memoryview(buf)[:length], 4096)
+        out.sync()
+        out.close()
+        assert (tmp_path / f"f{length}").read_bytes() == (bytes(4096) + buf[:length] if length else b"")
 
 
 def save_steps(d: Any, steps: range) -> dict[int, dict[str, torch.Tensor]]:

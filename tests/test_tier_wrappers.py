@@ -42,6 +42,9 @@ class Recorder:
         data = next(a for a in args if isinstance(a, memoryview))
         self.writes.append(("chunk" if isinstance(args[0], str) else "file", len(data)))
 
+    def write_run(self, held: Any, data: memoryview, direct_io: bool) -> None:
+        self.writes.append(("run", len(data)))
+
     def open_file(self, part: Path, name: str) -> str:
         return "read, never paced"
 
@@ -53,9 +56,12 @@ def test_the_limited_tier_paces_its_writes_a_slice_at_a_time_and_nothing_else() 
     assert writer.final == inner.final  # what the wrapper does not override is the tier's own
     writer.create_file("data", 3 * MiB + 1, direct_io=True).write(memoryview(bytes(3 * MiB + 1)), 0)
     assert spy.taken == [MiB, MiB, MiB, 1] and inner.writes == [("file", 3 * MiB + 1)]
-    tier.new_chunks("job").write("c" * 32, memoryview(bytes(5 * MiB)), True)
-    assert spy.taken[-1] == 5 * MiB and inner.writes[-1] == ("chunk", 5 * MiB)
-    assert tier.open_file(Path("p"), "data") == "read, never paced" and len(spy.taken) == 5
+    batch = tier.new_chunks("job")
+    batch.write("c" * 32, memoryview(bytes(2 * MiB)), True)
+    assert spy.taken[4:] == [MiB, MiB] and inner.writes[-1] == ("chunk", 2 * MiB)
+    batch.write_run([("c" * 32, 0, MiB), ("d" * 32, MiB, MiB + 1)], memoryview(bytes(2 * MiB + 1)), True)
+    assert spy.taken[6:] == [MiB, MiB, 1] and inner.writes[-1] == ("run", 2 * MiB + 1)
+    assert tier.open_file(Path("p"), "data") == "read, never paced" and len(spy.taken) == 9
 
 
 def test_no_rate_means_no_wrapper() -> None:

@@ -278,11 +278,13 @@ class PartChunks:
         self.reused_bytes = 0
         self._new = store.new_chunks(job, part)  # written here, not yet in the store
 
-    def write(self, unit: int, data: memoryview, start: int) -> None:
-        """Hashes (and stores, when new) every chunk of arriving unit ``unit``: ``data`` is bytes from ``start``."""
-        for lo, hi in self._by_unit.get(unit, ()):
+    def write(self, unit: int, data: memoryview, start: int, block: int) -> list[str]:
+        """Hashes (and stores, when new) every chunk of arriving unit ``unit``: ``data`` is bytes from ``start``.
+        Returns the unit's digest blocks' checksums (of ``block`` bytes each), taken in the same pass."""
+        cuts = self._by_unit.get(unit, [])
+        digests, names = chunks.hash_unit(data, start, block, cuts)
+        for (lo, hi), name in zip(cuts, names):
             piece = data[lo - start:hi - start]
-            name = chunks.digest(piece)
             with self._lock:
                 self._names[lo] = name
                 first = name not in self._leased
@@ -296,6 +298,7 @@ class PartChunks:
                     self.reused_bytes += hi - lo
                 continue
             self._new.write(name, piece, self.direct_io)
+        return digests
 
     def publish(self) -> list[list[object]]:
         """Moves the new chunks into the store (durably); returns the manifest's chunk list."""

@@ -15,9 +15,10 @@ different part already published under the same name on the destination
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,10 +30,12 @@ from ckptstage.daemon.catalog.index import Catalog, Part, TierName
 from ckptstage.daemon.errors import ShuttingDown
 from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.tiers.interface import ChunkBatch, Manifest, PartWriter, Tier
-from ckptstage.protos import chunks, layout
+from ckptstage.protos import chunks, layout, packs
 
-# Chunks of an incremental part copied at once (each one read, checked against its name, written).
+# Reads of an incremental part's chunks at once (each read, its chunks checked against their names, written).
 _CHUNK_COPIERS = 4
+# The most one of them reads: chunks side by side in a pack are read (and written) together.
+_RUN_BYTES = 16 << 20
 # Bytes a copy reads, checks and writes at a time (whole digest blocks).
 _PIECE_BYTES = 64 << 20
 
@@ -201,34 +204,48 @@ class PartCopier:
             else:
                 todo.append(name)
 
-        def copy(name: str) -> None:
+        buffers = _Buffers()
+
+        def read(run: packs.Run) -> None:
+            with source.open_chunk_run(part.job, run) as f:
+                size = f.size
+                with buffers.get(size) as view:  # page-aligned, and so is its length: the write goes O_DIRECT
+                    got = f.readinto(view[:size]) or 0
+                    held = run.sized(size)
+                    for name, offset, length in held:
+                        where = f"{source.name_of(run.path)} (a chunk of {source.name_of(part.path)})"
+                        if offset + length > got:
+                            raise CorruptSource(f"{where}: shorter than its chunk {name} ({offset + length} bytes)")
+                        if chunks.digest(view[offset:offset + length]) != name:
+                            raise CorruptSource(f"{where}: chunk {name}'s bytes do not hash to its name")
+                    batch.write_run(held, view, direct_io=True)
+
+        def copy(run: packs.Run) -> None:
             if self._stop.is_set():
                 raise Stopping()
-            src = source.chunk_location(part.job, name)
             try:
-                with source.open_chunk(part.job, name) as f:
-                    size = f.size
-                    buf = mmap.mmap(-1, max(size, 1))  # page-aligned: the write can go O_DIRECT
-                    view = memoryview(buf)[:size]
-                    try:
-                        if f.readinto(view) != size:
-                            raise CorruptSource(f"{source.name_of(src)}: shorter than its size (a chunk of "
-                                                f"{source.name_of(part.path)})")
-                        if chunks.digest(view) != name:
-                            raise CorruptSource(f"{source.name_of(src)}: its bytes do not hash to its name (a chunk "
-                                                f"of {source.name_of(part.path)})")
-                        batch.write(name, view, direct_io=True)
-                    finally:
-                        view.release()
-                        buf.close()
+                try:
+                    read(run)
+                except FileNotFoundError:
+                    if run.whole:
+                        raise
+                    for again in source.chunk_runs(part.job, run.names, _RUN_BYTES):
+                        read(again)  # the pack went (a sweep after a repack): its chunks are elsewhere now
             except FileNotFoundError as e:
-                raise CorruptSource(f"{source.name_of(src)}: a chunk of {source.name_of(part.path)} is missing") from e
+                raise _missing(source, part, e, run.path) from e
 
         if todo:
-            with ThreadPoolExecutor(min(_CHUNK_COPIERS, len(todo)), "drain-chunk",
-                                    initializer=fsutil.lower_thread_priority, initargs=(self._nice,)) as pool:
-                for f in [pool.submit(copy, n) for n in todo]:
-                    f.result()
+            try:
+                runs = source.chunk_runs(part.job, todo, _RUN_BYTES)
+            except FileNotFoundError as e:
+                raise _missing(source, part, e, source.chunk_location(part.job, todo[0])) from e
+            try:
+                with ThreadPoolExecutor(min(_CHUNK_COPIERS, len(runs)), "drain-chunk",
+                                        initializer=fsutil.lower_thread_priority, initargs=(self._nice,)) as pool:
+                    for f in [pool.submit(copy, r) for r in runs]:
+                        f.result()
+            finally:
+                buffers.close()
         batch.publish()
         self.metrics.chunks_reused.labels(tier.value).inc(reused)
 
@@ -275,6 +292,47 @@ class PartCopier:
             out.sync()
         finally:
             out.close()
+
+
+class _Buffers:
+    """A page-aligned buffer per copying thread, kept from one run to the next (a fresh one costs a page fault
+    and a zeroed page for every 4 KiB of it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[mmap.mmap] = []
+
+    @contextlib.contextmanager
+    def get(self, size: int) -> Iterator[memoryview]:
+        """``size`` bytes rounded up to a page; the bytes past ``size`` zeroed (a pack's padding)."""
+        padded = max(packs.page_up(size), packs.PAGE)
+        with self._lock:
+            buf = self._free.pop() if self._free else None
+        if buf is None or len(buf) < padded:
+            if buf is not None:
+                buf.close()
+            buf = mmap.mmap(-1, padded)
+        view = memoryview(buf)[:packs.page_up(size)]
+        try:
+            view[size:] = bytes(len(view) - size)
+            yield view
+        finally:
+            view.release()
+            with self._lock:
+                self._free.append(buf)
+
+    def close(self) -> None:
+        with self._lock:
+            free, self._free = self._free, []
+        for buf in free:
+            with contextlib.suppress(BufferError):  # a slice still held by an error's traceback: GC frees it
+                buf.close()
+
+
+def _missing(source: Tier, part: Part, error: FileNotFoundError, where: Path) -> CorruptSource:
+    """The error for a chunk of ``part`` its store lacks (``error`` names it, else ``where``)."""
+    lost = Path(error.filename) if error.filename else where
+    return CorruptSource(f"{source.name_of(lost)}: a chunk of {source.name_of(part.path)} is missing")
 
 
 def _created(manifest: dict[str, object]) -> float:

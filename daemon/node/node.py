@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ckptstage.daemon.catalog.chunkstore import ChunkStore
 from ckptstage.daemon.catalog.commits import Commits
-from ckptstage.daemon.catalog.index import Catalog, Checkpoint, Part, TierName
+from ckptstage.daemon.catalog.index import Catalog, Checkpoint, TierName
 from ckptstage.daemon.catalog.quarantine import Quarantine
 from ckptstage.daemon.config import Config
 from ckptstage.daemon.drain import drainer as drainer_mod

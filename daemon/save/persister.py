@@ -16,7 +16,6 @@ written, then :class:`Committed` or :class:`Failed`, exactly one of them.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -215,13 +214,15 @@ class Persister:
         """Writes chunk ``i``; returns True when it was the last one the save needed."""
         start, stop = save.chunk_span(i)
         a = (save.stream_base + start) % save.arena.size
+        block = layout.digest_block_bytes(save.chunk_bytes)
         with save.arena.view[a:a + (stop - start)] as piece:
-            digests = layout.block_digests(piece, layout.digest_block_bytes(save.chunk_bytes))
             if save.chunks is not None:
-                save.chunks.write(i, piece, start)
-            elif not save.memory_only:
-                assert save.file is not None, "a chunk write after the data file closed"
-                save.file.write(piece, start)
+                digests = save.chunks.write(i, piece, start, block)
+            else:
+                digests = layout.block_digests(piece, block)
+                if not save.memory_only:
+                    assert save.file is not None, "a chunk write after the data file closed"
+                    save.file.write(piece, start)
         with save.lock:
             # The digest is published only after the write: frontier == n_chunks
             # then means every byte is in the file.

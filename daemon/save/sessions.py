@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ckptstage.daemon.save.arena import Arena, Budget, arena_name
 from ckptstage.daemon.errors import ArenaFull, InvalidRequest, SessionNotFound, SharedMemoryFull

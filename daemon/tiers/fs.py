@@ -10,28 +10,24 @@ path below the root ever goes through a symbolic link
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
-import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from ckptstage.daemon import fsutil
 from ckptstage.daemon.tiers import fspacks, fsquarantine
-from ckptstage.daemon.tiers.fspacks import FsPackBatch
+from ckptstage.daemon.tiers.fschunks import FsChunkCalls
+from ckptstage.daemon.tiers.fsread import FileReader
 from ckptstage.daemon.tiers.fsreplace import REPLACE_DIR, FsReplacing
-from ckptstage.daemon.tiers.fswalk import subdirs, subdirs_or_none
-from ckptstage.daemon.tiers.interface import Manifest, PartWriter, QuarantinedCopy, Usage
+from ckptstage.daemon.tiers.fswalk import subdirs
+from ckptstage.daemon.tiers.interface import Manifest, QuarantinedCopy, Usage
 from ckptstage.protos import chunks, layout, packs
 
 
-
-class FsTier(fspacks.PackCalls):
+class FsTier(FsChunkCalls):
     """One directory tree holding checkpoints, as the daemon ``owner`` uses it.
 
     ``owner`` names this daemon's temporaries (``.tmp/<owner>/``); a tier
@@ -155,67 +151,7 @@ class FsTier(fspacks.PackCalls):
         fsutil.makedirs_durable(job_dir)
         fsutil.write_json_atomic(job_dir / name, obj)
 
-    # --- chunk stores -------------------------------------------------------------------
-
-    def _store(self, job: str) -> Path:
-        return chunks.store_dir(self._root, job)
-
-    def has_chunk_store(self, job: str) -> bool:
-        return self._store(job).is_dir()
-
-    def _find(self, job: str, name: str) -> packs.Place:
-        """Where a chunk of the job's store is: its own file, or a range of a pack (FileNotFoundError: neither)."""
-        place = packs.store_index(self._store(job)).find(name)
-        if place is None:
-            raise FileNotFoundError(errno.ENOENT, f"no chunk {name} in {self._store(job)}")
-        return place
-
-    def chunk_location(self, job: str, name: str) -> Path:
-        """The file holding the chunk (a pack, or its own file; where its own file would be when it is
-        nowhere)."""
-        place = packs.store_index(self._store(job)).find(name)
-        return place.path if place is not None else chunks.chunk_path(self._store(job), name)
-
-    def touch_chunk(self, job: str, name: str) -> bool:
-        """Without listing the store for a chunk it does not know (a save asks this of each of its chunks): one
-        another node packed since the last listing is then written again, which is harmless."""
-        place = packs.store_index(self._store(job)).find(name, refreshed=True)
-        try:
-            if place is None:
-                return False
-            os.utime(place.path)  # a pack: every chunk in it counts as relied on
-            return True
-        except FileNotFoundError:
-            return False
-
-    def chunk_size(self, job: str, name: str) -> int:
-        return self._find(job, name).length
-
-    def open_chunk(self, job: str, name: str) -> FileReader:
-        """A reader of the chunk's bytes. A pack a repack emptied and a sweep removed between the lookup and the
-        open is looked up again (the chunk is in the new pack)."""
-        place = self._find(job, name)
-        try:
-            return FileReader(place.path, sequential=False, place=place)
-        except FileNotFoundError:
-            if place.whole:
-                raise
-            packs.store_index(self._store(job)).reset()
-            place = self._find(job, name)
-            return FileReader(place.path, sequential=False, place=place)
-
-    def missing_chunks(self, job: str, names: Iterable[str]) -> list[str]:
-        return chunks.missing(self._store(job), names)
-
-    def new_chunks(self, job: str, part: PartWriter | None = None) -> FsPackBatch:
-        if part is not None:
-            assert isinstance(part, fsutil.PartWriter), "a part of this tier stages the batch"
-            staging = part.path(".new")  # inside the part's temporary: an abort removes it with the rest
-        else:
-            staging = layout.tmp_root(self._root, self._owner) / f"chunks.{uuid.uuid4().hex[:12]}"
-            fsutil.makedirs_durable(staging.parent, within=self._root)
-        staging.mkdir()
-        return FsPackBatch(self._root, self._store(job), staging)
+    # --- chunk stores (the calls on chunks and packs: fschunks.py) -----------------------
 
     def list_manifests(self, job: str) -> list[Path]:
         parts = [p.path for p in layout.scan_tier(self._root, job)]
@@ -227,47 +163,6 @@ class FsTier(fspacks.PackCalls):
     def manifest_version(self, part: Path) -> tuple[int, ...]:
         st = os.stat(part / layout.MANIFEST_FILE)
         return st.st_ino, st.st_size, st.st_mtime_ns
-
-    def list_chunks(self, job: str) -> list[str]:
-        out = []
-        for sub in subdirs(self._store(job)):  # fan-out directories; not .condemned nor .corrupt
-            if sub.name == packs.PACKS_DIR:
-                continue
-            with os.scandir(sub) as it:
-                out += [e.name for e in it if chunks.is_chunk_name(e.name)]
-        index = packs.store_index(self._store(job))
-        index.refresh()
-        return sorted(set(out) | set(index.packed()))
-
-    def condemn_chunk(self, job: str, name: str, untouched_since: float) -> bool:
-        path = chunks.chunk_path(self._store(job), name)  # a chunk's own file (a pack is never condemned here)
-        condemned = self._store(job) / chunks.CONDEMNED_DIR
-        try:
-            if os.stat(path).st_mtime >= untouched_since:
-                return False  # written or relied on within the grace period
-            condemned.mkdir(exist_ok=True)
-            os.rename(path, condemned / name)
-        except FileNotFoundError:
-            return False  # another node's sweep took it first
-        return True
-
-    def condemned_chunks(self, job: str) -> list[str]:
-        try:
-            with os.scandir(self._store(job) / chunks.CONDEMNED_DIR) as it:
-                return [e.name for e in it if chunks.is_chunk_name(e.name)]
-        except FileNotFoundError:
-            return []
-
-    def restore_chunk(self, job: str, name: str) -> None:
-        final = chunks.chunk_path(self._store(job), name)
-        final.parent.mkdir(exist_ok=True)
-        os.rename(self._store(job) / chunks.CONDEMNED_DIR / name, final)  # a copy written meanwhile has the same bytes
-
-    def delete_condemned_chunk(self, job: str, name: str) -> int:
-        path = self._store(job) / chunks.CONDEMNED_DIR / name
-        size = path.stat().st_size
-        path.unlink()
-        return size
 
     # --- housekeeping -------------------------------------------------------------------
 
@@ -331,45 +226,3 @@ class FsTier(fspacks.PackCalls):
 
     def recover_staged(self) -> int:
         return self._replacing.recover_staged()
-
-
-class FileReader:
-    """A file read from its start with unbuffered reads (:class:`ckptstage.daemon.tiers.interface.Reader`); with
-    ``place``, only the ``length`` bytes from ``offset`` (a chunk in a pack), as if they were the file."""
-
-    def __init__(self, path: Path, sequential: bool, place: packs.Place | None = None) -> None:
-        self._file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
-        try:
-            self.size = os.fstat(self._file.fileno()).st_size
-            self._left = self.size
-            if place is not None and not place.whole:
-                if place.offset + place.length > self.size:
-                    raise FileNotFoundError(errno.ENOENT, f"{path} ends before its chunk at {place.offset} "
-                                                          f"({place.length} bytes)")
-                self._file.seek(place.offset)
-                self.size = self._left = place.length
-            if sequential:
-                os.posix_fadvise(self._file.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        except BaseException:
-            self._file.close()
-            raise
-
-    def readinto(self, buf: memoryview) -> int | None:
-        n = self._file.readinto(buf[:self._left]) or 0
-        self._left -= n
-        return n
-
-    def read(self, n: int) -> bytes:
-        data = self._file.read(min(n, self._left)) or b""
-        self._left -= len(data)
-        return data
-
-    def close(self) -> None:
-        self._file.close()
-
-    def __enter__(self) -> FileReader:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()

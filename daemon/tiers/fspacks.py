@@ -17,18 +17,23 @@ then index) if one is named again before it is deleted.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from ckptstage.daemon import fsutil
 from ckptstage.daemon.tiers.interface import Pack
 from ckptstage.protos import chunks, layout, packs
 
-PAGE = packs.PAGE
+
+# A pack's blocks are reserved this much at a time while its writers fill it (see fsutil.DataFile.reserve);
+# what is left over goes back when it is published.
+_RESERVE_BYTES = 256 << 20
 
 
 class FsPackBatch:
@@ -41,21 +46,35 @@ class FsPackBatch:
         self._id = uuid.uuid4().hex[:16]
         self._lock = threading.Lock()
         self._file: fsutil.DataFile | None = None
-        self._next = 0
+        self._next = 0    # where the next write goes
+        self._end = 0     # where the pack's last byte written ends
         self._entries: list[tuple[str, int, int]] = []
 
     def write(self, name: str, data: memoryview, direct_io: bool) -> None:
         """Writes one new chunk at the pack's next page (several threads at once; each its own range)."""
+        self.write_run(((name, 0, len(data)),), data, direct_io)
+
+    def write_run(self, held: Sequence[tuple[str, int, int]], data: memoryview, direct_io: bool) -> None:
+        """Writes ``data`` with one write at the pack's next page: it holds the chunks ``held`` (name, offset in
+        ``data``, length; page-aligned offsets stay page-aligned in the pack)."""
         with self._lock:
             if self._file is None:
                 self._file = fsutil.DataFile(self._staging / f"{self._id}{packs.PACK_SUFFIX}", 0, direct_io,
                                              reserve=False)
-            offset = self._next
-            self._next = -(-(offset + len(data)) // PAGE) * PAGE
+            base = self._next
+            self._next = packs.page_up(base + len(data))
+            self._end = max(self._end, base + len(data))
             out = self._file
-        out.write(data, offset)
+            if self._next > out.reserved:
+                try:
+                    out.reserve(max(self._next, out.reserved + _RESERVE_BYTES))
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    out.reserve(self._next)  # room for this run at least, or ENOSPC
+        out.write(data, base)
         with self._lock:
-            self._entries.append((name, offset, len(data)))
+            self._entries += [(name, base + offset, length) for name, offset, length in held]
 
     def publish(self) -> None:
         """Durable pack, its index, both renamed into the store (the index last), the store's directory synced;
@@ -64,6 +83,8 @@ class FsPackBatch:
             out, entries, self._file = self._file, sorted(self._entries, key=lambda e: e[1]), None
         if out is not None:
             try:
+                if out.reserved > self._end:
+                    out.truncate(self._end)
                 out.sync()
             finally:
                 out.close()

@@ -36,14 +36,14 @@ format (:mod:`ckptstage.protos.layout`) and nothing of the daemon.
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
 
-from ckptstage.protos import layout
+from ckptstage.protos import layout, packs
 
 Manifest = dict[str, Any]
 
@@ -103,7 +103,20 @@ class Pack:
 
 class NoPacks:
     """The pack calls of :class:`ChunkStorage` for a store that keeps every chunk on its own (an object store,
-    where a chunk is one object): it has no pack to list, condemn, put back or delete."""
+    where a chunk is one object): it has no pack to list, condemn, put back or delete, and reads each chunk
+    alone."""
+
+    def chunk_location(self, job: str, name: str) -> Path:
+        raise NotImplementedError
+
+    def open_chunk(self, job: str, name: str) -> Reader:
+        raise NotImplementedError
+
+    def chunk_runs(self, job: str, names: Iterable[str], max_bytes: int) -> list[packs.Run]:
+        return [packs.Run(self.chunk_location(job, name), 0, 0, ((name, 0, 0),), whole=True) for name in names]
+
+    def open_chunk_run(self, job: str, run: packs.Run) -> Reader:
+        return self.open_chunk(job, run.names[0])
 
     def list_packs(self, job: str) -> list[Pack]:
         return []
@@ -162,6 +175,10 @@ class ChunkBatch(Protocol):
     """
 
     def write(self, name: str, data: memoryview, direct_io: bool) -> None: ...
+
+    def write_run(self, held: Sequence[tuple[str, int, int]], data: memoryview, direct_io: bool) -> None:
+        """Writes the chunks ``held`` (name, offset in ``data``, length) that ``data`` holds, with one write where
+        the store keeps chunks in packs (a run read with :meth:`ChunkStorage.open_chunk_run`)."""
 
     def publish(self) -> None: ...
 
@@ -305,6 +322,14 @@ class ChunkStorage(Protocol):
 
     def open_chunk(self, job: str, name: str) -> Reader:
         """Raises FileNotFoundError when the store lacks it."""
+
+    def chunk_runs(self, job: str, names: Iterable[str], max_bytes: int) -> list[packs.Run]:
+        """The reads that fetch every chunk among ``names``: chunks side by side in one pack in one read of at
+        most ``max_bytes``, every other chunk in one of its own. FileNotFoundError names a chunk the store lacks."""
+
+    def open_chunk_run(self, job: str, run: packs.Run) -> Reader:
+        """A reader of a run's bytes. FileNotFoundError: its file is gone (a sweep took a pack a repack emptied:
+        :meth:`chunk_runs` finds its chunks where they went)."""
 
     def missing_chunks(self, job: str, names: Iterable[str]) -> list[str]:
         """The chunks among ``names`` the store does not hold."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -124,8 +124,7 @@ class _LimitedSink(_Paced):
     """A :class:`DataSink` that takes a write's tokens (a slice at a time) before writing it."""
 
     def write(self, data: memoryview, offset: int) -> None:
-        for start in range(0, len(data), _SLICE_BYTES):
-            self._limiter.acquire(min(_SLICE_BYTES, len(data) - start))
+        _acquire(self._limiter, len(data))
         self._inner.write(data, offset)
 
 
@@ -133,5 +132,15 @@ class _LimitedBatch(_Paced):
     """A :class:`ChunkBatch` (publish, discard: its own) that takes each chunk's tokens before writing it."""
 
     def write(self, name: str, data: memoryview, direct_io: bool) -> None:
-        self._limiter.acquire(len(data))
+        _acquire(self._limiter, len(data))
         self._inner.write(name, data, direct_io)
+
+    def write_run(self, held: Sequence[tuple[str, int, int]], data: memoryview, direct_io: bool) -> None:
+        _acquire(self._limiter, len(data))
+        self._inner.write_run(held, data, direct_io)
+
+
+def _acquire(limiter: Pacer, nbytes: int) -> None:
+    """Takes a write's tokens a slice at a time: a large write is paced, not let through in one burst."""
+    for start in range(0, nbytes, _SLICE_BYTES):
+        limiter.acquire(min(_SLICE_BYTES, nbytes - start))

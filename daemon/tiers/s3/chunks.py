@@ -17,7 +17,7 @@ import errno
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from ckptstage.daemon.logs import fields
@@ -197,6 +197,11 @@ class S3ChunkBatch:
         if not chunks.is_chunk_name(name):
             raise ValueError(f"{name!r} is not a chunk name")
         self._objects.put(self._keys.chunk_key(self._job, name), bytes(data))
+
+    def write_run(self, held: Sequence[tuple[str, int, int]], data: memoryview, direct_io: bool) -> None:
+        """An object per chunk."""
+        for name, offset, length in held:
+            self.write(name, data[offset:offset + length], direct_io)
 
     def publish(self) -> None:
         """Nothing left to do: each chunk went into the store whole as it was written."""
