@@ -39,7 +39,7 @@ demo: $(INSTALLED)
 
 test: $(INSTALLED)
 	$(PY) tools/typecheck.py
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 protos: $(INSTALLED)
 	$(PY) tools/gen_protos.py

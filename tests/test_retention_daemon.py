@@ -22,6 +22,7 @@ from ckptstage.protos import chunks, layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
 import support
+from hangfs import hang
 from support import drain, free_port, wait_metric, wait_until
 
 JOB = "retjob"
@@ -104,6 +105,24 @@ def test_issue_example_local_keeps_last_two_shared_keeps_last_three_and_every_te
     d.start()
     with Client(JOB, socket=d.socket) as c:
         settle(d, c, local={24, 25}, shared={10, 20, 23, 24, 25})
+
+
+def test_wait_local_returns_without_waiting_for_the_steps_retention_deletes(daemon_factory: Any) -> None:
+    """Deleting the steps retention no longer keeps follows each commit and can take a while (fsyncs on a busy
+    disk); a trainer's wait("local") for the new step does not wait for it. Here it never ends: the step it
+    deletes holds a hung mount, so every access below it blocks until the mount is released."""
+    d = daemon_factory(**{"local.keep_last": 1, "shared.dir": "", "memory.enabled": False}).start()
+    with Client(JOB, socket=d.socket) as c:
+        c.save(1, tiny(1)).wait("local", timeout=30)
+        stuck = layout.part_dir(d.local, JOB, 1, 0) / "stuck"
+        stuck.mkdir()
+        with hang(stuck):
+            started = time.monotonic()
+            c.save(2, tiny(2)).wait("local", timeout=15)
+            assert time.monotonic() - started < 10
+            assert c.latest() == 2
+        c.save(3, tiny(3)).wait("local", timeout=30)  # the mount gone, the next pass deletes what is left
+    wait_until(lambda: on_disk(d.local) == {3}, timeout=30, what="steps 1 and 2 deleted once the mount is gone")
 
 
 def test_pinned_step_survives_both_tiers_until_unpinned(daemon_factory: Any) -> None:

@@ -113,8 +113,9 @@ class SaveTable:
         owner.settle(save)
 
     def wait_settled(self, save: Save, timeout: float) -> bool:
-        """Blocks until ``save`` failed or committed with its whole commit path run (indexed, queued for
-        draining, local retention applied); False at the timeout. Woken by :meth:`settle`, no polling."""
+        """Blocks until ``save`` failed or committed with its commit path run (indexed, its step's commit record
+        written when it is the last rank's, queued for draining); the local retention pass that follows a
+        commit is not waited for. False at the timeout. Woken by :meth:`settle`, no polling."""
         deadline = time.monotonic() + timeout
         with self._lock:
             settling = self._settling.get(save.id)
