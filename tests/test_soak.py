@@ -105,7 +105,7 @@ def run_workers(d: Any, jobs: list[str], n: int) -> None:
 def test_several_processes_saving_and_loading_leave_nothing_behind(daemon_factory: Any) -> None:
     d = daemon_factory(**{"local.keep_last": 2, "shared.keep_last": 2, "retention.interval_s": 0.5}).start()
     pid = d.proc.pid
-    n, jobs = 120, [f"job{i}" for i in range(4)]
+    n, jobs = 80, [f"job{i}" for i in range(4)]
     # Warm up with twice the concurrency: the daemon's pools (writers, drainers, the RPC executors) grow to
     # their bounds on demand and keep their threads; what is measured afterwards is growth per save or session.
     scope: dict[str, Any] = {}
