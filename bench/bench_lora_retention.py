@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import _harness as h
-import bench_incremental as bi
+from _finetune import Ckpt, Trainer, files_under
 
 TARGET_HELD_X = 1.10
 GRACE_S = 5.0
@@ -48,7 +48,7 @@ def held(tier: Path) -> tuple[int, int]:
     """(bytes of every file under the job's directory on ``tier``, packs in its store)."""
     from ckptstage.protos import chunks, packs
 
-    files = bi.files_under(tier / JOB)
+    files = files_under(tier / JOB)
     pack_dir = packs.packs_dir(chunks.store_dir(tier, JOB))
     return sum(files.values()), sum(1 for p in files if p.parent == pack_dir and p.suffix == packs.PACK_SUFFIX)
 
@@ -63,11 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     with h.workdir(args.dir, "ckptbench-lora-retention-") as work:
         info = h.machine_info(work)
         h.print_machine(info)
-        bi.KEEP_LAST = args.keep
-        peers = {name: bi.Ckpt(name, work, work / "daemons", **settings) for name, settings in (
+        peers = {name: Ckpt(name, work, work / "daemons", args.keep, **settings) for name, settings in (
             ("incremental", {"persist.incremental": True, "persist.chunk_grace_s": GRACE_S}),
             ("whole", {}))}
-        trainer = bi.Trainer(lora=True, batch=2, seq=64)
+        trainer = Trainer(lora=True, batch=2, seq=64)
         print(f"\n{trainer.note}; keep_last {args.keep} on both tiers, chunk grace {GRACE_S:.0f} s")
         added: dict[str, list[int]] = {"local": [], "shared": []}
         rows = []
@@ -76,11 +75,11 @@ def main(argv: list[str] | None = None) -> int:
                 trainer.train(1)
                 state = trainer.state()
                 tiers = {"local": peers["incremental"].local, "shared": peers["incremental"].shared}
-                before = {t: bi.files_under(d / JOB) for t, d in tiers.items()}
+                before = {t: files_under(d / JOB) for t, d in tiers.items()}
                 for peer in peers.values():
                     peer.client(JOB).save(step, state).wait("shared", timeout=600)
                 for t, d in tiers.items():  # the files this step added (its pack, index and part), whatever went
-                    added[t].append(sum(n for f, n in bi.files_under(d / JOB).items() if f not in before[t]))
+                    added[t].append(sum(n for f, n in files_under(d / JOB).items() if f not in before[t]))
                 del state
                 if step % args.every == 0 or step == 1:
                     row = {"step": step, **{f"{n} {t}": held(getattr(peer, t))

@@ -212,8 +212,8 @@ class PartCopier:
                 with buffers.get(size) as view:  # page-aligned, and so is its length: the write goes O_DIRECT
                     got = f.readinto(view[:size]) or 0
                     held = run.sized(size)
+                    where = f"{source.name_of(run.path)} (a chunk of {source.name_of(part.path)})"
                     for name, offset, length in held:
-                        where = f"{source.name_of(run.path)} (a chunk of {source.name_of(part.path)})"
                         if offset + length > got:
                             raise CorruptSource(f"{where}: shorter than its chunk {name} ({offset + length} bytes)")
                         if chunks.digest(view[offset:offset + length]) != name:
