@@ -17,7 +17,7 @@ from urllib.request import urlopen
 import pytest
 
 from ckptstage.daemon.fsutil import PartWriter
-from ckptstage.protos import layout
+from ckptstage.protos import chunks, layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
 T = TypeVar("T")
@@ -129,16 +129,50 @@ def write_part(daemon: Any, job: str, state: dict[str, Any]) -> Path:
     return layout.part_dir(daemon.local, job, 1, 0)
 
 
-def evict(part: Path) -> None:
-    """Drops the part's data file from the page cache: the next read of it is cold."""
-    from ckptstage.protos import layout
+def data_extents(part: Path) -> list[chunks.Extent]:
+    """Where the bytes of a part's data file are, whether it is stored whole or as chunks (loose or packed):
+    bytes [lo, hi) of the data file are those of ``path`` from file offset ``lo - base``."""
+    return chunks.extents(part, layout.read_manifest(part))
 
-    fd = os.open(part / layout.DATA_FILE, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+
+def data_size(part: Path) -> int:
+    """The size of a part's data file, as its manifest gives it (stored whole or as chunks)."""
+    return layout.manifest_files(layout.read_manifest(part))[layout.DATA_FILE].size
+
+
+def read_data(part: Path) -> bytes:
+    """A part's data file, whole or put together from its chunks (no checksum checked)."""
+    out = bytearray()
+    for e in data_extents(part):
+        with open(e.path, "rb") as f:
+            f.seek(e.lo - e.base)
+            out += f.read(e.hi - e.lo)
+    return bytes(out)
+
+
+def flip_data_byte(part: Path, offset: int) -> Path:
+    """Flips the lowest bit of byte ``offset`` of a part's data file wherever it is stored (the file
+    itself, a chunk's own file, a pack) and fsyncs it; returns the file it changed."""
+    ext = next(e for e in data_extents(part) if e.lo <= offset < e.hi)
+    with open(ext.path, "r+b") as f:
+        f.seek(offset - ext.base)
+        byte = f.read(1)
+        f.seek(offset - ext.base)
+        f.write(bytes([byte[0] ^ 0x01]))
+        f.flush()
+        os.fsync(f.fileno())
+    return ext.path
+
+
+def evict(part: Path) -> None:
+    """Drops the part's data file (or its chunks' files) from the page cache: the next read of it is cold."""
+    for path in {e.path for e in data_extents(part)}:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def two_ranks(daemon: Any, job: str, attempt: str = "run") -> tuple[Any, Any]:

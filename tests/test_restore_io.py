@@ -20,7 +20,7 @@ import pytest
 import torch
 from ckptstage.client import Client, pagemem, readmodes, restore
 from ckptstage.protos import layout
-from support import assert_same, evict, refuse_o_direct, write_part
+from support import assert_same, data_extents, data_size, evict, flip_data_byte, read_data, refuse_o_direct, write_part
 
 PAGE = 4096
 MiB = 1 << 20
@@ -42,7 +42,14 @@ def unaligned_state(mib: int = 6) -> dict[str, Any]:
 
 
 def warm(part: Path) -> None:
-    (part / layout.DATA_FILE).read_bytes()
+    read_data(part)
+
+
+def device_of(part: Path) -> Any:
+    """The device a restore measures the part's reads under (restore.read_part): parts kept as chunks apart."""
+    extents = data_extents(part)
+    device = os.stat(extents[0].path).st_dev
+    return (device, "chunks") if extents[0].path != part / layout.DATA_FILE else device
 
 
 def cached_pages(path: Path) -> int:
@@ -53,16 +60,6 @@ def cached_pages(path: Path) -> int:
         os.close(fd)
     assert pages is not None
     return pages
-
-
-def flip(part: Path, offset: int) -> None:
-    with open(part / layout.DATA_FILE, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def fresh_like(state: dict[str, Any]) -> dict[str, Any]:
@@ -94,7 +91,7 @@ def test_every_path_reads_every_byte(parts, how, into, cache):
     if target is not None:
         assert all(got[k] is target[k] for k in state if isinstance(state[k], torch.Tensor))
     stats = restore.last_stats
-    assert sum(stats.bytes.values()) == (part / layout.DATA_FILE).stat().st_size
+    assert sum(stats.bytes.values()) == data_size(part)
     if how == "direct":
         # Cold: every byte O_DIRECT (small tensors and into= targets through the bounce buffer).
         # Warm: nothing goes around the cache that holds it.
@@ -110,12 +107,12 @@ def test_a_flipped_byte_is_found_on_every_path(parts, how, where, cache):
     d, state, _ = parts
     part = write_part(d, f"flip-{how}-{where}-{cache}", state)
     tensors = {t["name"]: t for t in layout.read_manifest(part)["tensors"]}
-    size = (part / layout.DATA_FILE).stat().st_size
+    size = data_size(part)
     offset = {"large": tensors["['w1']"]["offset"] + 4097,      # inside a window (direct) tensor
               "small": tensors["['b1']"]["offset"] + 3,         # read through the bounce buffer
               "header": 10,                                     # the safetensors header
               "last": size - 1}[where]                          # the file's last byte, mid-page
-    flip(part, offset)
+    flip_data_byte(part, offset)
     evict(part) if cache == "cold" else warm(part)
     chunk = layout.manifest_files(layout.read_manifest(part))[layout.DATA_FILE].chunk_bytes
     for into in (None, fresh_like(state)):
@@ -135,7 +132,7 @@ def test_the_adaptive_policy_compares_both_modes_then_keeps_the_faster(parts, mo
     first = restore.last_stats
     assert set(first.trial) == {"direct", "buffered"} and all(r > 0 for r in first.trial.values()), first
     assert {"direct", "buffered"} <= set(first.bytes), first  # both really read part of the file
-    kept = policy.best(os.stat(part).st_dev)
+    kept = policy.best(device_of(part))
     assert kept is not None and first.chosen == kept.kind
     # The winner reads the next restore from the device whole, without comparing again...
     evict(part)
@@ -161,7 +158,7 @@ def test_a_file_too_small_to_compare_decides_nothing(parts, monkeypatch):
     evict(part)
     _, got = restore.read_part(part, policy=policy)
     assert_same(got, state)
-    assert not restore.last_stats.trial and policy.best(os.stat(part).st_dev) is None, restore.last_stats
+    assert not restore.last_stats.trial and policy.best(device_of(part)) is None, restore.last_stats
 
 
 @pytest.mark.parametrize(("rates", "want"), [
@@ -215,16 +212,17 @@ def test_a_part_on_tmpfs_restores(daemon_factory):
 @pytest.mark.parametrize("use_cachestat", [True, False], ids=["cachestat", "nowait-read"])
 def test_the_page_cache_probe_answers_without_reading_ahead(parts, use_cachestat):
     _, _, part = parts
-    data = part / layout.DATA_FILE
+    data = data_extents(part)[0].path  # the data file, or the pack holding the part's chunks
     evict(part)
     probe = pagemem.PageCache(data, use_cachestat=use_cachestat)
     try:
         size = data.stat().st_size
+        assert size >= 5 * MiB, size
         assert not probe.cached(0, 4 * MiB)
         assert not probe.cached(2 * MiB, 3 * MiB)
         # A probe may bring in the page it asks about, never the megabytes a readahead would.
         assert cached_pages(data) <= 2, cached_pages(data)
-        warm(part)
+        data.read_bytes()
         assert probe.cached(0, 4 * MiB) and probe.cached(size - MiB, size)
     finally:
         probe.close()
