@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from support import evict, refuse_o_direct, write_part
+from support import data_extents, evict, flip_data_byte, read_data, refuse_o_direct, write_part
 
-from ckptstage.client import Client, pagemem, readmodes, restore
+from ckptstage.client import pagemem, readmodes, restore
 from ckptstage.protos import layout
 
 PAGE = 4096
@@ -63,9 +63,10 @@ def test_cold_part_is_read_with_o_direct_into_aligned_tensors(daemon, monkeypatc
     entries = {t["name"]: t for t in layout.read_manifest(part)["tensors"]}
     assert any(t["offset"] % PAGE for n, t in entries.items() if n != "['small']")  # the case worth testing
     evict(part)
-    probe = pagemem.PageCache(part / layout.DATA_FILE)
+    first = data_extents(part)[0].path  # the data file, or the pack or chunk file its first bytes are in
+    probe = pagemem.PageCache(first)
     try:
-        if probe.cached(0, (part / layout.DATA_FILE).stat().st_size):
+        if probe.cached(0, first.stat().st_size):
             pytest.skip(f"{part} stays in memory after eviction (tmpfs?): nothing here reads cold")
     finally:
         probe.close()
@@ -84,7 +85,7 @@ def test_cold_part_is_read_with_o_direct_into_aligned_tensors(daemon, monkeypatc
 def test_cached_part_is_read_through_the_page_cache(daemon, monkeypatch):
     state = odd_state()
     part = write_part(daemon, "warm", state)
-    (part / layout.DATA_FILE).read_bytes()  # now every page is cached
+    read_data(part)  # now every page is cached
     counts = reads(monkeypatch)
     _, got = restore.read_part(part)
     assert_same(got, state)
@@ -108,15 +109,10 @@ def test_a_file_system_without_o_direct_falls_back_to_cached_reads(daemon, monke
 def test_a_flipped_byte_in_a_directly_read_tensor_fails_verification(daemon, warm):
     state = odd_state()
     part = write_part(daemon, f"flip-{int(warm)}", state)
-    data = part / layout.DATA_FILE
     offset = next(t["offset"] for t in layout.read_manifest(part)["tensors"] if t["name"] == "['mid']") + 12345
-    with open(data, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x20]))
+    flip_data_byte(part, offset)
     if warm:
-        data.read_bytes()
+        read_data(part)
     else:
         evict(part)
     chunk = layout.manifest_files(layout.read_manifest(part))[layout.DATA_FILE].chunk_bytes
