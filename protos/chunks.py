@@ -297,55 +297,56 @@ def missing(store: Path, names: Iterable[str]) -> list[str]:
 def verify_part(part: Path, manifest: dict[str, Any] | None = None) -> None:
     """Re-reads every byte of a part (its files, or its chunks) and checks sizes and block checksums.
 
-    Raises :class:`layout.ChecksumMismatch` naming the file or chunk and the first bad block. A pack that
-    vanished under the read (a repack moved its chunks, a sweep removed it) is looked up again, once.
+    Raises :class:`layout.ChecksumMismatch` naming the file or chunk and the first bad block.
     """
     manifest = manifest if manifest is not None else layout.read_manifest(part)
-    try:
-        _verify_files(part, manifest)
-    except _PackGone:
-        packs.store_index(store_of(part, str(manifest["job"]))).reset()
-        try:
-            _verify_files(part, manifest)
-        except _PackGone as e:
-            raise layout.ChecksumMismatch(e.path, "missing: removed while it was read") from e
-
-
-class _PackGone(Exception):
-    """A pack named by the store's index was not there when read."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(str(path))
-        self.path = path
-
-
-def _verify_files(part: Path, manifest: dict[str, Any]) -> None:
     for name, entry in layout.manifest_files(manifest).items():
-        view = memoryview(bytearray(entry.chunk_bytes))
         verifier = layout.BlockVerifier(entry, part / name)
-        for ext in extents(part, manifest, name):
-            verifier.path = ext.path  # a bad block is named by the file its last bytes came from
-            try:
-                f = open(ext.path, "rb", buffering=0)  # noqa: SIM115 - closed below, on every path
-            except FileNotFoundError as e:
-                if not ext.whole:
-                    raise _PackGone(ext.path) from e
-                raise layout.ChecksumMismatch(ext.path, f"missing: {e}") from e
-            except OSError as e:
-                raise layout.ChecksumMismatch(ext.path, f"missing: {e}") from e
-            with f:
-                wrong = ext.size_error(os.fstat(f.fileno()).st_size)
-                if wrong:
-                    raise layout.ChecksumMismatch(ext.path, wrong)
-                f.seek(ext.lo - ext.base)
-                left = ext.hi - ext.lo
-                while left:
-                    n = f.readinto(view[:min(len(view), left)])
-                    if not n:
-                        raise layout.ChecksumMismatch(ext.path, "shorter than the manifest says")
-                    verifier.feed(view[:n])
-                    left -= n
+        for path, piece in read_pieces(part, manifest, name, memoryview(bytearray(entry.chunk_bytes))):
+            verifier.path = path  # a bad block is named by the file its last bytes came from
+            verifier.feed(piece)
         check_block_count(part / name, entry, verifier)
+
+
+def read_pieces(part: Path, manifest: dict[str, Any], file: str, buffer: memoryview, drop_cache: bool = False
+                ) -> Iterator[tuple[Path, memoryview]]:
+    """The bytes of a part's ``file`` from its start (the file itself, or its chunks wherever the job's store
+    holds them), each piece read into ``buffer`` (valid until the next piece) with the path it came from.
+
+    Raises :class:`layout.ChecksumMismatch` naming a path that is missing or shorter than the manifest says.
+    A pack removed under the read (a repack moved its chunks, a sweep removed it) is looked up again, once.
+    ``drop_cache``: what the read put in the page cache goes again (for a file written around it).
+    """
+    found = extents(part, manifest, file)
+    looked_again = False
+    at = 0
+    while at < len(found):
+        ext = found[at]
+        try:
+            f = open(ext.path, "rb", buffering=0)  # noqa: SIM115 - closed below, on every path
+        except FileNotFoundError as e:
+            if not ext.whole and not looked_again:
+                packs.store_index(store_of(part, str(manifest["job"]))).reset()
+                found, looked_again = extents(part, manifest, file), True  # the same chunks, found again
+                continue
+            raise layout.ChecksumMismatch(ext.path, f"missing: {e}") from e
+        except OSError as e:
+            raise layout.ChecksumMismatch(ext.path, f"missing: {e}") from e
+        with f:
+            wrong = ext.size_error(os.fstat(f.fileno()).st_size)
+            if wrong:
+                raise layout.ChecksumMismatch(ext.path, wrong)
+            f.seek(ext.lo - ext.base)
+            left = ext.hi - ext.lo
+            while left:
+                n = f.readinto(buffer[:min(len(buffer), left)])
+                if not n:
+                    raise layout.ChecksumMismatch(ext.path, "shorter than the manifest says")
+                yield ext.path, buffer[:n]
+                left -= n
+            if drop_cache:
+                os.posix_fadvise(f.fileno(), ext.lo - ext.base, ext.hi - ext.lo, os.POSIX_FADV_DONTNEED)
+        at += 1
 
 
 def check_block_count(path: Path, entry: layout.FileEntry, verifier: layout.BlockVerifier) -> None:

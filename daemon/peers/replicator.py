@@ -14,7 +14,6 @@ newest. ``wait`` answers ``SaveHandle.wait("peer")``.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -31,7 +30,7 @@ from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.peers import placement
 from ckptstage.daemon.peers.health import PeerHealth
 from ckptstage.daemon.peers.members import Members
-from ckptstage.daemon.peers.store import READ_BYTES, parse_header
+from ckptstage.daemon.peers.store import parse_header, part_pieces
 from ckptstage.daemon.peers.transport import Dialer
 from ckptstage.daemon.tiers.interface import TierName
 from ckptstage.daemon.tiers.limiter import Pacer, Pacers, RateLimiter
@@ -240,16 +239,14 @@ class Replicator:
         yield pb.ReplicaChunk(header=pb.ReplicaHeader(job=part.job, step=part.step, rank=part.rank,
                                                       sender=self._members.me, manifest=raw, digest=part.digest))
         for name in layout.manifest_files(manifest):
-            with open(part.path / name, "rb") as f:
-                offset = 0
-                while piece := f.read(READ_BYTES):
-                    if self._stop.is_set():
-                        raise OSError("the daemon is stopping")
-                    self._limiter.acquire(len(piece))
-                    yield pb.ReplicaChunk(data=pb.FileData(name=name, offset=offset, data=piece))
-                    offset += len(piece)
-                # The persister wrote it around the page cache: what this read put there goes again.
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            offset = 0
+            # The persister wrote it around the page cache: what this read puts there goes again.
+            for piece in part_pieces(part.path, manifest, name, drop_cache=True):
+                if self._stop.is_set():
+                    raise OSError("the daemon is stopping")
+                self._limiter.acquire(len(piece))
+                yield pb.ReplicaChunk(data=pb.FileData(name=name, offset=offset, data=piece))
+                offset += len(piece)
 
     def _settle(self, key: Key, digest: str, outcome: str) -> None:
         """Records how a part's replication ended ("": done); with the condition held."""

@@ -13,7 +13,8 @@ Where a replica lives:
   oldest memory replicas to the SSD (or drops them, where the SSD has no
   room), and the daemon going away takes them with it;
 - **disk**: a part directory under ``<local>/.peers/`` (a file-system tier of
-  its own, with the local tier's commit protocol), at most
+  its own, with the local tier's commit protocol; an incremental part's
+  chunks in that tier's chunk stores, :mod:`.replicachunks`), at most
   :data:`~ckptstage.daemon.configpeers.DISK_SHARE` of the local file system,
   found again when the daemon restarts.
 
@@ -36,6 +37,7 @@ from pathlib import Path
 from ckptstage.daemon.catalog.parts import Part
 from ckptstage.daemon.errors import DaemonError, InvalidRequest
 from ckptstage.daemon.logs import fields
+from ckptstage.daemon.peers.replicachunks import ReplicaChunks, WrongChunk
 from ckptstage.daemon.save.arena import Budget
 from ckptstage.daemon.tiers.fs import FsTier
 from ckptstage.daemon.tiers.interface import Manifest, TierName
@@ -85,6 +87,11 @@ class Replica:
     def in_memory(self) -> bool:
         return self.path is None
 
+    @property
+    def chunked(self) -> bool:
+        """An incremental part: on disk, its chunks are in the replica store's chunk store of its job."""
+        return "chunks" in self.manifest
+
     def part(self) -> Part:
         """The replica as a catalogue part of the peer tier (a memory replica has no directory)."""
         return Part(self.job, self.step, self.rank, self.world_size, TierName.PEER,
@@ -114,9 +121,10 @@ def parse_header(job: str, step: int, rank: int, manifest_raw: bytes, digest: st
     if (manifest.get("job"), manifest.get("step"), manifest.get("rank")) != (job, step, rank):
         raise InvalidRequest(f"{where}: the manifest is of {manifest.get('job')!r} step {manifest.get('step')!r} "
                              f"rank {manifest.get('rank')!r}")
-    if chunks.referenced(manifest):
-        raise InvalidRequest(f"{where}: an incremental part (its files are chunks of the job's store) is not "
-                             "replicated")
+    try:
+        chunks.referenced(manifest)  # an incremental part's chunk list tiles its data file
+    except layout.ManifestError as e:
+        raise InvalidRequest(str(e)) from None
     return manifest
 
 
@@ -126,6 +134,7 @@ class ReplicaStore:
     def __init__(self, root: Path, owner: str, budget: Budget, keep: int, disk_room: Callable[[], int],
                  on_shared: Callable[[str, int], bool] = lambda job, step: False) -> None:
         self.disk = FsTier(root, owner)
+        self._chunks = ReplicaChunks(self.disk)
         self._budget = budget
         self._keep = keep
         self._disk_room = disk_room          # bytes the SSD share still allows
@@ -148,6 +157,9 @@ class ReplicaStore:
                     try:
                         raw = (part.path / layout.MANIFEST_FILE).read_bytes()
                         manifest = parse_header(job, part.step, part.rank, raw, layout.chunk_digest(raw))
+                        lost = chunks.missing(chunks.store_of(part.path, job), chunks.referenced(manifest))
+                        if lost:
+                            raise CorruptReplica(f"{len(lost)} of its chunks are missing ({lost[0]}, ...)")
                     except (OSError, DaemonError) as e:
                         log.warning("dropping the replica at %s: %s", part.path, e)
                         self._remove_dir(part.path)
@@ -156,6 +168,8 @@ class ReplicaStore:
                     found += 1
         for job in {k[0] for k in self._replicas}:
             self._trim(job)
+        for job in self.disk.list_jobs():
+            self._chunks.sweep(job)  # the chunks of replicas dropped just before a crash, or cut short by one
         return found
 
     def close(self) -> None:
@@ -182,13 +196,21 @@ class ReplicaStore:
             return sorted({k[0] for k in self._replicas})
 
     def usage(self) -> tuple[int, int, int, int]:
-        """(replicas in memory, their bytes, replicas on disk, their bytes)."""
+        """(replicas in memory, their bytes, replicas on disk, the bytes they hold there: whole files, and the
+        chunks of incremental ones, each once)."""
         with self._lock:
             mem = [r.nbytes for r in self._replicas.values() if r.in_memory]
-            disk = [r.nbytes for r in self._replicas.values() if not r.in_memory]
-        return len(mem), sum(mem), len(disk), sum(disk)
+            whole = [r.nbytes for r in self._replicas.values() if not r.in_memory and not r.chunked]
+            on_disk = sum(1 for r in self._replicas.values() if not r.in_memory)
+        return len(mem), sum(mem), on_disk, sum(whole) + self._chunks.held_bytes()
 
     def drop(self, job: str, step: int, rank: int, why: str) -> bool:
+        dropped = self._drop(job, step, rank, why)
+        if dropped:
+            self._chunks.sweep(job)
+        return dropped
+
+    def _drop(self, job: str, step: int, rank: int, why: str) -> bool:
         with self._lock:
             replica = self._replicas.pop((job, step, rank), None)
         if replica is None:
@@ -212,7 +234,8 @@ class ReplicaStore:
         manifest = parse_header(job, step, rank, manifest_raw, digest)
         nbytes = layout.part_bytes(manifest)
         entries = layout.manifest_files(manifest)
-        self._trim(job, incoming=step)  # older replicas make room first
+        # Older replicas make room first; their chunks stay until this one is kept, which may well reuse them.
+        trimmed = self._trim(job, incoming=step)
         in_memory = memory and self._budget.take(nbytes)
         try:
             if in_memory:
@@ -224,8 +247,9 @@ class ReplicaStore:
             if in_memory:
                 self._budget.release(nbytes)
             raise
-        self._put(replica)
-        self._trim(job)
+        replaced = self._put(replica)
+        if self._trim(job) or trimmed or replaced:
+            self._chunks.sweep(job)
         self.on_change(job)
         return replica
 
@@ -250,21 +274,37 @@ class ReplicaStore:
                          "budget is in use and the SSD share for replicas is full")
         final = self.disk.part_location(job, step, rank)
         writer = self.disk.begin_part(job, step, rank, replace=lambda f: True)
+        chunked = self._chunks.sink(job, manifest, writer, final) if "chunks" in manifest else None
         try:
-            sinks = {name: writer.create_file(name, e.size, direct_io=False) for name, e in entries.items()}
+            files = {name: writer.create_file(name, e.size, direct_io=False) for name, e in entries.items()
+                     if chunked is None or not chunked.takes(name)}
+
+            def write(name: str, offset: int, piece: bytes) -> None:
+                if name in files:
+                    files[name].write(memoryview(piece), offset)
+                else:
+                    assert chunked is not None
+                    chunked.write(name, piece)
+
             try:
-                _assemble(entries, data, lambda name, offset, chunk: sinks[name].write(memoryview(chunk), offset),
-                          final)
-                for sink in sinks.values() if durable else ():
-                    sink.sync()
+                _assemble(entries, data, write, final)
+                for file in files.values() if durable else ():
+                    file.sync()
             finally:
-                for sink in sinks.values():
-                    sink.close()
+                for file in files.values():
+                    file.close()
+            if chunked is not None:
+                chunked.publish()  # the chunks before the manifest that names them
             path = writer.commit(manifest)
             if writer.manifest_digest != layout.chunk_digest(raw):
                 self._remove_dir(path)
                 raise CorruptReplica(f"{path}: the manifest written differs from the one received")
+        except WrongChunk as e:
+            raise CorruptReplica(str(e)) from None
         finally:
+            if chunked is not None:
+                chunked.close()
+                self._chunks.count(job)
             writer.abort()
         return _replica(job, step, rank, raw, manifest, path=path)
 
@@ -277,8 +317,8 @@ class ReplicaStore:
         if entry is None:
             raise InvalidRequest(f"{replica.job} step {replica.step} rank {replica.rank} has no file {name!r}")
         where = (replica.path or memory_path(*replica.key)) / name
-        pieces = _memory_pieces(replica.buffers[name], entry.size) if replica.in_memory \
-            else file_pieces(where)
+        pieces = _memory_pieces(replica.buffers[name], entry.size) if replica.path is None \
+            else part_pieces(replica.path, replica.manifest, name)
         try:
             yield from checked(pieces, entry, where)
         except layout.ChecksumMismatch as e:
@@ -323,14 +363,16 @@ class ReplicaStore:
         self.on_change(replica.job)
         return moved
 
-    def _trim(self, job: str, incoming: int | None = None) -> None:
+    def _trim(self, job: str, incoming: int | None = None) -> bool:
         """Keeps the newest ``keep`` steps of ``job`` (counting ``incoming``, a step arriving); of those,
-        drops the ones older than the newest whose step the shared tier holds."""
+        drops the ones older than the newest whose step the shared tier holds. True when it dropped any (their
+        chunks are still there)."""
         with self._lock:
             steps = sorted({k[1] for k in self._replicas if k[0] == job} | ({incoming} if incoming is not None
                                                                              else set()), reverse=True)
         if not steps:
-            return
+            return False
+        dropped = False
         kept = set(steps[:self._keep])
         newest = steps[0]
         for step in steps:
@@ -341,14 +383,18 @@ class ReplicaStore:
             else:
                 continue
             for replica in [r for r in self.of_job(job) if r.step == step]:
-                self.drop(job, step, replica.rank, why)
+                dropped |= self._drop(job, step, replica.rank, why)
+        return dropped
 
-    def _put(self, replica: Replica) -> None:
+    def _put(self, replica: Replica) -> bool:
+        """Keeps ``replica``; True when it replaced one of the same key (whose chunks are still there)."""
         with self._lock:
             old = self._replicas.get(replica.key)
             self._replicas[replica.key] = replica
         if old is not None and old is not replica:
             self._free(old, keep_dir=old.path == replica.path)
+            return True
+        return False
 
     def _free(self, replica: Replica, keep_dir: bool = False) -> None:
         if replica.in_memory:
@@ -411,11 +457,12 @@ def _memory_pieces(buf: mmap.mmap, size: int) -> Iterator[bytes]:
         yield buf[at:min(size, at + READ_BYTES)]
 
 
-def file_pieces(path: Path) -> Iterator[bytes]:
-    """A file's bytes from its start, in pieces of :data:`READ_BYTES`."""
-    with open(path, "rb") as f:
-        while piece := f.read(READ_BYTES):
-            yield piece
+def part_pieces(part: Path, manifest: Manifest, name: str, drop_cache: bool = False) -> Iterator[bytes]:
+    """A part's file (its own, or rebuilt from its chunks) from its start, in pieces of :data:`READ_BYTES`;
+    raises :class:`layout.ChecksumMismatch` naming what is missing or short (:func:`chunks.read_pieces`)."""
+    buffer = memoryview(bytearray(READ_BYTES))
+    for _, piece in chunks.read_pieces(part, manifest, name, buffer, drop_cache):
+        yield bytes(piece)
 
 
 def checked(pieces: Iterable[bytes], entry: layout.FileEntry, where: Path) -> Iterator[bytes]:

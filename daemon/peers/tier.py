@@ -22,7 +22,7 @@ from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.peers.members import Members
 from ckptstage.daemon.peers.health import JobPeers
 from ckptstage.daemon.peers.replicator import Replicator
-from ckptstage.daemon.peers.store import ReplicaStore, checked, file_pieces
+from ckptstage.daemon.peers.store import ReplicaStore, checked, part_pieces
 from ckptstage.daemon.peers.transport import Dialer
 from ckptstage.daemon.peers.view import PeerView
 from ckptstage.daemon.save.arena import Budget
@@ -188,4 +188,4 @@ def _verified_file(part: Path, name: str) -> Iterator[bytes]:
     entry = layout.manifest_files(manifest).get(name)
     if entry is None:
         raise CheckpointNotFound(str(manifest.get("job")), int(manifest.get("step", 0)), f"no file {name!r}")
-    yield from checked(file_pieces(part / name), entry, part / name)
+    yield from checked(part_pieces(part, manifest, name), entry, part / name)
