@@ -8,7 +8,6 @@ ring, the persister, restore) shows up here.
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 import time
@@ -21,7 +20,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from support import assert_same, raw_bytes, wait_until
+from support import assert_same, data_size, raw_bytes, read_data, wait_until
 
 from ckptstage.client import Client
 from ckptstage.protos import layout
@@ -180,7 +179,7 @@ def test_plain_values_and_containers_round_trip(daemon):
     assert [type(k) for k in loaded["keys"]] == [int, int, float, type(None), bool, str, int]
 
 
-def test_data_file_is_a_valid_safetensors_file(daemon):
+def test_data_file_is_a_valid_safetensors_file(daemon, tmp_path):
     g = torch.Generator().manual_seed(3)
     state = {"model": {"w": torch.randn(5, 7, generator=g), "b": torch.randn(7, generator=g).half()},
              "ids": torch.arange(11), "flag": torch.tensor([True, False]),
@@ -189,7 +188,8 @@ def test_data_file_is_a_valid_safetensors_file(daemon):
     with Client("st", socket=daemon.socket) as c:
         c.save(9, state).wait("local", timeout=30)
     [part] = part_dirs(daemon.local, "st")
-    data = part / "data.safetensors"
+    data = tmp_path / "data.safetensors"  # the part's data file, whole or put together from its chunks
+    data.write_bytes(read_data(part))
 
     tensors = load_file(str(data))
 
@@ -247,7 +247,7 @@ def test_state_larger_than_arena_streams_through_it(daemon_factory):
         assert session.arena_bytes <= 4 << 20
 
     [part1, part2] = part_dirs(d.local, "stream")
-    assert (part1 / "data.safetensors").read_bytes() == (part2 / "data.safetensors").read_bytes()
+    assert read_data(part1) == read_data(part2)
 
 
 def test_arena_is_reused_across_saves_and_grows_only_between_them(daemon_factory):
@@ -526,7 +526,7 @@ def test_list_reports_steps_tiers_sizes_and_times(daemon_factory):
 
     assert [i.step for i in infos] == [5, 10, 20]
     assert latest == 20
-    sizes = {int(p.parent.name.removeprefix("step-")): (p / "data.safetensors").stat().st_size
+    sizes = {int(p.parent.name.removeprefix("step-")): data_size(p)
              for p in part_dirs(daemon.local, "ls")}
     for i in infos:
         assert i.complete and i.world_size == 1 and not i.pinned
