@@ -17,9 +17,8 @@ import torch
 
 from ckptstage.client import Client, errors, shards, tree
 from ckptstage.client.reshard import StepView
-from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
-from support import drain
+from support import data_extents, data_size, drain, flip_data_byte
 
 ROWS, COLS = 64, 4096  # 1 MiB of fp32 per 16 rows; the test daemon's chunks are 1 MiB
 
@@ -88,7 +87,9 @@ def test_a_dim0_quarter_reads_a_quarter_of_the_bytes(saved: dict[int, list[Path]
 
 
 def test_only_the_parts_a_load_reads_hold_a_descriptor(saved: dict[int, list[Path]]) -> None:
-    roots = [str(d) for dirs in saved.values() for d in dirs]
+    # The parts' directories and the files that hold their data (the data file, or chunk and pack files).
+    files = {r: {str(e.path) for d in dirs for e in data_extents(d)} for r, dirs in saved.items()}
+    roots = [str(d) for dirs in saved.values() for d in dirs] + [f for paths in files.values() for f in paths]
 
     def fds() -> list[str]:
         """This process's descriptors open on the step's files (others come and go with gRPC's threads)."""
@@ -107,7 +108,8 @@ def test_only_the_parts_a_load_reads_hold_a_descriptor(saved: dict[int, list[Pat
     try:
         assert fds() == []
         view.read_box("w", ((0, 0), (ROWS // 4, COLS)), torch.empty(ROWS // 4, COLS))  # rank 0's fragment only
-        assert fds() == [str(saved[0][0] / layout.DATA_FILE)]
+        held = fds()  # rank 0's files, one descriptor per extent at most (a pack's chunks are extents each)
+        assert held and set(held) <= files[0] and len(held) <= len(data_extents(saved[0][0])), (held, files[0])
     finally:
         view.close()
     assert fds() == []
@@ -155,10 +157,8 @@ def test_flipped_byte_falls_back_to_the_shared_copy(daemon: Any, saved: dict[int
         resp = conn.call("Locate", pb.LocateRequest(job="rs", step=1, all_ranks=True))
     rank1 = next(p for p in resp.parts if p.rank == 1)
     assert [loc.tier for loc in rank1.locations] == [pb.LOCAL, pb.SHARED]
-    data = Path(rank1.locations[0].dir) / layout.DATA_FILE
-    raw = bytearray(data.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    local = Path(rank1.locations[0].dir)
+    flip_data_byte(local, data_size(local) // 2)
     with Client("rs", socket=daemon.socket, rank=0, world_size=1, attempt="b") as c:
         state = c.load(1)
     assert torch.equal(state["w"], _global())
@@ -220,10 +220,9 @@ def test_a_corrupt_only_copy_read_by_several_threads_is_a_corrupt_checkpoint(dae
     _save_ranks(d, "solo", [_sharded_flat({"w": (big, (ROWS, COLS), (0, 0))}, {})])
     with d.connection() as conn:
         part = Path(conn.call("Locate", pb.LocateRequest(job="solo", step=1)).locations[0].dir)
-    raw = bytearray((part / layout.DATA_FILE).read_bytes())
-    for at in range(len(raw) // 8, len(raw), len(raw) // 8):  # a flipped byte in several blocks
-        raw[at] ^= 0xFF
-    (part / layout.DATA_FILE).write_bytes(bytes(raw))
+    size = data_size(part)
+    for at in range(size // 8, size, size // 8):  # a flipped byte in several blocks
+        flip_data_byte(part, at)
     with Client("solo", socket=d.socket, rank=0, world_size=1, attempt="b") as c:
         with pytest.raises(errors.CorruptCheckpoint, match="verif"):
             c.load(1)
