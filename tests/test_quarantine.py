@@ -18,7 +18,7 @@ from ckptstage.client import Client
 from ckptstage.client.cli import main as cli
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
-from support import drain, free_port, metric, scrape, wait_until
+from support import drain, flip_data_byte, free_port, metric, scrape, wait_until
 
 JOB = "quar"
 
@@ -89,12 +89,7 @@ def test_a_real_flipped_byte_is_quarantined_counted_and_listed(daemon_factory: A
     # The memory tier off: with it, the load would read the intact copy kept in memory, not the disk.
     d = daemon_factory(**{"metrics.listen": f"127.0.0.1:{port}", "memory.enabled": False}).start()
     saved(d, range(1, 3))
-    data = layout.part_dir(d.local, JOB, 2, 0) / layout.DATA_FILE
-    with open(data, "r+b") as f:
-        f.seek(4096 + 777)
-        byte = f.read(1)
-        f.seek(4096 + 777)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_data_byte(layout.part_dir(d.local, JOB, 2, 0), 4096 + 777)
     with Client(JOB, socket=d.socket) as c:
         assert torch.equal(c.load(2)["w"], state_of(2)["w"])  # the shared copy, verified
         wait_until(lambda: verdicts(port, "corrupt") == 1, 20, "the daemon to confirm the corruption")
@@ -106,18 +101,16 @@ def test_a_real_flipped_byte_is_quarantined_counted_and_listed(daemon_factory: A
     assert "quarantined: step 2 rank 0 local copy" in listing and ".corrupt-rank-00000-" in listing
 
 
-def flip_a_byte(data_file: Any) -> None:
-    with open(data_file, "r+b") as f:
-        f.seek(4096 + 13)
-        byte = f.read(1)
-        f.seek(4096 + 13)
-        f.write(bytes([byte[0] ^ 0x10]))
-
-
 def listed(d: Any) -> list[dict[str, Any]]:
     with d.connection() as conn:
         resp = conn.call("ListCheckpoints", pb.ListRequest(job=JOB))
-    return [{"step": q.step, "tier": q.tier, "path": q.path, "bytes": q.bytes} for q in resp.quarantined]
+    return [{"step": q.step, "tier": q.tier, "path": q.path, "bytes": q.bytes, "chunk": q.chunk}
+            for q in resp.quarantined]
+
+
+def part_copies(copies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The quarantined parts among ``copies``; an incremental part's bad chunk (or its pack) is a copy too."""
+    return [q for q in copies if not q["chunk"]]
 
 
 def test_quarantined_copies_are_listed_after_a_restart_on_every_tier_then_removed_in_time(
@@ -125,22 +118,27 @@ def test_quarantined_copies_are_listed_after_a_restart_on_every_tier_then_remove
     port = free_port()
     d = daemon_factory(**{"metrics.listen": f"127.0.0.1:{port}", "memory.enabled": False}).start()
     saved(d, range(1, 3))
-    flip_a_byte(layout.part_dir(d.shared, JOB, 1, 0) / layout.DATA_FILE)
-    flip_a_byte(layout.part_dir(d.local, JOB, 2, 0) / layout.DATA_FILE)
+    flip_data_byte(layout.part_dir(d.shared, JOB, 1, 0), 4096 + 13)
+    flip_data_byte(layout.part_dir(d.local, JOB, 2, 0), 4096 + 13)
     with d.connection() as conn:
         for step, tier in ((1, pb.SHARED), (2, pb.LOCAL)):
             conn.call("ReportCorrupt", pb.ReportCorruptRequest(job=JOB, step=step, rank=0, tier=tier, detail="test"))
     wait_until(lambda: verdicts(port, "corrupt") == 2, 20, "both copies quarantined")
     text = scrape(port)
-    assert metric(text, "ckptstage_quarantined_copies", tier="local") == 1
+    before = listed(d)
+    assert sorted((q["step"], q["tier"]) for q in part_copies(before)) == [(1, pb.SHARED), (2, pb.LOCAL)]
+    local_copies = [q for q in before if q["tier"] == pb.LOCAL]
+    assert metric(text, "ckptstage_quarantined_copies", tier="local") == len(local_copies)
     assert metric(text, "ckptstage_quarantined_bytes", tier="shared") > 200_000
     d.stop()
 
     again = daemon_factory("again", **{"local.dir": str(d.local), "shared.dir": str(d.shared)}).start()
-    wait_until(lambda: len(listed(again)) == 2, 20, "the shared tier's quarantined copy listed once it is indexed")
-    assert sorted((q["step"], q["tier"]) for q in listed(again)) == [(1, pb.SHARED), (2, pb.LOCAL)]
+    wait_until(lambda: sorted(q["path"] for q in listed(again)) == sorted(q["path"] for q in before), 20,
+               "the shared tier's quarantined copies listed once it is indexed")
+    assert sorted((q["step"], q["tier"]) for q in part_copies(listed(again))) == [(1, pb.SHARED), (2, pb.LOCAL)]
     paths = [q["path"] for q in listed(again)]
-    assert all(".corrupt-rank-00000-" in p for p in paths) and all(Path(p).exists() for p in paths)
+    assert all(".corrupt-rank-00000-" in q["path"] for q in part_copies(listed(again)))
+    assert all(Path(p).exists() for p in paths)
     again.stop()
 
     short = daemon_factory("short", **{"local.dir": str(d.local), "shared.dir": str(d.shared),
