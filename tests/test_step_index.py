@@ -14,6 +14,7 @@ import torch
 from ckptstage.client import Client, steps
 from ckptstage.client.rpc import Connection
 from ckptstage.protos import layout
+from support import data_extents
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from _scale_ranks import rank_flat  # noqa: E402 - a rank's fragment of a dim-0 sharded tensor, no process group
@@ -49,6 +50,18 @@ def save_on_two_nodes(a: Any, b: Any) -> None:
     assert not failed, failed[0]
 
 
+def data_files(tiers: list[Path], world: int) -> dict[str, int]:
+    """The files that hold the data of the step's parts on ``tiers`` (a data file, or its chunks' files): path ->
+    rank."""
+    out: dict[str, int] = {}
+    for tier in tiers:
+        for r in range(world):
+            part = layout.part_dir(tier, JOB, STEP, r)
+            if part.is_dir():
+                out.update({str(e.path): r for e in data_extents(part)})
+    return out
+
+
 def opened_reading_every_part(d: Any) -> tuple[list[str], list[float]]:
     """Files this process opens while it opens the step whole and reads each rank's ``w``."""
     with Client(JOB, socket=d.socket, rank=0, world_size=WORLD) as c:
@@ -80,7 +93,8 @@ def test_a_reader_of_every_part_opens_the_index_not_each_manifest(daemon_factory
     # One index, and not the shared tier's: the daemon copied it onto the node once, for all its readers.
     [copy] = [p for p in opened if p.endswith(".json") and not p.endswith(layout.COMMIT_FILE)]
     assert Path(copy).is_relative_to(a.local) and Path(copy).read_bytes() == index.read_bytes()
-    assert len([p for p in opened if p.endswith(layout.DATA_FILE)]) == WORLD  # the bytes it read
+    files = data_files([a.local, a.shared], WORLD)
+    assert sorted(files[p] for p in opened if p in files) == list(range(WORLD))  # the bytes it read, once each
 
     # A damaged index (or one left by an earlier commit of the step) vouches for nothing: each part's
     # own manifest is read, and the reads are right.
@@ -134,7 +148,7 @@ def test_a_box_reader_plans_from_the_index_and_touches_only_the_parts_it_reads(d
             step.view.read_box("w", ((5 * rows + rows // 2, 0), (rows, 16)), out)  # half of rank 5's, half of 6's
     assert out[: rows // 2].eq(5).all() and out[rows // 2:].eq(6).all()
     assert not [p for p in opened if p.endswith(layout.MANIFEST_FILE)]
-    data = sorted(Path(p).parent.name for p in opened if p.endswith(layout.DATA_FILE))
-    assert data == [layout.rank_dirname(5), layout.rank_dirname(6)]
+    files = data_files([b.local, a.shared], world)
+    assert sorted(files[p] for p in opened if p in files) == [5, 6]
     [index] = [p for p in opened if p.endswith(layout.STEP_INDEX_FILE) or "step-index" in p]
     assert Path(index).is_relative_to(b.local)
