@@ -42,8 +42,8 @@ def test_every_single_byte_change_of_a_real_manifest_is_detected_or_harmless(dae
                                                                              tmp_path: Path) -> None:
     with Client(JOB, socket=daemon.socket) as c:
         c.save(7, state_of(7)).wait("local", timeout=30)
-    part = tmp_path / "part"
-    shutil.copytree(layout.part_dir(daemon.local, JOB, 7, 0), part)
+    shutil.copytree(daemon.local / JOB, tmp_path / JOB)  # the part, and the job's chunk store an incremental one needs
+    part = layout.part_dir(tmp_path, JOB, 7, 0)
     good = (part / layout.MANIFEST_FILE).read_bytes()
     assert same(restore.read_part(part)[1], state_of(7))
     detected = harmless = 0
@@ -73,6 +73,13 @@ def test_a_changed_local_manifest_loads_the_shared_copy_and_is_quarantined(daemo
         assert list(path.parent.parent.glob(".corrupt-rank-00000-*"))
 
 
+def copy_part(src: Path, dst: Path) -> None:
+    """Copies every file of part ``src`` over ``dst``'s: its manifest and data file (an incremental part's
+    chunks are its job's store's, on the same tier, where the manifest names them)."""
+    for f in src.iterdir():
+        shutil.copyfile(f, dst / f.name)
+
+
 def test_a_manifest_rewritten_whole_is_not_the_committed_one(daemon: Any) -> None:
     """Step 6's local part replaced by another part that verifies by itself (step 8's manifest and data,
     trailer and checksums all good): the commit record names step 6's manifest, so the reader takes the
@@ -82,15 +89,13 @@ def test_a_manifest_rewritten_whole_is_not_the_committed_one(daemon: Any) -> Non
         for step in (6, 8):
             c.save(step, state_of(step)).wait("shared", timeout=30)
         six, eight = (layout.part_dir(daemon.local, JOB, s, 0) for s in (6, 8))
-        for name in (layout.MANIFEST_FILE, layout.DATA_FILE):
-            shutil.copyfile(eight / name, six / name)
+        copy_part(eight, six)
         restore.read_part(six)  # the rewritten part verifies by itself
         assert same(c.load(6), state_of(6))
         wait_until(lambda: not six.exists(), 20, "the daemon to quarantine the rewritten local copy")
         assert c.last_load_tier == "shared"
         shared_six = layout.part_dir(daemon.shared, JOB, 6, 0)
-        for name in (layout.MANIFEST_FILE, layout.DATA_FILE):
-            shutil.copyfile(layout.part_dir(daemon.shared, JOB, 8, 0) / name, shared_six / name)
+        copy_part(layout.part_dir(daemon.shared, JOB, 8, 0), shared_six)
         with pytest.raises(CkptStageError, match=r"manifest digest .* is not the .* the step's commit record names"):
             c.load(6)
 
