@@ -50,6 +50,7 @@ from ckptstage.daemon.configvalues import (
     format_size,
     int_between,
     kind,
+    one_of,
     rate_between,
     reject_unknown,
     seconds_between,
@@ -224,6 +225,9 @@ class PersistConfig:
     # Incremental parts: each tier stores (and the drain copies) only the chunks of a part that the
     # job's chunk store there lacks; unchanged tensors cost nothing (docs/FORMAT.md, "Incremental parts").
     incremental: bool = field(default=False, metadata=kind(BOOL))
+    # Whose chunks an incremental part may share: "job" (its job's store) or "user" (one store per tier for
+    # every job of this daemon's user: a fine-tune stores its base model's chunks only if no job did).
+    dedup: str = field(default="job", metadata=kind(one_of("job", "user")))
     # A chunk no part refers to is removed only once nobody wrote or reused it for this long: the margin
     # for a save or drain on another node that relies on it before its part is published.
     chunk_grace_s: float = field(default=600.0, metadata=kind(seconds_between(0.01, 7 * 86400)))

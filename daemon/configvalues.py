@@ -343,6 +343,16 @@ def _parse_secret(value: Any, key: str) -> str | None:
     return value
 
 
+def one_of(*choices: str) -> Kind:
+    """One of ``choices`` (strings)."""
+    def parse(value: Any, key: str) -> str:
+        if value not in choices:
+            raise ConfigError(key, f"must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+        return str(value)
+
+    return Kind(parse, _dump_str)
+
+
 BOOL = Kind(_parse_bool, lambda b: "true" if b else "false")
 PATH = Kind(_parse_path, lambda p: _dump_str(str(p)))
 OPTIONAL_PATH = Kind(_parse_optional_path, lambda p: _dump_str(str(p)))

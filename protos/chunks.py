@@ -43,6 +43,8 @@ import xxhash
 from ckptstage.protos import layout, packs
 
 CHUNKS_DIR = "chunks"
+USER_STORE = ".user"          # the store every job of a daemon's user shares on a tier ([persist] dedup = "user")
+STORE_FIELD = "chunk_store"   # in a manifest: "user" when its chunks are in that store; absent: its job's
 CONDEMNED_DIR = ".condemned"  # in a store: chunks a sweep is about to delete (put back if named again)
 CORRUPT_DIR = ".corrupt"      # in a store: chunks that failed verification, kept for forensics
 CHUNK_HASH = "xxh3_128"
@@ -108,9 +110,29 @@ def is_chunk_name(name: str) -> bool:
     return bool(_DIGEST_RE.fullmatch(name))
 
 
-def store_dir(tier_dir: Path, job: str) -> Path:
-    """The chunk store of one job on one tier."""
-    return tier_dir / layout.check_job(job) / CHUNKS_DIR
+def store_dir(tier_dir: Path, key: str) -> Path:
+    """The chunk store ``key`` names on one tier: a job's (``<tier>/<job>/chunks``), or the one every job of the
+    daemon's user shares (:data:`USER_STORE`: ``<tier>/.user/chunks``)."""
+    return tier_dir / check_store_key(key) / CHUNKS_DIR
+
+
+def check_store_key(key: str) -> str:
+    """``key`` when it names a store (:data:`USER_STORE`, or a valid job name); else raises
+    :class:`layout.InvalidName`."""
+    return key if key == USER_STORE else layout.check_job(key)
+
+
+def store_key(manifest: dict[str, Any]) -> str:
+    """The store a manifest's chunks are in (the key :func:`store_dir` and a tier's chunk calls take): its job's,
+    or the user's where its :data:`STORE_FIELD` says ``"user"``."""
+    where = manifest.get(STORE_FIELD, "job")
+    if where == "user":
+        return USER_STORE
+    if where != "job":
+        raise layout.ManifestError(f"manifest of {manifest.get('job')!r} step {manifest.get('step')!r} rank "
+                                   f"{manifest.get('rank')!r}: {STORE_FIELD} is {str(where)[:40]!r}, not "
+                                   '"job" or "user"')
+    return str(manifest["job"])
 
 
 def chunk_path(store: Path, name: str) -> Path:
@@ -132,18 +154,16 @@ def corrupt_chunk_name(name: str) -> str | None:
     return chunk if "-" in name and is_chunk_name(chunk) else None
 
 
-def store_of(part: Path, job: str) -> Path:
-    """The chunk store a part's manifest refers to: its own job's on the part's tier.
+def store_of(part: Path, manifest: dict[str, Any]) -> Path:
+    """The chunk store a part's manifest refers to, on the part's tier (:func:`store_key`).
 
     A committed part lies at ``<tier>/<job>/step-N/rank-R``; a replacement
     staged for a swap at ``<tier>/.tmp/<node>/replace/<job>/step-N/rank-R``.
     """
     job_dir = part.parent.parent
     parts = job_dir.parts
-    if layout.TMP_DIR in parts:
-        tier = Path(*parts[:parts.index(layout.TMP_DIR)])
-        return store_dir(tier, job)
-    return job_dir / CHUNKS_DIR
+    tier = Path(*parts[:parts.index(layout.TMP_DIR)]) if layout.TMP_DIR in parts else job_dir.parent
+    return store_dir(tier, store_key(manifest))
 
 
 def _down(n: int) -> int:
@@ -263,7 +283,7 @@ def extents(part: Path, manifest: dict[str, Any], file: str = layout.DATA_FILE, 
     chunks = manifest_chunks(manifest, file)
     if chunks is None:
         return [Extent(0, layout.manifest_files(manifest)[file].size, part / file, 0)]
-    store = store_of(part, str(manifest["job"]))
+    store = store_of(part, manifest)
     if find is None:
         found = packs.store_index(store).find_all(c.name for c in chunks)
         find = found.get
@@ -326,7 +346,7 @@ def read_pieces(part: Path, manifest: dict[str, Any], file: str, buffer: memoryv
             f = open(ext.path, "rb", buffering=0)  # noqa: SIM115 - closed below, on every path
         except FileNotFoundError as e:
             if not ext.whole and not looked_again:
-                packs.store_index(store_of(part, str(manifest["job"]))).reset()
+                packs.store_index(store_of(part, manifest)).reset()
                 found, looked_again = extents(part, manifest, file), True  # the same chunks, found again
                 continue
             raise layout.ChecksumMismatch(ext.path, f"missing: {e}") from e

@@ -8,7 +8,6 @@ from typing import Any
 
 import grpc
 from ckptstage.client import Client
-from ckptstage.protos import chunks, layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 from ckptstage.protos.v1 import ckptstage_pb2_grpc as pb_grpc
 from support import free_port
@@ -62,25 +61,6 @@ def peer_stub(node: Any, token: str | None = TOKEN) -> tuple[pb_grpc.PeerStub, t
 def holdings(node: Any, job: str) -> list[pb.HeldPart]:
     stub, metadata = peer_stub(node)
     return list(stub.Holdings(pb.HoldingsRequest(job=job), metadata=metadata, timeout=10).parts)
-
-
-def data_file(part: Path) -> tuple[str, bytes]:
-    """A part's data file, by name: its own file, or rebuilt from its chunks (an incremental part)."""
-    manifest = layout.read_manifest(part)
-    name = next(iter(manifest["files"]))
-    buffer = memoryview(bytearray(1 << 20))
-    return name, b"".join(bytes(piece) for _, piece in chunks.read_pieces(part, manifest, name, buffer))
-
-
-def flip_data_byte(part: Path, offset: int) -> None:
-    """Flips the byte at ``offset`` of a part's data file where it lies: in the file, or in its chunk's pack."""
-    manifest = layout.read_manifest(part)
-    ext = next(e for e in chunks.extents(part, manifest, next(iter(manifest["files"]))) if e.lo <= offset < e.hi)
-    with open(ext.path, "r+b") as f:
-        f.seek(offset - ext.base)
-        byte = f.read(1)[0]
-        f.seek(offset - ext.base)
-        f.write(bytes([byte ^ 0x01]))
 
 
 def replicas_held(node: Any, job: str) -> set[tuple[int, int]]:

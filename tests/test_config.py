@@ -336,7 +336,10 @@ BAD = [
     ("[retention]\nmax_job_keep_last = 0", "retention.max_job_keep_last", "integer from 1 to"),
     ("[shared]\nkeep_lst = 3", "shared.keep_lst", "unknown key (did you mean 'keep_last'?)"),
     ("[sharde]\ndir = '/x'", "sharde", "unknown section (did you mean 'shared'?)"),
-    ("[persist]\nfrobnicate = 1", "persist.frobnicate", "unknown key (known: chunk_bytes, chunk_grace_s, direct_io"),
+    ("[persist]\nfrobnicate = 1", "persist.frobnicate",
+     "unknown key (known: chunk_bytes, chunk_grace_s, dedup, direct_io"),
+    ("[persist]\ndedup = 'everyone'", "persist.dedup", "must be one of 'job', 'user', got 'everyone'"),
+    ("[persist]\ndedup = true", "persist.dedup", "must be one of 'job', 'user', got True"),
     ("local_dir = '/x'", "local_dir", "unknown key"),
     ("arena = 3", "arena", "expected a [arena] table"),
 ]

@@ -241,10 +241,11 @@ def format_doc_script() -> str:
     return after[start:after.index("```", start)]
 
 
-def test_the_documented_script_rebuilds_a_packed_part_without_ckptstage(daemon_factory: Any) -> None:
-    d = daemon_factory(**INCREMENTAL).start()
+@pytest.mark.parametrize("dedup", ["job", "user"])
+def test_the_documented_script_rebuilds_a_packed_part_without_ckptstage(daemon_factory: Any, dedup: str) -> None:
+    d = daemon_factory(**INCREMENTAL, **{"persist.dedup": dedup}).start()
     states = save_steps(d, range(1, 3))
-    scope = {"part": str(layout.part_dir(d.local, JOB, 2, 0)), "job_dir": str(d.local / JOB)}
+    scope = {"part": str(layout.part_dir(d.local, JOB, 2, 0)), "tier": str(d.local)}
     exec(format_doc_script(), scope)  # noqa: S102 - the documentation's own code, run as a reader would
     tensors = scope["tensors"]
     assert torch.equal(tensors["['w']"], states[2]["w"]) and torch.equal(tensors["['tail']"], states[2]["tail"])

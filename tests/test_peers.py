@@ -28,8 +28,8 @@ from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 from ckptstage.protos.v1 import ckptstage_pb2_grpc as pb_grpc
 from dist_harness import RankContext, run_ranks
-from peers_support import data_file, flip_data_byte, holdings, join, peer_nodes, peer_stub, replicas_held
-from support import free_port, metric, scrape, wait_until
+from peers_support import holdings, join, peer_nodes, peer_stub, replicas_held
+from support import data_size, flip_data_byte, free_port, metric, read_data, scrape, wait_until
 
 JOB = "peers"
 
@@ -181,7 +181,7 @@ def test_a_daemon_cannot_be_used_to_plant_a_replica_of_a_job_it_does_not_run(dae
         writer.save(1, state_of(1, 0)).wait("local", timeout=30)
         part = layout.part_dir(a.local, JOB, 1, 0)
     raw = (part / layout.MANIFEST_FILE).read_bytes()
-    name, data = data_file(part)
+    name, data = layout.DATA_FILE, read_data(part)
     stub, metadata = peer_stub(b)
 
     def put(sender: str) -> None:
@@ -270,7 +270,7 @@ def test_a_flipped_byte_in_a_replica_falls_back_to_another_copy(daemon_factory: 
     assert len(holders) == 2
     first = min(holders, key=lambda n: n.peer)  # asked first by the reader below
     part = layout.part_dir(first.local / ".peers", JOB, 1, 0)
-    flip_data_byte(part, len(data_file(part)[1]) // 2)  # in the file, or in the pack that holds that chunk
+    flip_data_byte(part, data_size(part) // 2)  # in the file, or in the pack that holds that chunk
 
     lose(a)
     reader = Client(JOB, socket=d.socket, rank=0, world_size=3, attempt="run-2")

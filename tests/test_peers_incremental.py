@@ -22,8 +22,8 @@ import torch
 from ckptstage.client import Client
 from ckptstage.protos import chunks, layout, packs
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
-from peers_support import data_file, holdings, join, peer_nodes, peer_stub, replicas_held
-from support import metric, scrape
+from peers_support import holdings, join, peer_nodes, peer_stub, replicas_held
+from support import metric, read_data, scrape
 
 JOB = "peers-inc"
 BASE = 1 << 20      # fp32 elements of the frozen base: 4 MiB, in chunks of 1 MiB (the tests' persist.chunk_bytes)
@@ -56,7 +56,10 @@ def replica(node: Any, step: int, rank: int = 0) -> Path:
 
 
 def store_of(node: Any) -> Path:
-    return chunks.store_dir(node.local / ".peers", JOB)
+    """The chunk store of ``node``'s replicas of the job: the job's, or (dedup = "user") the user's."""
+    kept = next((node.local / ".peers" / JOB).glob("step-*/rank-*"), None)
+    key = chunks.store_key(layout.read_manifest(kept)) if kept is not None else JOB
+    return chunks.store_dir(node.local / ".peers", key)
 
 
 def pack_bytes(node: Any) -> int:
@@ -74,16 +77,19 @@ def stored_names(node: Any) -> set[str]:
     return set(index.packed())
 
 
+@pytest.mark.parametrize("dedup", ["job", "user"])
 def test_a_fine_tunes_replicas_store_what_changed_drop_what_no_step_names_and_restore_a_lost_node(
-        daemon_factory: Any, tmp_path: Path) -> None:
+        daemon_factory: Any, tmp_path: Path, dedup: str) -> None:
     # The arena budget is the trainers': replicas go to the peers' disks, where chunks are shared.
-    a, b, c = peer_nodes(daemon_factory, tmp_path / "nodes", 3, metrics=True, **INCREMENTAL)
+    a, b, c = peer_nodes(daemon_factory, tmp_path / "nodes", 3, metrics=True, **INCREMENTAL,
+                         **{"persist.dedup": dedup})
     clients = [Client(JOB, socket=d.socket, rank=r, world_size=2, attempt="run-1", arena_bytes=ARENA)
                for r, d in enumerate((a, b))]
     try:
         join(clients, [a, b])
         save(clients, 1)
         assert [(h.step, h.rank, h.in_memory) for h in holdings(b, JOB) if h.replica] == [(1, 0, False)]
+        assert store_of(b).parent.name == (JOB if dedup == "job" else chunks.USER_STORE)
         part_bytes = layout.part_bytes(layout.read_manifest(replica(b, 1)))
         first = pack_bytes(b)
         assert part_bytes <= first <= 1.05 * part_bytes  # the first replica: every chunk, once
@@ -142,7 +148,7 @@ def test_bytes_that_are_not_the_chunk_their_name_says_are_refused_and_nothing_is
         writer.save(1, state_of(1, 0)).wait("local", timeout=30)
     part = layout.part_dir(a.local, JOB, 1, 0)
     honest = (part / layout.MANIFEST_FILE).read_bytes()
-    name, data = data_file(part)
+    name, data = layout.DATA_FILE, read_data(part)
     # A manifest whose block digests are right but whose chunk names one of them wrongly: the blocks verify,
     # the name does not.
     manifest = layout.read_manifest(part)

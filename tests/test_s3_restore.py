@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 from ckptstage.client import Client, errors  # noqa: E402
 from ckptstage.client.rpc import Connection  # noqa: E402
 from ckptstage.daemon.launcher import DaemonProcess  # noqa: E402
-from ckptstage.protos import layout  # noqa: E402
+from ckptstage.protos import chunks, layout  # noqa: E402
 from ckptstage.protos.v1 import ckptstage_pb2 as pb  # noqa: E402
 from conftest import DEFAULTS  # noqa: E402
 from s3server import BUCKET, S3Server, open_tier, s3_server  # noqa: E402
@@ -208,10 +208,11 @@ def test_prefetch_of_ranks_outside_the_step_is_refused_naming_the_rank(nodes: No
     assert list(_entry(nodes.b.socket, "few", 1).ranks_local) == [1]
 
 
-def test_incremental_parts_are_restored_chunk_by_chunk(s3_server: S3Server, tmp_path: Path) -> None:
+@pytest.mark.parametrize("dedup", ["job", "user"])
+def test_incremental_parts_are_restored_chunk_by_chunk(s3_server: S3Server, tmp_path: Path, dedup: str) -> None:
     env = {**s3_server.env(), "AWS_MAX_ATTEMPTS": "2"}
-    settings = {"shared.dir": "", "shared.url": f"s3://{BUCKET}/{PREFIX}-inc", "shared.endpoint": s3_server.endpoint,
-                "persist.incremental": True}
+    settings = {"shared.dir": "", "shared.url": f"s3://{BUCKET}/{PREFIX}-inc-{dedup}",
+                "shared.endpoint": s3_server.endpoint, "persist.incremental": True, "persist.dedup": dedup}
     a = DaemonProcess(tmp_path / "a", settings, defaults=DEFAULTS, env=env).start()
     b = DaemonProcess(tmp_path / "b", settings, defaults=DEFAULTS, env=env).start()
     try:
@@ -220,7 +221,8 @@ def test_incremental_parts_are_restored_chunk_by_chunk(s3_server: S3Server, tmp_
             wait_until(lambda: _complete(reader) == [1, 2], 20, "B listing the store")
             assert _equal(reader.load(), _state(0, 2))
             assert _equal(reader.load(step=1), _state(0, 1))
-        assert any((b.local / "inc").rglob("chunks/*/*"))
+        # Fetched into the store the parts name on B's local tier: the job's, or the user's.
+        assert any(chunks.store_dir(b.local, "inc" if dedup == "job" else chunks.USER_STORE).rglob("*/*"))
     finally:
         a.stop()
         b.stop()

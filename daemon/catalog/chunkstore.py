@@ -61,8 +61,11 @@ class Swept:
 _Seen = dict[Path, tuple[tuple[int, ...], frozenset[str]]]
 
 
-def referenced(storage: Tier, job: str, seen: _Seen | None = None) -> set[str]:
-    """The chunks every part of ``job`` on the tier refers to: committed or not, staged replacements too.
+def referenced(storage: Tier, key: str, seen: _Seen | None = None) -> set[str]:
+    """The chunks that the store ``key`` may hold for a part on the tier: those every part of its job refers to
+    (committed or not, staged replacements too), or for the user's store (:data:`chunks.USER_STORE`), those every
+    part of every job refers to. (A part's chunks are in one store; marking them in another keeps nothing live
+    from going.)
 
     A manifest that fails its own checks names nothing (that part is unreadable
     anyway, and quarantine removes it); one that cannot be read at all (EIO, a
@@ -75,11 +78,12 @@ def referenced(storage: Tier, job: str, seen: _Seen | None = None) -> set[str]:
     known = dict(seen or {})
     if seen is not None:
         seen.clear()
-    for part in storage.list_manifests(job):
+    jobs = storage.list_jobs() if key == chunks.USER_STORE else [key]
+    for part in (p for job in jobs for p in storage.list_manifests(job)):
         path = part / layout.MANIFEST_FILE
         try:
-            key = storage.manifest_version(part)
-            if path in known and known[path][0] == key:
+            version = storage.manifest_version(part)
+            if path in known and known[path][0] == version:
                 found = known[path][1]
             else:
                 found = frozenset(chunks.referenced(storage.read_manifest(part)[0]))
@@ -93,7 +97,7 @@ def referenced(storage: Tier, job: str, seen: _Seen | None = None) -> set[str]:
             continue  # corrupt: it names nothing we can trust
         names |= found
         if seen is not None:
-            seen[path] = (key, found)
+            seen[path] = (version, found)
     return names
 
 
@@ -122,7 +126,8 @@ def stored_bytes(parts: Iterable[tuple[int, int, Sequence[tuple[str, int]] | Non
 
 
 class ChunkStore:
-    """The chunk stores (one per job) of one tier, as this daemon uses them: leases, and the sweep."""
+    """The chunk stores of one tier (one per job, and the user's: :func:`chunks.store_key`), as this daemon uses
+    them: leases, and the sweep."""
 
     def __init__(self, tier: Tier, grace_s: float, pace: Callable[[int], None] = lambda n: None) -> None:
         """``pace(n)``: called before a repack writes ``n`` bytes (the node's load gate)."""
@@ -262,10 +267,11 @@ class PartChunks:
     published or failed) ends the leases.
     """
 
-    def __init__(self, store: ChunkStore, job: str, size: int, tensors: Iterable[tuple[int, int]], every: int,
+    def __init__(self, store: ChunkStore, key: str, size: int, tensors: Iterable[tuple[int, int]], every: int,
                  part: PartWriter, direct_io: bool) -> None:
+        """``key``: the chunk store the part's chunks go in (:func:`chunks.store_key`)."""
         self.store = store
-        self.job = job
+        self.key = key
         self.every = every
         self.direct_io = direct_io
         self._cuts = chunks.cut(size, tensors, every)
@@ -276,7 +282,7 @@ class PartChunks:
         self._names: dict[int, str] = {}   # chunk start -> name
         self._leased: set[str] = set()
         self.reused_bytes = 0
-        self._new = store.new_chunks(job, part)  # written here, not yet in the store
+        self._new = store.new_chunks(key, part)  # written here, not yet in the store
 
     def write(self, unit: int, data: memoryview, start: int, block: int) -> list[str]:
         """Hashes (and stores, when new) every chunk of arriving unit ``unit``: ``data`` is bytes from ``start``.
@@ -293,7 +299,7 @@ class PartChunks:
                 with self._lock:
                     self.reused_bytes += hi - lo  # the same bytes twice in one part (zeroed optimizer state)
                 continue
-            if self.store.reuse(self.job, name):
+            if self.store.reuse(self.key, name):
                 with self._lock:
                     self.reused_bytes += hi - lo
                 continue
@@ -308,4 +314,4 @@ class PartChunks:
     def release(self) -> None:
         with self._lock:
             leased, self._leased = self._leased, set()
-        self.store.release(self.job, leased)
+        self.store.release(self.key, leased)

@@ -215,7 +215,7 @@ class Quarantine:
             # A corrupt chunk of an incremental part leaves its store: no later save may reuse it, and the
             # next that has its bytes writes them again. A part's own file goes with the part.
             try:
-                size = _size_of(storage, part.job, failure.path)
+                size = _size_of(storage, failure.path)
                 moved = storage.quarantine_chunk(failure.path)
                 if moved is not None:
                     size = size or next((q.nbytes for q in storage.list_quarantined() if q.location == moved), 0)
@@ -251,10 +251,13 @@ class Quarantine:
                                            moved, nbytes, self._clock(), chunk))
 
 
-def _size_of(storage: Tier, job: str, location: Path) -> int:
-    """The bytes of the chunk at ``location`` (0: not a chunk, or gone)."""
+def _size_of(storage: Tier, location: Path) -> int:
+    """The bytes of the chunk whose own file is ``location`` (0: not a chunk's own file, or gone)."""
+    store = location.parent.parent  # <tier>/<job or the user's store>/chunks
+    if not chunks.is_chunk_name(location.name) or store.name != chunks.CHUNKS_DIR:
+        return 0
     try:
-        return storage.chunk_size(job, location.name) if chunks.is_chunk_name(location.name) else 0
+        return storage.chunk_size(store.parent.name, location.name)
     except OSError:
         return 0
 

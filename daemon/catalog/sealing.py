@@ -149,16 +149,16 @@ class SharedSeal:
                      "(replaced in place; the new parts are draining)", job, step, stale,
                      extra=fields(job=job, step=step, tier=TierName.SHARED))
             return None
-        if self.shared.has_chunk_store(job):  # some part of the job was written incrementally
-            for rank in parts:
-                gone = self.shared.missing_chunks(job, chunks.referenced(manifests[rank]))
-                if gone:
-                    # Another node's sweep took a chunk before this part was published; its drain puts it
-                    # back, then seals the step itself. Until then the step must not exist.
-                    log.info("not sealing %s step %d on the shared tier yet: rank %d lacks %d chunks there",
-                             job, step, rank, len(gone),
-                             extra=fields(job=job, step=step, rank=rank, tier=TierName.SHARED))
-                    return None
+        for rank in parts:
+            names = chunks.referenced(manifests[rank])  # none: the part was written whole
+            gone = self.shared.missing_chunks(chunks.store_key(manifests[rank]), names) if names else []
+            if gone:
+                # Another node's sweep took a chunk before this part was published; its drain puts it
+                # back, then seals the step itself. Until then the step must not exist.
+                log.info("not sealing %s step %d on the shared tier yet: rank %d lacks %d chunks there",
+                         job, step, rank, len(gone),
+                         extra=fields(job=job, step=step, rank=rank, tier=TierName.SHARED))
+                return None
         index = self._write_index(job, step, attempt, world, listed, parts, manifests)
         return self._publish(job, step, attempt, world, parts, index)
 

@@ -42,7 +42,8 @@ class ChunkLists:
         tier cannot give raises OSError, as retention's pass must then stop. Without ``read`` (an answer that
         must not wait on a tier) every part not read before counts whole."""
         storage = self._tiers.get(tier)
-        if storage is None or (read and not storage.has_chunk_store(job)):
+        if storage is None or (read and not storage.has_chunk_store(job)
+                               and not storage.has_chunk_store(chunks.USER_STORE)):
             return None
         with self._lock:
             known = dict(self._known.get((job, tier), {}))

@@ -143,12 +143,13 @@ class PartCopier:
         writer = dest.begin_part(part.job, part.step, part.rank,
                                  replace=lambda f: _replaceable(dest, f, manifest), final=final)
         names = chunks.referenced(manifest)
+        key = chunks.store_key(manifest)  # the job's chunk store, or the user's: the same on every tier
         store = self._chunk_store(tier, names)
         leased: list[set[str]] = []
         try:
             if names:
                 leased.append(names)
-                self._copy_chunks(part, store, tier, names)
+                self._copy_chunks(part, key, store, tier, names)
             else:
                 for name, entry in layout.manifest_files(manifest).items():
                     self._copy_file(source, part.path, name, writer, entry)
@@ -161,11 +162,11 @@ class PartCopier:
             # Another node's sweep may have taken a chunk this part relied on before the part was
             # published (see chunkstore): put back what it took, before anyone commits the step.
             for _ in range(3):
-                gone = dest.missing_chunks(part.job, names) if names else []
+                gone = dest.missing_chunks(key, names) if names else []
                 if not gone:
                     break
                 leased.append(set(gone))
-                self._copy_chunks(part, store, tier, set(gone))
+                self._copy_chunks(part, key, store, tier, set(gone))
             else:
                 raise OSError(f"chunks of {published} keep vanishing from {dest.location}: is another daemon sweeping "
                               "with a shorter [persist] chunk_grace_s?")
@@ -173,7 +174,7 @@ class PartCopier:
                         part.metrics, attempt, writer.manifest_digest, writer.ino)
         finally:
             for held in leased:
-                store.release(part.job, held)
+                store.release(key, held)
             writer.abort()
 
     def _chunk_store(self, tier: TierName, names: set[str]) -> ChunkStore:
@@ -182,16 +183,17 @@ class PartCopier:
             raise OSError(f"an incremental part cannot be copied to the {tier.value} tier: no chunk store for it")
         return store  # type: ignore[return-value]  # only used when names is not empty
 
-    def _copy_chunks(self, part: Part, store: ChunkStore, tier: TierName, names: set[str]) -> None:
+    def _copy_chunks(self, part: Part, key: str, store: ChunkStore, tier: TierName, names: set[str]) -> None:
         """Copies the chunks among ``names`` that ``store`` lacks from the part's own store (each checked
-        against its name, the xxh3-128 of its bytes), touching those it holds; leases them all."""
-        batch = self.tiers[tier].new_chunks(part.job)  # store.new_chunks, through the tier's rate limit
+        against its name, the xxh3-128 of its bytes), touching those it holds; leases them all. ``key``: the
+        chunk store they are in, on both tiers (:func:`chunks.store_key`)."""
+        batch = self.tiers[tier].new_chunks(key)  # store.new_chunks, through the tier's rate limit
         try:
-            self._copy_missing(part, store, batch, names, tier)
+            self._copy_missing(part, key, store, batch, names, tier)
         finally:
             batch.discard()
 
-    def _copy_missing(self, part: Part, store: ChunkStore, batch: ChunkBatch, names: set[str],
+    def _copy_missing(self, part: Part, key: str, store: ChunkStore, batch: ChunkBatch, names: set[str],
                       tier: TierName) -> None:
         """Touches the chunks ``store`` holds, copies the others on :data:`_CHUNK_COPIERS` threads, then
         makes them durable together (:meth:`ChunkBatch.publish`)."""
@@ -199,15 +201,15 @@ class PartCopier:
         reused = 0
         todo = []
         for name in sorted(names):
-            if store.reuse(part.job, name):
-                reused += store.tier.chunk_size(part.job, name)
+            if store.reuse(key, name):
+                reused += store.tier.chunk_size(key, name)
             else:
                 todo.append(name)
 
         buffers = _Buffers()
 
         def read(run: packs.Run) -> None:
-            with source.open_chunk_run(part.job, run) as f:
+            with source.open_chunk_run(key, run) as f:
                 size = f.size
                 with buffers.get(size) as view:  # page-aligned, and so is its length: the write goes O_DIRECT
                     got = f.readinto(view[:size]) or 0
@@ -229,16 +231,16 @@ class PartCopier:
                 except FileNotFoundError:
                     if run.whole:
                         raise
-                    for again in source.chunk_runs(part.job, run.names, _RUN_BYTES):
+                    for again in source.chunk_runs(key, run.names, _RUN_BYTES):
                         read(again)  # the pack went (a sweep after a repack): its chunks are elsewhere now
             except FileNotFoundError as e:
                 raise _missing(source, part, e, run.path) from e
 
         if todo:
             try:
-                runs = source.chunk_runs(part.job, todo, _RUN_BYTES)
+                runs = source.chunk_runs(key, todo, _RUN_BYTES)
             except FileNotFoundError as e:
-                raise _missing(source, part, e, source.chunk_location(part.job, todo[0])) from e
+                raise _missing(source, part, e, source.chunk_location(key, todo[0])) from e
             try:
                 with ThreadPoolExecutor(min(_CHUNK_COPIERS, len(runs)), "drain-chunk",
                                         initializer=fsutil.lower_thread_priority, initargs=(self._nice,)) as pool:

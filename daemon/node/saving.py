@@ -107,7 +107,8 @@ class SaveDesk:
             save = Save(uuid.uuid4().hex[:16], session.id, spec, session.arena,
                         base, session.chunk_bytes, writer,
                         direct_io=self._config.persist.direct_io,
-                        store=self._chunks if self._config.persist.incremental else None)
+                        store=self._chunks if self._config.persist.incremental else None,
+                        user_store=self._config.persist.dedup == "user")
         except (OSError, OverflowError, ValueError) as e:
             if writer is not None:
                 writer.abort()

@@ -39,16 +39,16 @@ class ChunkSink:
     name, then reused (leased) or written into a pack staged with the part. :meth:`publish` before the manifest is
     committed; :meth:`close` always, after it is committed or failed."""
 
-    def __init__(self, store: ChunkStore, job: str, manifest: Manifest, writer: PartWriter, where: Path) -> None:
+    def __init__(self, store: ChunkStore, manifest: Manifest, writer: PartWriter, where: Path) -> None:
         self._store = store
-        self._job = job
+        self.key = chunks.store_key(manifest)  # its job's store, or the user's, as on its own node
         self._where = where
         self._lists = {name: listed for name in layout.manifest_files(manifest)
                        if (listed := chunks.manifest_chunks(manifest, name)) is not None}
         self._next = dict.fromkeys(self._lists, 0)         # file -> index of the chunk being filled
         self._pending = {name: bytearray() for name in self._lists}  # file -> that chunk's bytes so far
         self._leased: set[str] = set()
-        self._batch = store.new_chunks(job, writer)
+        self._batch = store.new_chunks(self.key, writer)
         self._published = False
         self.reused_bytes = 0
         self.written_bytes = 0
@@ -87,7 +87,7 @@ class ChunkSink:
             self.reused_bytes += chunk.nbytes  # the same bytes twice in one part (zeroed optimizer state)
             return
         self._leased.add(chunk.name)
-        if self._store.reuse(self._job, chunk.name):
+        if self._store.reuse(self.key, chunk.name):
             self.reused_bytes += chunk.nbytes
             return
         self._batch.write(chunk.name, data, direct_io=False)
@@ -106,42 +106,43 @@ class ChunkSink:
         """Ends the leases; drops what was not published."""
         if not self._published:
             self._batch.discard()
-        self._store.release(self._job, self._leased)
+        self._store.release(self.key, self._leased)
         self._leased = set()
 
 
 class ReplicaChunks:
-    """The chunk stores of the replica store's disk, one per job: sinks for replicas arriving, sweeps when
-    replicas go, and the bytes they hold."""
+    """The chunk stores of the replica store's disk (one per job, and the user's): sinks for replicas arriving,
+    sweeps when replicas go, and the bytes they hold."""
 
     def __init__(self, disk: FsTier) -> None:
         # Grace 0: only this daemon writes here, and its leases cover every chunk a replica being received reuses.
         self._store = ChunkStore(disk, grace_s=0.0)
         self._disk = disk
         self._lock = threading.Lock()
-        self._held: dict[str, int] = {}  # job -> bytes its store's packs hold
+        self._held: dict[str, int] = {}  # store key -> bytes its packs hold
 
-    def sink(self, job: str, manifest: Manifest, writer: PartWriter, where: Path) -> ChunkSink:
-        return ChunkSink(self._store, job, manifest, writer, where)
+    def sink(self, manifest: Manifest, writer: PartWriter, where: Path) -> ChunkSink:
+        return ChunkSink(self._store, manifest, writer, where)
 
     def sweep(self, job: str) -> None:
-        """Removes the chunks of ``job`` no replica on disk refers to any more; never raises (a failed sweep
-        leaves chunks for the next one)."""
-        try:
-            self._store.sweep(job)
-        except (OSError, MarkFailed, layout.ManifestError) as e:
-            log.warning("cannot sweep the chunks of the replicas of %s: %s", job, e,
-                        extra=fields(job=job, tier=TierName.PEER, error=e))
-        self.count(job)
+        """Removes the chunks no replica on disk refers to any more from the stores replicas of ``job`` use (its
+        own, and the user's); never raises (a failed sweep leaves chunks for the next one)."""
+        for key in (job, chunks.USER_STORE):
+            try:
+                self._store.sweep(key)
+            except (OSError, MarkFailed, layout.ManifestError) as e:
+                log.warning("cannot sweep the chunks of the replicas of %s: %s", key, e,
+                            extra=fields(job=job, tier=TierName.PEER, error=e))
+            self.count(key)
 
-    def count(self, job: str) -> None:
-        """Takes the bytes ``job``'s store holds again (after a replica arrived or a sweep)."""
+    def count(self, key: str) -> None:
+        """Takes the bytes store ``key`` holds again (after a replica arrived or a sweep)."""
         try:
-            held = sum(p.nbytes for p in self._disk.list_packs(job)) if self._disk.has_chunk_store(job) else 0
+            held = sum(p.nbytes for p in self._disk.list_packs(key)) if self._disk.has_chunk_store(key) else 0
         except OSError:
             return
         with self._lock:
-            self._held[job] = held
+            self._held[key] = held
 
     def held_bytes(self) -> int:
         with self._lock:

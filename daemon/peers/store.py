@@ -157,7 +157,7 @@ class ReplicaStore:
                     try:
                         raw = (part.path / layout.MANIFEST_FILE).read_bytes()
                         manifest = parse_header(job, part.step, part.rank, raw, layout.chunk_digest(raw))
-                        lost = chunks.missing(chunks.store_of(part.path, job), chunks.referenced(manifest))
+                        lost = chunks.missing(chunks.store_of(part.path, manifest), chunks.referenced(manifest))
                         if lost:
                             raise CorruptReplica(f"{len(lost)} of its chunks are missing ({lost[0]}, ...)")
                     except (OSError, DaemonError) as e:
@@ -274,7 +274,7 @@ class ReplicaStore:
                          "budget is in use and the SSD share for replicas is full")
         final = self.disk.part_location(job, step, rank)
         writer = self.disk.begin_part(job, step, rank, replace=lambda f: True)
-        chunked = self._chunks.sink(job, manifest, writer, final) if "chunks" in manifest else None
+        chunked = self._chunks.sink(manifest, writer, final) if "chunks" in manifest else None
         try:
             files = {name: writer.create_file(name, e.size, direct_io=False) for name, e in entries.items()
                      if chunked is None or not chunked.takes(name)}
@@ -304,7 +304,7 @@ class ReplicaStore:
         finally:
             if chunked is not None:
                 chunked.close()
-                self._chunks.count(job)
+                self._chunks.count(chunked.key)
             writer.abort()
         return _replica(job, step, rank, raw, manifest, path=path)
 

@@ -20,7 +20,7 @@ from ckptstage.daemon.retention.job_rules import JobRetention, JobRules
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.tiers.interface import Tier
-from ckptstage.protos import layout
+from ckptstage.protos import chunks, layout
 
 log = logging.getLogger(__name__)
 
@@ -230,27 +230,29 @@ class Janitor:
         return removed
 
     def _sweep(self, job: str, tier: TierName, deleted: bool, trigger: str) -> None:
-        """Removes the job's chunks that no part on ``tier`` refers to any more (incremental parts).
+        """Removes the chunks that no part on ``tier`` refers to any more (incremental parts): of the job's
+        store, and of the user's (:data:`chunks.USER_STORE`) where the tier has one.
 
         After a pass that deleted parts, and at start and on request; on the timer (what is left: a failed
         save's or drain's chunks) at most once per ``[persist] chunk_grace_s``, since none is older."""
         store = self.chunk_stores.get(tier)
         if store is None:
             return
-        now = time.monotonic()
-        last = self._swept_at.get((job, tier))
-        if not deleted and (trigger == "commit" or
-                            trigger == "timer" and last is not None and now - last < store.grace_s):
-            return
-        self._swept_at[(job, tier)] = now
-        try:
-            swept = store.sweep(job)
-        except OSError as e:
-            log.error("retention could not sweep the chunks of %s on %s: %s", job, tier.value, e,
-                      extra=fields(job=job, tier=tier, error=e))
-            return
-        self.metrics.chunks_swept.labels(tier.value).inc(swept.removed)
-        self.metrics.chunk_bytes_swept.labels(tier.value).inc(swept.freed)
+        for key in (job, chunks.USER_STORE):
+            now = time.monotonic()
+            last = self._swept_at.get((key, tier))
+            if not deleted and (trigger == "commit" or
+                                trigger == "timer" and last is not None and now - last < store.grace_s):
+                continue
+            self._swept_at[(key, tier)] = now
+            try:
+                swept = store.sweep(key)  # nothing to do (and one look) where the store does not exist
+            except OSError as e:
+                log.error("retention could not sweep the chunks of %s on %s: %s", key, tier.value, e,
+                          extra=fields(job=job, tier=tier, error=e))
+                continue
+            self.metrics.chunks_swept.labels(tier.value).inc(swept.removed)
+            self.metrics.chunk_bytes_swept.labels(tier.value).inc(swept.freed)
 
     def _delete_record(self, job: str, step: int, tier: TierName, why: str) -> None:
         """Deletes a step's commit record (after its parts: a half-deleted step never reads complete)."""

@@ -30,7 +30,7 @@ from ckptstage.daemon.fsutil import lower_thread_priority
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.save.manifest_check import SaveSpec
 from ckptstage.daemon.tiers.interface import DataSink, PartWriter, TierName
-from ckptstage.protos import layout
+from ckptstage.protos import chunks, layout
 
 if TYPE_CHECKING:
     from ckptstage.daemon.save.arena import Arena
@@ -42,13 +42,14 @@ class Save:
 
     def __init__(self, save_id: str, session_id: str, spec: SaveSpec, arena: Arena, stream_base: int,
                  chunk_bytes: int, writer: PartWriter | None, direct_io: bool = False,
-                 store: ChunkStore | None = None) -> None:
+                 store: ChunkStore | None = None, user_store: bool = False) -> None:
         """Takes ``writer`` over and creates the data file in it; on any error both are gone.
 
         Without a writer the save is kept in memory only: its chunks are hashed, not written, and its
         "commit" is the manifest (:attr:`memory_manifest`) vouching for the image in the arena. With a
         ``store`` the part is written incrementally: no data file, only the chunks the store lacks
-        (:class:`PartChunks`)."""
+        (:class:`PartChunks`), in its job's chunk store or, with ``user_store``, in the one all the user's
+        jobs share (:data:`chunks.USER_STORE`)."""
         self.id = save_id
         self.session_id = session_id
         self.spec = spec
@@ -74,7 +75,7 @@ class Save:
             self.memory_manifest: bytes | None = None  # a memory-only save's manifest.json, once committed
             self.lock = threading.Lock()
             if writer is not None and store is not None:
-                self.chunks = PartChunks(store, spec.job, spec.data_bytes,
+                self.chunks = PartChunks(store, chunks.USER_STORE if user_store else spec.job, spec.data_bytes,
                                          [(t["offset"], t["nbytes"]) for t in spec.manifest["tensors"]],
                                          chunk_bytes, writer, direct_io)
             elif writer is not None:
@@ -255,6 +256,8 @@ class Persister:
             else:
                 if save.chunks is not None:
                     manifest["chunks"] = {layout.DATA_FILE: save.chunks.publish()}
+                    if save.chunks.key == chunks.USER_STORE:
+                        manifest[chunks.STORE_FIELD] = "user"
                 save.committed_path = save.writer.commit(manifest)
                 save.release_chunks()  # published: every later sweep marks its chunks
         except Exception as e:  # noqa: BLE001 - whatever it was, the save fails and its temporary goes

@@ -304,7 +304,9 @@ class PartStorage(Protocol):
 
 @runtime_checkable
 class ChunkStorage(Protocol):
-    """The chunk stores of incremental parts: one per job, chunks named by their content.
+    """The chunk stores of incremental parts: one per job, and one every job of the user shares; chunks named by
+    their content. Each call's ``job`` is the store's key (:func:`ckptstage.protos.chunks.store_key`): a job's
+    name, or :data:`~ckptstage.protos.chunks.USER_STORE`.
 
     The rules that make a sweep safe (leases, the grace period, marking
     twice) are :class:`ckptstage.daemon.catalog.chunkstore.ChunkStore`'s; a tier

@@ -113,7 +113,7 @@ class S3Chunks:
 
     def new_chunks(self, job: str, part: PartWriter | None = None) -> S3ChunkBatch:
         """A batch whose chunks go straight into the store (nothing is staged: see :class:`S3ChunkBatch`)."""
-        return S3ChunkBatch(self._keys, self._objects, layout.check_job(job))
+        return S3ChunkBatch(self._keys, self._objects, chunks.check_store_key(job))
 
     def list_chunks(self, job: str) -> list[str]:
         out = []

@@ -24,7 +24,7 @@ def verify_part(part: Path, manifest: Manifest, keys: Keys, transfers: Transfers
     piece = memoryview(bytearray(VERIFY_PIECE_BYTES))
     for name, entry in layout.manifest_files(manifest).items():
         verifier = layout.BlockVerifier(entry, part / name)
-        for ext in chunks.extents(part, manifest, name, chunks.loose(chunks.store_of(part, str(manifest["job"])))):
+        for ext in chunks.extents(part, manifest, name, chunks.loose(chunks.store_of(part, manifest))):
             verifier.path = ext.path  # a bad block is named by the object its last bytes came from
             try:
                 reader = transfers.reader(keys.key(ext.path))
