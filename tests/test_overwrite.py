@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -139,7 +138,8 @@ def test_sigkill_before_the_replacement_is_in_place_leaves_the_old_step(daemon_f
     drain(d, timeout=60)
     with Client("ow-kill", socket=d.socket) as c:
         c.save(4, _state(2.0, n=1 << 20), overwrite=True).wait("local", timeout=30)
-    wait_until(lambda: list((d.shared / ".tmp").rglob("data.safetensors")), 20, "the replacement's copy started")
+    # The part's temporary (<job>.<step>.<rank>.<id>) on the shared tier: its data (file or new chunks) is on its way.
+    wait_until(lambda: list((d.shared / ".tmp").glob("*/ow-kill.4.0.*")), 20, "the replacement's copy started")
     d.kill()
     assert _shared_tag(d.shared, "ow-kill", 4) == 1.0  # the shared tier still has the old step, whole
     d.start()
@@ -269,17 +269,17 @@ def test_a_replacement_swapped_in_just_before_a_crash_is_drained_not_taken_for_t
         c.save(5, _state(1.0)).wait("shared", timeout=30)
     d.kill()
     # Another daemon (the same job and attempt, its own tiers) replaces a copy of that step: its local
-    # tier then holds exactly what the exchange would have put in place.
+    # tier then holds exactly what the exchange would have put in place. The job's directory is copied
+    # whole (its only step, and the chunk store an incremental part's data lies in).
     e = daemon_factory("ow-crash-e", **{"shared.dir": ""})
-    fsutil.makedirs_durable(layout.step_dir(e.local, "ow-crash", 5).parent, within=e.local)
-    shutil.copytree(layout.step_dir(d.local, "ow-crash", 5), layout.step_dir(e.local, "ow-crash", 5))
+    fsutil.makedirs_durable(e.local)
+    shutil.copytree(d.local / "ow-crash", e.local / "ow-crash")
     e.start()
     with Client("ow-crash", socket=e.socket, attempt="run") as c:
         c.save(5, _state(2.0), overwrite=True).wait("local", timeout=30)
     e.stop()
-    old = layout.step_dir(d.local, "ow-crash", 5)
-    shutil.rmtree(old)
-    shutil.copytree(layout.step_dir(e.local, "ow-crash", 5), old)
+    shutil.rmtree(d.local / "ow-crash")
+    shutil.copytree(e.local / "ow-crash", d.local / "ow-crash")
     d.start()
     drain(d)
     assert _shared_tag(d.shared, "ow-crash", 5) == 2.0
