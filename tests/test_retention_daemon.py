@@ -7,7 +7,6 @@ after commits, drains and on its timer.
 
 from __future__ import annotations
 
-import filecmp
 import re
 import shutil
 import time
@@ -23,7 +22,7 @@ from ckptstage.protos.v1 import ckptstage_pb2 as pb
 
 import support
 from hangfs import hang
-from support import drain, free_port, wait_metric, wait_until
+from support import drain, free_port, read_data, wait_metric, wait_until
 
 JOB = "retjob"
 
@@ -257,7 +256,7 @@ def test_prefetch_stages_a_shared_only_checkpoint_back_onto_local(daemon_factory
         assert (resp.step, resp.parts) == (3, 1)
         local, shared = (layout.part_dir(t, JOB, 3, 0) for t in (d.local, d.shared))
         chunks.verify_part(local)
-        assert filecmp.cmp(local / layout.DATA_FILE, shared / layout.DATA_FILE, shallow=False)
+        assert read_data(local) == read_data(shared)
         assert [(i.step, i.tiers) for i in c.list()][-1] == (3, ("local", "shared"))
         resp = conn.call("Prefetch", pb.PrefetchRequest(job=JOB, step=3))
         assert resp.parts == 0  # already local
