@@ -20,7 +20,7 @@ from ckptstage.daemon.drain.health import TierHealth
 from ckptstage.daemon.node.status import tier_state
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
-from support import drain, wait_until
+from support import data_size, drain, flip_data_byte, wait_until
 
 JOB = "healthjob"
 
@@ -170,13 +170,9 @@ def test_a_drain_that_cannot_succeed_is_failed_not_retrying(daemon_factory: Any)
     with Client(JOB, socket=d.socket) as client:
         h = client.save(1, state_of(1))
         h.wait("local", timeout=30)
-        data = layout.part_dir(d.local, JOB, 1, 0) / layout.DATA_FILE
-        if not data.is_file():
-            pytest.skip("the part is stored as chunks ([persist] incremental)")
+        part = layout.part_dir(d.local, JOB, 1, 0)
         wait_until(lambda: job_of(status(d).jobs, JOB).drain.state == "retrying", 30, "the drain retrying")
-        raw = bytearray(data.read_bytes())
-        raw[len(raw) // 2] ^= 0x01
-        data.write_bytes(bytes(raw))
+        flip_data_byte(part, data_size(part) // 2)
         blocker.unlink()
         with pytest.raises(SaveFailed):
             h.wait("shared", timeout=30)
