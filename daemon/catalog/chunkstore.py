@@ -289,8 +289,8 @@ class PartChunks:
         Returns the unit's digest blocks' checksums (of ``block`` bytes each), taken in the same pass."""
         cuts = self._by_unit.get(unit, [])
         digests, names = chunks.hash_unit(data, start, block, cuts)
+        run: list[tuple[str, int, int]] = []  # new chunks side by side in ``data``: (name, offset, length)
         for (lo, hi), name in zip(cuts, names):
-            piece = data[lo - start:hi - start]
             with self._lock:
                 self._names[lo] = name
                 first = name not in self._leased
@@ -303,8 +303,20 @@ class PartChunks:
                 with self._lock:
                     self.reused_bytes += hi - lo
                 continue
-            self._new.write(name, piece, self.direct_io)
+            if run and run[-1][1] + run[-1][2] != lo - start:
+                self._write_run(run, data)
+                run = []
+            run.append((name, lo - start, hi - lo))
+        if run:
+            self._write_run(run, data)
         return digests
+
+    def _write_run(self, run: list[tuple[str, int, int]], data: memoryview) -> None:
+        """New chunks that lie side by side in ``data``, with one write (every boundary is on a page, so each
+        stays page-aligned in the pack)."""
+        first = run[0][1]
+        end = run[-1][1] + run[-1][2]
+        self._new.write_run([(name, at - first, n) for name, at, n in run], data[first:end], self.direct_io)
 
     def publish(self) -> list[list[object]]:
         """Moves the new chunks into the store (durably); returns the manifest's chunk list."""
