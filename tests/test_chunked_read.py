@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import assert_same, drain, refuse_o_direct, write_part
+from support import assert_same, drain, read_data, refuse_o_direct, write_part
 
 from ckptstage.client import Client, extentfiles, readmodes, restore, shards, tree
 from ckptstage.client.reshard import StepView
@@ -46,9 +46,9 @@ def to_chunks(part: Path, tier: Path, every: int = 64 << 20, body: int = chunks.
     manifest = layout.read_manifest(part)
     job = str(manifest["job"])
     dest = layout.part_dir(tier, job, int(manifest["step"]), int(manifest["rank"]))
-    data = logical_bytes(part)
+    data = read_data(part)
     tensors = [(int(t["offset"]), int(t["nbytes"])) for t in manifest["tensors"]]
-    store = chunks.store_of(dest, job)
+    store = chunks.store_of(dest, manifest)
     pieces = []
     for lo, hi in chunks.cut(len(data), tensors, every, body):
         name = chunks.digest(data[lo:hi])
@@ -60,12 +60,6 @@ def to_chunks(part: Path, tier: Path, every: int = 64 << 20, body: int = chunks.
     dest.mkdir(parents=True)
     (dest / layout.MANIFEST_FILE).write_bytes(layout.manifest_file_bytes(manifest))
     return dest
-
-
-def logical_bytes(part: Path) -> bytes:
-    """The part's data file, however it is stored (whole, or as chunks if the daemon writes incrementally)."""
-    extents = chunks.extents(part, layout.read_manifest(part))
-    return b"".join(e.path.read_bytes()[e.lo - e.base:e.hi - e.base] for e in extents)
 
 
 def chunk_files(part: Path) -> list[Path]:
@@ -177,7 +171,7 @@ def test_the_copies_are_what_they_should_be(saved: Any, copies: dict[str, Path])
     manifest = layout.read_manifest(copies["fine"])
     extents = chunks.extents(copies["fine"], manifest)
     assert len(extents) > 40 and len(chunks.extents(copies["coarse"], layout.read_manifest(copies["coarse"]))) > 5
-    assert b"".join(e.path.read_bytes() for e in extents) == logical_bytes(part)
+    assert b"".join(e.path.read_bytes() for e in extents) == read_data(part)
     assert any(t["offset"] % PAGE for t in manifest["tensors"] if t["nbytes"] >= MiB)  # the case worth testing
 
 
