@@ -18,6 +18,7 @@ import pytest
 import torch
 from ckptstage.client import Client
 from ckptstage.daemon import fsutil
+from ckptstage.daemon.catalog.chunkstore import ChunkStore, PartChunks
 from ckptstage.daemon.tiers.fs import FsTier
 from ckptstage.protos import chunks, layout, packs
 
@@ -145,6 +146,37 @@ def test_a_batch_writes_a_run_at_once_and_keeps_no_reserved_space(tmp_path: Path
     for name, data in zip(names, (one, two, big)):
         with tier.open_chunk(JOB, name) as f:
             assert f.read(1 << 30) == data
+
+
+def test_a_unit_s_new_chunks_side_by_side_go_in_one_write_and_a_chunk_the_store_holds_splits_them(
+        tmp_path: Path) -> None:
+    tier = FsTier(tmp_path / "tier", "daemon")
+    store = ChunkStore(tier, grace_s=600)
+    mib = 1 << 20
+    data = memoryview(bytearray(os.urandom(5 * mib)))
+    held = tier.new_chunks(JOB)  # chunk 2's bytes are in the store already
+    held.write(chunks.digest(data[2 * mib:3 * mib]), data[2 * mib:3 * mib], direct_io=False)
+    held.publish()
+    writer = tier.begin_part(JOB, 1, 0, replace=lambda f: True)
+    part = PartChunks(store, JOB, 5 * mib, [(i * mib, mib) for i in range(5)], 8 * mib, writer, direct_io=True)
+    writes: list[list[tuple[str, int, int]]] = []
+    real = part._new.write_run
+
+    def spy(run: Any, view: memoryview, direct_io: bool) -> None:
+        writes.append(list(run))
+        real(run, view, direct_io)
+
+    part._new.write_run = spy  # type: ignore[method-assign]
+    assert part.write(0, data, 0, mib) == layout.block_digests(data, mib)
+    names = [chunks.digest(data[i * mib:(i + 1) * mib]) for i in range(5)]
+    assert writes == [[(names[0], 0, mib), (names[1], mib, mib)], [(names[3], 0, mib), (names[4], mib, mib)]]
+    assert part.reused_bytes == mib
+    assert part.publish() == [[n, mib] for n in names]
+    part.release()
+    writer.abort()
+    for i, name in enumerate(names):
+        with tier.open_chunk(JOB, name) as f:
+            assert f.read(2 * mib) == data[i * mib:(i + 1) * mib]
 
 
 def test_a_write_puts_its_aligned_pages_and_its_tail_where_they_belong(tmp_path: Path) -> None:
