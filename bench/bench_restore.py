@@ -150,6 +150,7 @@ class Bench:
             c.save(1, state).wait("shared", timeout=600)
         with h.Timer() as t:
             stores = [h.to_chunks(layout.part_dir(tier, job, 1, 0)) for tier in (self.work / "local", self.shared)]
+            self.daemon.restart()  # it indexed the step by its old manifests
         chunks = sum(1 for p in stores[0].rglob("*") if p.is_file())
         print(f"  {job}: rewritten as {chunks} chunks per tier in {t.s:.1f} s", flush=True)
         return stores[0], stores[1]

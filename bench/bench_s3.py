@@ -72,6 +72,20 @@ def node(root: Path, local: Path, server: Any, piece_bytes: int, concurrency: in
     return daemon
 
 
+def data_file(part: Path, scratch: Path) -> Path:
+    """The part's data file, for the peers to upload: its own, or (an incremental part) written out from its
+    chunks to ``scratch``."""
+    from ckptstage.protos import chunks, layout
+
+    manifest = layout.read_manifest(part)
+    if chunks.manifest_chunks(manifest) is None:
+        return part / layout.DATA_FILE
+    with open(scratch, "wb") as f:
+        for _, piece in chunks.read_pieces(part, manifest, layout.DATA_FILE, memoryview(bytearray(64 * h.MiB))):
+            f.write(piece)
+    return scratch
+
+
 def arena_bytes(state_bytes: int) -> int:
     """An arena that holds two saves of a state (whole MiB, at least 256 MiB)."""
     return max(2 * state_bytes, 256 * h.MiB) // h.MiB * h.MiB
@@ -132,7 +146,7 @@ def bench(args: argparse.Namespace, work: Path, droot: Path, out: Any) -> dict[s
     state = h.make_state(int(args.gib * h.GiB))
     nbytes = h.state_bytes(state)
     daemon = node(droot / "d", work / "local", server, piece, args.multipart_concurrency, metrics=True,
-                  **{"arena.max_bytes": arena_bytes(nbytes),
+                  **{"arena.max_bytes": arena_bytes(nbytes), "persist.incremental": args.incremental,
                      "shared.keep_last": 1, "local.keep_last": 1})  # the store keeps one state
     runs: dict[str, list[float]] = {}
     loads: list[tuple[float, float, float]] = []
@@ -144,6 +158,9 @@ def bench(args: argparse.Namespace, work: Path, droot: Path, out: Any) -> dict[s
             client.save(0, state).wait("shared")  # untimed: arena, imports, the first connections
             for r in range(args.rounds):
                 step = r + 1
+                if args.incremental:  # every chunk changed: a step whose chunks the store holds drains nothing
+                    for t in h.tensors_of(state):
+                        t.add_(1)
                 h.settle(args.settle)
                 before = daemon.scrape().get(DRAIN_SUM, 0.0)
                 handle = client.save(step, state)
@@ -152,7 +169,7 @@ def bench(args: argparse.Namespace, work: Path, droot: Path, out: Any) -> dict[s
                 handle.wait("shared")
                 runs.setdefault("drain.client", []).append(time.perf_counter() - t_local)
                 runs.setdefault("drain.daemon", []).append(daemon.scrape().get(DRAIN_SUM, 0.0) - before)
-                data = layout.part_dir(work / "local", JOB, step, 0) / layout.DATA_FILE
+                data = data_file(layout.part_dir(work / "local", JOB, step, 0), work / "peers-data")
                 data_bytes = data.stat().st_size
                 order = [("upload_file", lambda: peers.upload_file(data)),
                          ("upload_file.tuned", lambda: peers.upload_file(data, tuned=True)),
@@ -202,6 +219,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     p.add_argument("--multipart-bytes", default="64MiB", help="[shared] multipart_bytes (default 64MiB)")
     p.add_argument("--multipart-concurrency", type=int, default=8, help="[shared] multipart_concurrency (default 8)")
+    p.add_argument("--incremental", action=argparse.BooleanOptionalAction, default=False,
+                   help="[persist] incremental: the drain uploads a part's chunks, an object each (default: off)")
     return p.parse_args(argv)
 
 
