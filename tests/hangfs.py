@@ -32,13 +32,27 @@ class HangingMount:
             err = ctypes.get_errno()
             os.close(self._fd)
             raise OSError(err, f"mount fuse on {target}: {os.strerror(err)}")
+        self._id = next((i for i, point in _mounts() if point == str(target)), None)
 
     def release(self) -> None:
-        """Aborts the connection (waiting calls fail with ENOTCONN) and detaches the mount."""
+        """Aborts the connection (waiting calls fail with ENOTCONN) and detaches the mount, wherever it is now
+        (a directory above it may have been renamed meanwhile: a deletion moves a step aside first)."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-            self._libc.umount2(os.fsencode(self.target), _MNT_DETACH)
+            where = next((point for i, point in _mounts() if i == self._id), str(self.target))
+            self._libc.umount2(os.fsencode(where), _MNT_DETACH)
+
+
+def _mounts() -> list[tuple[int, str]]:
+    """(mount id, mount point) of this process's mounts, as the kernel names them now (its escapes undone)."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            point = fields[4].encode().decode("unicode_escape")  # octal escapes: \040 for a space
+            out.append((int(fields[0]), point))
+    return out
 
 
 @contextmanager
