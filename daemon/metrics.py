@@ -115,7 +115,8 @@ class Metrics:
         self.memory_handouts = Counter("ckptstage_memory_handouts",
                                        "Memory-tier copies handed to a reader (a restarted trainer).", registry=r)
         self.peer_sent_bytes = Counter("ckptstage_peer_sent_bytes", "Bytes of parts sent to other nodes as "
-                                       "replicas ([peers]).", registry=r)
+                                       "replicas ([peers]); of an incremental part sent as the chunks its peer "
+                                       "lacked, those.", registry=r)
         self.peer_received_bytes = Counter("ckptstage_peer_received_bytes", "Bytes of replicas received from "
                                            "other nodes, and of replicas fetched from them for a reader.",
                                            registry=r)

@@ -29,6 +29,7 @@ This module is imported by the daemon and the client alike: no torch.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -312,6 +313,29 @@ def missing(store: Path, names: Iterable[str]) -> list[str]:
     """The chunks among ``names`` that are not in ``store``, loose or packed (a sweep took them, or they never
     arrived)."""
     return [n for n, place in packs.store_index(store).find_all(names).items() if place is None]
+
+
+def read_chunk(store: Path, name: str) -> bytes:
+    """Chunk ``name``'s bytes from ``store`` (a range of a pack, or its own file), unchecked. A pack removed under
+    the read (a repack moved the chunk) is looked up again, once; FileNotFoundError: the store lacks it."""
+    index = packs.store_index(store)
+    for again in (False, True):
+        place = index.find(name)
+        if place is None:
+            raise FileNotFoundError(errno.ENOENT, f"no chunk {name} in {store}")
+        try:
+            with open(place.path, "rb") as f:
+                f.seek(place.offset)
+                data = f.read(place.length)
+        except FileNotFoundError:
+            if place.whole or again:
+                raise
+            index.reset()
+            continue
+        if len(data) != place.length:
+            raise OSError(errno.EIO, f"{place.path}: shorter than its chunk {name} ({place.length} bytes)")
+        return data
+    raise AssertionError("unreachable")
 
 
 def verify_part(part: Path, manifest: dict[str, Any] | None = None) -> None:

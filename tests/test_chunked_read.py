@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import assert_same, drain, read_data, refuse_o_direct, write_part
+from support import assert_same, drain, evict, read_data, refuse_o_direct, write_part
 
 from ckptstage.client import Client, extentfiles, readmodes, restore, shards, tree
 from ckptstage.client.reshard import StepView
@@ -64,17 +64,6 @@ def to_chunks(part: Path, tier: Path, every: int = 64 << 20, body: int = chunks.
 
 def chunk_files(part: Path) -> list[Path]:
     return [e.path for e in chunks.extents(part, layout.read_manifest(part))]
-
-
-def evict(part: Path) -> None:
-    """Drops every chunk file of the part from the page cache."""
-    for path in chunk_files(part):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def warm(part: Path) -> None:

@@ -94,8 +94,13 @@ def test_a_fine_tunes_replicas_store_what_changed_drop_what_no_step_names_and_re
         first = pack_bytes(b)
         assert part_bytes <= first <= 1.05 * part_bytes  # the first replica: every chunk, once
 
+        sent = metric(scrape(a.metrics_port), "ckptstage_peer_sent_bytes_total")
         save(clients, 2)
         delta = pack_bytes(b) - first
+        # Sent as the chunks B lacked: the adapters and the runs around them, not the base.
+        step_2_sent = metric(scrape(a.metrics_port), "ckptstage_peer_sent_bytes_total") - sent
+        assert 0 < step_2_sent <= 0.1 * part_bytes, f"step 2's replica sent {step_2_sent} bytes of {part_bytes}"
+        assert "the chunks it lacked" in a.log.read_text()
         assert 0 < delta <= 0.1 * part_bytes, f"step 2's replica stored {delta} bytes of {part_bytes}"
         assert names_of(replica(b, 1)) & names_of(replica(b, 2))  # the base: stored once, named by both
         port = b.metrics_port
@@ -177,3 +182,40 @@ def test_bytes_that_are_not_the_chunk_their_name_says_are_refused_and_nothing_is
         put(honest)
         assert replicas_held(b, JOB) == {(1, 0)}
         assert names_of(replica(b, 1)) <= stored_names(b)
+
+
+def test_a_replica_sent_as_chunks_must_bring_every_chunk_the_peer_lacks(daemon_factory: Any, tmp_path: Path) -> None:
+    """The receiving side of a replica sent as chunks: asked which it lacks, a node names them and only them; a
+    replica that leaves one out is refused (the sender then sends it whole), one that brings them is kept."""
+    job = "by-hand"  # A never replicates it: its clients there name no other node
+    a, b = peer_nodes(daemon_factory, tmp_path / "nodes", 2, **INCREMENTAL)
+    with Client(job, socket=a.socket, rank=0, world_size=2, attempt="run-1", arena_bytes=ARENA) as writer:
+        for step in (1, 2):
+            writer.save(step, {**state_of(step, 0), "base": state_of(1, 0)["base"]}).wait("local", timeout=30)
+    parts = {step: layout.part_dir(a.local, job, step, 0) for step in (1, 2)}
+    stub, metadata = peer_stub(b)
+
+    def put(step: int, messages: list[pb.ReplicaChunk], chunks_only: bool) -> None:
+        raw = (parts[step] / layout.MANIFEST_FILE).read_bytes()
+        header = pb.ReplicaHeader(job=job, step=step, rank=0, sender=a.peer, manifest=raw,
+                                  digest=layout.chunk_digest(raw), chunks_only=chunks_only)
+        stub.PutReplica(iter([pb.ReplicaChunk(header=header), *messages]), metadata=metadata, timeout=30)
+
+    with Client(job, socket=b.socket, rank=1, world_size=2, attempt="run-1", arena_bytes=ARENA) as member:
+        join([member], [a, b])
+        data = read_data(parts[1])
+        put(1, [pb.ReplicaChunk(data=pb.FileData(name=layout.DATA_FILE, offset=at, data=data[at:at + (1 << 20)]))
+                for at in range(0, len(data), 1 << 20)], chunks_only=False)
+        names = sorted(names_of(parts[2]))
+        lacked = list(stub.MissingChunks(pb.ChunksQuery(job=job, store=job, names=names), metadata=metadata,
+                                         timeout=10).names)
+        assert set(lacked) == names_of(parts[2]) - names_of(parts[1]) and lacked  # the base is there already
+        with pytest.raises(grpc.RpcError) as info:
+            put(2, [], chunks_only=True)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert replicas_held(b, job) == {(1, 0)}
+        store = chunks.store_of(parts[2], layout.read_manifest(parts[2]))
+        put(2, [pb.ReplicaChunk(data=pb.FileData(name=n, offset=0, data=chunks.read_chunk(store, n)))
+                for n in lacked], chunks_only=True)
+        assert replicas_held(b, job) == {(1, 0), (2, 0)}
+        chunks.verify_part(layout.part_dir(b.local / ".peers", job, 2, 0))  # every block, from B's own store

@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 
 from ckptstage.daemon.catalog.chunkstore import ChunkStore, MarkFailed
-from ckptstage.daemon.errors import DaemonError
+from ckptstage.daemon.errors import DaemonError, InvalidRequest
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.tiers.fs import FsTier
 from ckptstage.daemon.tiers.interface import Manifest, PartWriter, TierName
@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 
 class WrongChunk(DaemonError):
     """Bytes of a replica that are not the chunk its manifest names there."""
+
+
+class ChunksMissing(DaemonError):
+    """A replica sent as the chunks this node lacked lacks some: a sweep took one after the sender asked
+    (:meth:`ReplicaChunks.missing`), or the sender left one out. It sends the whole part instead."""
 
 
 class ChunkSink:
@@ -48,6 +53,8 @@ class ChunkSink:
         self._next = dict.fromkeys(self._lists, 0)         # file -> index of the chunk being filled
         self._pending = {name: bytearray() for name in self._lists}  # file -> that chunk's bytes so far
         self._leased: set[str] = set()
+        self._wanted: dict[str, int] | None = None  # by name (:meth:`expect`): chunk -> its length, until it came
+        self._arriving: dict[str, bytearray] = {}
         self._batch = store.new_chunks(self.key, writer)
         self._published = False
         self.reused_bytes = 0
@@ -56,6 +63,40 @@ class ChunkSink:
     def takes(self, name: str) -> bool:
         """Whether the manifest keeps file ``name`` as chunks (else the part's directory holds it whole)."""
         return name in self._lists
+
+    def expect(self) -> None:
+        """For a replica whose data are the chunks this node lacks, by name (:meth:`write_chunk`): leases every
+        chunk the manifest names now; the ones the store lacks must then arrive."""
+        self._wanted = {}
+        for listed in self._lists.values():
+            for chunk in listed:
+                if chunk.name in self._leased:
+                    continue
+                self._leased.add(chunk.name)
+                if self._store.reuse(self.key, chunk.name):
+                    self.reused_bytes += chunk.nbytes
+                else:
+                    self._wanted[chunk.name] = chunk.nbytes
+
+    def write_chunk(self, name: str, offset: int, data: bytes) -> None:
+        """Bytes from ``offset`` of chunk ``name``, one this node lacks (each chunk's bytes in order)."""
+        wanted = self._wanted if self._wanted is not None else {}
+        length = wanted.get(name)
+        if length is None:
+            raise WrongChunk(f"{self._where}: chunk {name[:40]!r} was not asked for (the manifest does not name it, "
+                             "this node holds it, or it came already)")
+        held = self._arriving.setdefault(name, bytearray())
+        if offset != len(held) or offset + len(data) > length:
+            raise WrongChunk(f"{self._where}: bytes {offset}..{offset + len(data)} of chunk {name} arrived where "
+                             f"{len(held)} was expected (it has {length})")
+        held += data
+        if len(held) < length:
+            return
+        if chunks.digest(held) != name:
+            raise WrongChunk(f"{self._where}: the bytes sent as chunk {name} are not it (their hash differs)")
+        self._batch.write(name, memoryview(held), direct_io=False)
+        self.written_bytes += length
+        del wanted[name], self._arriving[name]
 
     def write(self, name: str, data: bytes) -> None:
         """The next ``data`` of chunked file ``name`` (its bytes arrive in order, each once)."""
@@ -95,7 +136,11 @@ class ChunkSink:
 
     def publish(self) -> None:
         """The new chunks into the store, durably (every chunked file arrived whole)."""
-        short = [name for name, listed in self._lists.items() if self._next[name] != len(listed)]
+        if self._wanted:
+            raise ChunksMissing(f"{self._where}: {len(self._wanted)} of its chunks are neither held here nor sent "
+                                f"({next(iter(self._wanted))}, ...)")
+        short = [name for name, listed in self._lists.items() if self._next[name] != len(listed)] \
+            if self._wanted is None else []
         if short:
             raise WrongChunk(f"{self._where / short[0]}: {self._next[short[0]]} of its "
                              f"{len(self._lists[short[0]])} chunks arrived")
@@ -123,6 +168,16 @@ class ReplicaChunks:
 
     def sink(self, manifest: Manifest, writer: PartWriter, where: Path) -> ChunkSink:
         return ChunkSink(self._store, manifest, writer, where)
+
+    def missing(self, key: str, names: list[str]) -> list[str]:
+        """The chunks among ``names`` that store ``key`` lacks (what a replica sent next must carry)."""
+        bad = next((n for n in names if not chunks.is_chunk_name(n)), None)
+        if bad is not None:
+            raise InvalidRequest(f"{bad[:40]!r} is not a chunk's name (32 hex digits)")
+        try:
+            return self._disk.missing_chunks(chunks.check_store_key(key), names)
+        except layout.InvalidName as e:
+            raise InvalidRequest(str(e)) from None
 
     def sweep(self, job: str) -> None:
         """Removes the chunks no replica on disk refers to any more from the stores replicas of ``job`` use (its

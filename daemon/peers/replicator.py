@@ -30,7 +30,9 @@ from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.peers import placement
 from ckptstage.daemon.peers.health import PeerHealth
 from ckptstage.daemon.peers.members import Members
-from ckptstage.daemon.peers.store import parse_header, part_pieces
+from ckptstage.daemon.peers.sendchunks import send_chunks
+from ckptstage.daemon.peers.replicaio import part_pieces
+from ckptstage.daemon.peers.store import parse_header
 from ckptstage.daemon.peers.transport import Dialer
 from ckptstage.daemon.tiers.interface import TierName
 from ckptstage.daemon.tiers.limiter import Pacer, Pacers, RateLimiter
@@ -228,12 +230,17 @@ class Replicator:
         started = time.monotonic()
         timeout = 30.0 + part.nbytes / MIN_SEND_RATE + self._yield_s
         stub = self._dialer.stub(target)
-        stub.PutReplica(self._messages(part, raw, manifest), timeout=timeout, metadata=self._dialer.metadata)
+        sent = send_chunks(stub, self._dialer.metadata, part, raw, manifest, self._members.me, self._limiter.acquire,
+                           self._stop.is_set, timeout)
+        if sent is None:
+            stub.PutReplica(self._messages(part, raw, manifest), timeout=timeout, metadata=self._dialer.metadata)
         elapsed = time.monotonic() - started
-        self._metrics.peer_sent_bytes.inc(part.nbytes)
-        log.info("replicated %s step %d rank %d to %s: %d bytes in %.2fs", part.job, part.step, part.rank, target,
-                 part.nbytes, elapsed, extra=fields(job=part.job, step=part.step, rank=part.rank, tier=TierName.PEER,
-                                                    bytes=part.nbytes, duration_s=elapsed, peer=target))
+        nbytes = part.nbytes if sent is None else sent
+        self._metrics.peer_sent_bytes.inc(nbytes)
+        log.info("replicated %s step %d rank %d to %s: %d bytes in %.2fs%s", part.job, part.step, part.rank, target,
+                 nbytes, elapsed, "" if sent is None else f" (the chunks it lacked, of {part.nbytes})",
+                 extra=fields(job=part.job, step=part.step, rank=part.rank, tier=TierName.PEER, bytes=nbytes,
+                              duration_s=elapsed, peer=target))
 
     def _messages(self, part: Part, raw: bytes, manifest: dict[str, object]) -> Iterator[pb.ReplicaChunk]:
         yield pb.ReplicaChunk(header=pb.ReplicaHeader(job=part.job, step=part.step, rank=part.rank,

@@ -38,6 +38,15 @@ from ckptstage.daemon.catalog.parts import Part
 from ckptstage.daemon.errors import DaemonError, InvalidRequest
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.peers.replicachunks import ReplicaChunks, WrongChunk
+from ckptstage.daemon.peers.replicaio import (
+    READ_BYTES,
+    CorruptReplica,
+    assemble,
+    checked,
+    memory_pieces,
+    part_pieces,
+    write_files,
+)
 from ckptstage.daemon.save.arena import Budget
 from ckptstage.daemon.tiers.fs import FsTier
 from ckptstage.daemon.tiers.interface import Manifest, TierName
@@ -45,20 +54,12 @@ from ckptstage.protos import chunks, layout
 
 log = logging.getLogger(__name__)
 
-# A message of a replica's file. Measured here (grpcio, loopback): 1 MiB messages stream at 0.45 GiB/s,
-# 4 MiB at 0.69, 16 MiB at 0.27; the channels allow 8 MiB (transport.MAX_MESSAGE_BYTES).
-READ_BYTES = 4 << 20
-
 Key = tuple[str, int, int]  # job, step, rank
 _POPULATED = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 
 
 class NoRoom(DaemonError):
     """Neither the arena budget nor the SSD share for replicas has room for this one."""
-
-
-class CorruptReplica(DaemonError):
-    """A replica's bytes differ from its manifest (on arrival, or read back later)."""
 
 
 @dataclass
@@ -204,6 +205,11 @@ class ReplicaStore:
             on_disk = sum(1 for r in self._replicas.values() if not r.in_memory)
         return len(mem), sum(mem), on_disk, sum(whole) + self._chunks.held_bytes()
 
+    def missing_chunks(self, key: str, names: list[str]) -> list[str]:
+        """The chunks among ``names`` that this node's replicas' store ``key`` lacks (:meth:`receive`'s
+        ``chunks_only``)."""
+        return self._chunks.missing(key, names)
+
     def drop(self, job: str, step: int, rank: int, why: str) -> bool:
         dropped = self._drop(job, step, rank, why)
         if dropped:
@@ -224,25 +230,29 @@ class ReplicaStore:
     # --- receiving ---------------------------------------------------------------------
 
     def receive(self, job: str, step: int, rank: int, manifest_raw: bytes, digest: str,
-                data: Iterable[tuple[str, int, bytes]], memory: bool = True, durable: bool = True) -> Replica:
+                data: Iterable[tuple[str, int, bytes]], memory: bool = True, durable: bool = True,
+                chunks_only: bool = False) -> Replica:
         """Keeps a replica whose files arrive as ``data`` ((file, offset, bytes), each file in order),
         every block checked as it arrives. ``memory``: in memory if the budget has room (else on disk);
         ``durable``: a replica on disk has its data fsynced before its manifest (a copy fetched for a
         reader about to open it need not be: a crash before the page cache is written back leaves a copy
-        that fails its checks, and the holders still have theirs).
-        Raises :class:`CorruptReplica`, :class:`InvalidRequest` or :class:`NoRoom`; nothing is kept then."""
+        that fails its checks, and the holders still have theirs). ``chunks_only``: an incremental part
+        whose ``data`` are only the chunks this node lacked ((chunk name, offset in it, bytes), each checked
+        against its name), kept on disk beside the chunks it holds.
+        Raises :class:`CorruptReplica`, :class:`InvalidRequest`, :class:`NoRoom` or :class:`ChunksMissing`;
+        nothing is kept then."""
         manifest = parse_header(job, step, rank, manifest_raw, digest)
         nbytes = layout.part_bytes(manifest)
         entries = layout.manifest_files(manifest)
         # Older replicas make room first; their chunks stay until this one is kept, which may well reuse them.
         trimmed = self._trim(job, incoming=step)
-        in_memory = memory and self._budget.take(nbytes)
+        in_memory = memory and not chunks_only and self._budget.take(nbytes)
         try:
             if in_memory:
                 replica = self._receive_memory(job, step, rank, manifest_raw, manifest, entries, data)
             else:
                 replica = self._receive_disk(job, step, rank, manifest_raw, manifest, entries, data, nbytes,
-                                             durable)
+                                             durable, chunks_only)
         except BaseException:
             if in_memory:
                 self._budget.release(nbytes)
@@ -258,7 +268,7 @@ class ReplicaStore:
         # Pages mapped up front in one call: faulting them one by one as bytes arrive costs more than the copy.
         buffers = {name: mmap.mmap(-1, max(1, e.size), flags=_POPULATED) for name, e in entries.items()}
         try:
-            _assemble(entries, data, lambda name, offset, chunk: _put_bytes(buffers[name], offset, chunk),
+            assemble(entries, data, lambda name, offset, chunk: _put_bytes(buffers[name], offset, chunk),
                       memory_path(job, step, rank))
         except BaseException:
             for buf in buffers.values():
@@ -268,7 +278,7 @@ class ReplicaStore:
 
     def _receive_disk(self, job: str, step: int, rank: int, raw: bytes, manifest: Manifest,
                       entries: dict[str, layout.FileEntry], data: Iterable[tuple[str, int, bytes]],
-                      nbytes: int, durable: bool = True) -> Replica:
+                      nbytes: int, durable: bool = True, chunks_only: bool = False) -> Replica:
         if nbytes > self._disk_room():
             raise NoRoom(f"no room for a replica of {job} step {step} rank {rank} ({nbytes} bytes): the arena "
                          "budget is in use and the SSD share for replicas is full")
@@ -276,25 +286,7 @@ class ReplicaStore:
         writer = self.disk.begin_part(job, step, rank, replace=lambda f: True)
         chunked = self._chunks.sink(manifest, writer, final) if "chunks" in manifest else None
         try:
-            files = {name: writer.create_file(name, e.size, direct_io=False) for name, e in entries.items()
-                     if chunked is None or not chunked.takes(name)}
-
-            def write(name: str, offset: int, piece: bytes) -> None:
-                if name in files:
-                    files[name].write(memoryview(piece), offset)
-                else:
-                    assert chunked is not None
-                    chunked.write(name, piece)
-
-            try:
-                _assemble(entries, data, write, final)
-                for file in files.values() if durable else ():
-                    file.sync()
-            finally:
-                for file in files.values():
-                    file.close()
-            if chunked is not None:
-                chunked.publish()  # the chunks before the manifest that names them
+            write_files(writer, entries, data, final, durable, chunked, chunks_only)
             path = writer.commit(manifest)
             if writer.manifest_digest != layout.chunk_digest(raw):
                 self._remove_dir(path)
@@ -317,7 +309,7 @@ class ReplicaStore:
         if entry is None:
             raise InvalidRequest(f"{replica.job} step {replica.step} rank {replica.rank} has no file {name!r}")
         where = (replica.path or memory_path(*replica.key)) / name
-        pieces = _memory_pieces(replica.buffers[name], entry.size) if replica.path is None \
+        pieces = memory_pieces(replica.buffers[name], entry.size) if replica.path is None \
             else part_pieces(replica.path, replica.manifest, name)
         try:
             yield from checked(pieces, entry, where)
@@ -421,26 +413,6 @@ def _replica(job: str, step: int, rank: int, raw: bytes, manifest: Manifest, pat
                    raw, manifest, path, buffers or {})
 
 
-def _assemble(entries: dict[str, layout.FileEntry], data: Iterable[tuple[str, int, bytes]],
-              write: Callable[[str, int, bytes], None], where: Path) -> None:
-    """Feeds every piece to ``write`` once its file's verifier took it; every file must arrive whole, in order."""
-    verifiers = {name: layout.BlockVerifier(e, where / name) for name, e in entries.items()}
-    try:
-        for name, offset, chunk in data:
-            verifier = verifiers.get(name)
-            if verifier is None:
-                raise InvalidRequest(f"{where}: no file {name!r} in its manifest")
-            if offset != verifier.pos or offset + len(chunk) > entries[name].size:
-                raise InvalidRequest(f"{where / name}: bytes {offset}..{offset + len(chunk)} arrived where "
-                                     f"{verifier.pos} was expected (the file has {entries[name].size})")
-            verifier.feed(chunk)
-            write(name, offset, chunk)
-        for name, verifier in verifiers.items():
-            verifier.finish(entries[name].size)
-    except layout.ChecksumMismatch as e:
-        raise CorruptReplica(f"{e.path}: {e.detail}") from None
-
-
 def _put_bytes(buf: mmap.mmap, offset: int, chunk: bytes) -> None:
     buf[offset:offset + len(chunk)] = chunk
 
@@ -448,28 +420,5 @@ def _put_bytes(buf: mmap.mmap, offset: int, chunk: bytes) -> None:
 def _contents(replica: Replica) -> Iterator[tuple[str, int, bytes]]:
     """A memory replica's files as :meth:`ReplicaStore.receive` takes them."""
     for name, entry in layout.manifest_files(replica.manifest).items():
-        for at, piece in enumerate(_memory_pieces(replica.buffers[name], entry.size)):
+        for at, piece in enumerate(memory_pieces(replica.buffers[name], entry.size)):
             yield name, at * READ_BYTES, piece
-
-
-def _memory_pieces(buf: mmap.mmap, size: int) -> Iterator[bytes]:
-    for at in range(0, size, READ_BYTES):
-        yield buf[at:min(size, at + READ_BYTES)]
-
-
-def part_pieces(part: Path, manifest: Manifest, name: str, drop_cache: bool = False) -> Iterator[bytes]:
-    """A part's file (its own, or rebuilt from its chunks) from its start, in pieces of :data:`READ_BYTES`;
-    raises :class:`layout.ChecksumMismatch` naming what is missing or short (:func:`chunks.read_pieces`)."""
-    buffer = memoryview(bytearray(READ_BYTES))
-    for _, piece in chunks.read_pieces(part, manifest, name, buffer, drop_cache):
-        yield bytes(piece)
-
-
-def checked(pieces: Iterable[bytes], entry: layout.FileEntry, where: Path) -> Iterator[bytes]:
-    """``pieces`` of a file, passed on as each is fed to its verifier; raises :class:`layout.ChecksumMismatch`
-    at the first block that differs, or when the file is longer or shorter than its manifest says."""
-    verifier = layout.BlockVerifier(entry, where)
-    for piece in pieces:
-        verifier.feed(piece)
-        yield piece
-    verifier.finish(entry.size)

@@ -16,13 +16,14 @@ from pathlib import Path
 from ckptstage.daemon.catalog.index import Catalog
 from ckptstage.daemon.catalog.parts import Part
 from ckptstage.daemon.configpeers import DISK_SHARE, PeersConfig
-from ckptstage.daemon.errors import CheckpointNotFound, DaemonError
+from ckptstage.daemon.errors import CheckpointNotFound, DaemonError, InvalidRequest
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.peers.members import Members
 from ckptstage.daemon.peers.health import JobPeers
 from ckptstage.daemon.peers.replicator import Replicator
-from ckptstage.daemon.peers.store import ReplicaStore, checked, part_pieces
+from ckptstage.daemon.peers.replicaio import checked, part_pieces
+from ckptstage.daemon.peers.store import ReplicaStore
 from ckptstage.daemon.peers.transport import Dialer
 from ckptstage.daemon.peers.view import PeerView
 from ckptstage.daemon.save.arena import Budget
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 
 STORE_DIR = ".peers"  # under the local tier: the replicas kept on disk (not a job name: tier scans skip it)
 MEMBERS_FILE = "peers.json"  # under the local tier's state directory
+MAX_CHUNKS_ASKED = 1 << 20  # chunks one MissingChunks names: 32 MiB of names, a part of 8 TiB in 8 MiB chunks
 
 
 class NotAMember(DaemonError):
@@ -130,8 +132,9 @@ class PeerTier:
     # --- what the job's other nodes ask ----------------------------------------------------
 
     def put_replica(self, job: str, step: int, rank: int, sender: str, manifest_raw: bytes, digest: str,
-                    data: Iterable[tuple[str, int, bytes]]) -> str:
-        """Keeps a replica sent by ``sender``; returns where ("memory" or "disk")."""
+                    data: Iterable[tuple[str, int, bytes]], chunks_only: bool = False) -> str:
+        """Keeps a replica sent by ``sender`` (``chunks_only``: as the chunks this node lacked, see
+        :meth:`ReplicaStore.receive`); returns where ("memory" or "disk")."""
         layout.check_job(job)
         nodes = self.members.nodes(job)
         if sender not in nodes or sender == self.address:
@@ -146,14 +149,29 @@ class PeerTier:
                              "only from a node the job's clients named (and only by a node that has had a "
                              "session of the job)")
         self._refused.discard((job, sender))
-        replica = self.store.receive(job, step, rank, manifest_raw, digest, data)
-        self._metrics.peer_received_bytes.inc(replica.nbytes)
+        arrived = 0
+
+        def counted() -> Iterator[tuple[str, int, bytes]]:
+            nonlocal arrived
+            for name, offset, piece in data:
+                arrived += len(piece)
+                yield name, offset, piece
+
+        replica = self.store.receive(job, step, rank, manifest_raw, digest, counted(), chunks_only=chunks_only)
+        self._metrics.peer_received_bytes.inc(arrived)
         self._catalog.add(replica.part())
         where = "memory" if replica.in_memory else "disk"
-        log.info("kept a replica of %s step %d rank %d from %s on %s (%d bytes)", job, step, rank, sender, where,
-                 replica.nbytes, extra=fields(job=job, step=step, rank=rank, peer=sender, tier=TierName.PEER,
-                                              bytes=replica.nbytes))
+        log.info("kept a replica of %s step %d rank %d from %s on %s (%d bytes%s)", job, step, rank, sender, where,
+                 replica.nbytes, f", {arrived} of them sent: the chunks this node lacked" if chunks_only else "",
+                 extra=fields(job=job, step=step, rank=rank, peer=sender, tier=TierName.PEER, bytes=arrived))
         return where
+
+    def missing_chunks(self, job: str, key: str, names: list[str]) -> list[str]:
+        """The chunks among ``names`` (of store ``key``) that a replica of ``job`` sent here next must carry."""
+        layout.check_job(job)
+        if len(names) > MAX_CHUNKS_ASKED:
+            raise InvalidRequest(f"{len(names)} chunks asked about at once: at most {MAX_CHUNKS_ASKED}")
+        return self.store.missing_chunks(key, names)
 
     def holdings(self, job: str) -> list[Held]:
         layout.check_job(job)

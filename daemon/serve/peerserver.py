@@ -24,7 +24,9 @@ from ckptstage.daemon.errors import InvalidRequest
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.metrics import Metrics
 from ckptstage.daemon.peers import transport
-from ckptstage.daemon.peers.store import CorruptReplica, NoRoom
+from ckptstage.daemon.peers.replicachunks import ChunksMissing
+from ckptstage.daemon.peers.replicaio import CorruptReplica
+from ckptstage.daemon.peers.store import NoRoom
 from ckptstage.daemon.peers.tier import NotAMember, PeerTier
 from ckptstage.daemon.serve.servicer import status_of
 from ckptstage.daemon.tiers.interface import TierName
@@ -43,6 +45,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (layout.ChecksumMismatch, grpc.StatusCode.DATA_LOSS),
     (FileNotFoundError, grpc.StatusCode.NOT_FOUND),  # a part removed while it was asked for
     (NoRoom, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ChunksMissing, grpc.StatusCode.FAILED_PRECONDITION),  # the sender sends the whole part instead
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -100,7 +103,11 @@ class PeerServicer(pb_grpc.PeerServicer):  # type: ignore[misc]  # generated cod
                 yield chunk.data.name, chunk.data.offset, chunk.data.data
 
         return _unary(context, lambda: pb.PutReplicaResponse(kept_in=self._peers.put_replica(
-            h.job, h.step, h.rank, h.sender, h.manifest, h.digest, data())))
+            h.job, h.step, h.rank, h.sender, h.manifest, h.digest, data(), chunks_only=h.chunks_only)))
+
+    def MissingChunks(self, request: pb.ChunksQuery, context: grpc.ServicerContext) -> pb.ChunksMissing:
+        return _unary(context, lambda: pb.ChunksMissing(names=self._peers.missing_chunks(
+            request.job, request.store, list(request.names))))
 
     def Holdings(self, request: pb.HoldingsRequest, context: grpc.ServicerContext) -> pb.HoldingsResponse:
         def answer() -> pb.HoldingsResponse:

@@ -689,20 +689,38 @@ class JoinPeersResponse(_message.Message):
     def __init__(self, peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReplicaHeader(_message.Message):
-    __slots__ = ("job", "step", "rank", "sender", "manifest", "digest")
+    __slots__ = ("job", "step", "rank", "sender", "manifest", "digest", "chunks_only")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_ONLY_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     rank: int
     sender: str
     manifest: bytes
     digest: str
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., sender: _Optional[str] = ..., manifest: _Optional[bytes] = ..., digest: _Optional[str] = ...) -> None: ...
+    chunks_only: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., sender: _Optional[str] = ..., manifest: _Optional[bytes] = ..., digest: _Optional[str] = ..., chunks_only: _Optional[bool] = ...) -> None: ...
+
+class ChunksQuery(_message.Message):
+    __slots__ = ("job", "store", "names")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    store: str
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job: _Optional[str] = ..., store: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ChunksMissing(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FileData(_message.Message):
     __slots__ = ("name", "offset", "data")

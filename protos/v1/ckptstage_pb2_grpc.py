@@ -1097,6 +1097,11 @@ class PeerStub:
                 request_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PeerFileRequest.SerializeToString,
                 response_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.FileData.FromString,
                 _registered_method=True)
+        self.MissingChunks = channel.unary_unary(
+                '/ckptstage.v1.Peer/MissingChunks',
+                request_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ChunksQuery.SerializeToString,
+                response_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ChunksMissing.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -1133,6 +1138,14 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MissingChunks(self, request, context):
+        """Which of these chunks this node's replicas lack: a replica sent next may carry only those
+        (ReplicaHeader.chunks_only).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1155,6 +1168,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.ReadFile,
                     request_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PeerFileRequest.FromString,
                     response_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.FileData.SerializeToString,
+            ),
+            'MissingChunks': grpc.unary_unary_rpc_method_handler(
+                    servicer.MissingChunks,
+                    request_deserializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ChunksQuery.FromString,
+                    response_serializer=ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ChunksMissing.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1268,6 +1286,33 @@ class Peer:
             '/ckptstage.v1.Peer/ReadFile',
             ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.PeerFileRequest.SerializeToString,
             ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.FileData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MissingChunks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptstage.v1.Peer/MissingChunks',
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ChunksQuery.SerializeToString,
+            ckptstage_dot_protos_dot_v1_dot_ckptstage__pb2.ChunksMissing.FromString,
             options,
             channel_credentials,
             insecure,
