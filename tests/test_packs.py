@@ -8,6 +8,7 @@ and the documented way to read a step without ckptstage.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import random
@@ -21,6 +22,7 @@ from ckptstage.daemon import fsutil
 from ckptstage.daemon.catalog.chunkstore import ChunkStore, PartChunks
 from ckptstage.daemon.tiers.fs import FsTier
 from ckptstage.protos import chunks, layout, packs
+from support import small_tmpfs
 
 JOB = "packed"
 INCREMENTAL = {"persist.incremental": True, "memory.enabled": False, "shared.drain_every": 1000}
@@ -177,6 +179,28 @@ def test_a_unit_s_new_chunks_side_by_side_go_in_one_write_and_a_chunk_the_store_
     for i, name in enumerate(names):
         with tier.open_chunk(JOB, name) as f:
             assert f.read(2 * mib) == data[i * mib:(i + 1) * mib]
+
+
+def test_a_pack_that_cannot_reserve_ahead_reserves_what_it_writes_and_fails_only_when_that_does_not_fit(
+        tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "small", "8m") as root:
+        tier = FsTier(root / "tier", "daemon")
+        fits = os.urandom(3 << 20)  # the 256 MiB a pack reserves ahead cannot be had: these 3 MiB can
+        batch = tier.new_chunks(JOB)
+        batch.write(chunks.digest(fits), memoryview(fits), direct_io=True)
+        batch.publish()
+        with tier.open_chunk(JOB, chunks.digest(fits)) as f:
+            assert f.read(8 << 20) == fits
+        (pack,) = packs.packs_dir(chunks.store_dir(root / "tier", JOB)).glob("*.pack")
+        assert pack.stat().st_size == len(fits)
+        too_big = os.urandom(6 << 20)  # more than is left
+        batch = tier.new_chunks(JOB)
+        with pytest.raises(OSError) as info:
+            batch.write(chunks.digest(too_big), memoryview(too_big), direct_io=True)
+        assert info.value.errno == errno.ENOSPC
+        batch.discard()  # what the failed save does: nothing of it stays, its room comes back
+        assert list(packs.packs_dir(chunks.store_dir(root / "tier", JOB)).glob("*.pack")) == [pack]
+        assert os.statvfs(root).f_bfree * os.statvfs(root).f_frsize >= 4 << 20
 
 
 def test_a_write_puts_its_aligned_pages_and_its_tail_where_they_belong(tmp_path: Path) -> None:
