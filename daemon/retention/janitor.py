@@ -173,6 +173,14 @@ class Janitor:
         records = []
         d = self.drain
         ckpts = self.catalog.checkpoints(job)
+        drained_parts: set[tuple[int, int]] = set()
+        if tier == TierName.LOCAL and d is not None:
+            # The drained marks first, the catalogue after: a part marked drained by then has its shared copy
+            # (and, once sealed, the step's record) in what is read next. Read the other way round, a drain
+            # finishing in between looks drained with neither in view, and the step's only commit went.
+            drained_parts = {(c.step, p.rank) for c in ckpts for p in c.on_tier(tier)
+                             if d.drained(job, c.step, p.rank)}
+            ckpts = self.catalog.checkpoints(job)
         stored = self._stored_bytes(job, tier, ckpts)
         for c in ckpts:
             ranks = sorted(p.rank for p in c.on_tier(tier))
@@ -182,7 +190,7 @@ class Janitor:
                 # Drained: committed on the shared tier, even if the shared rules deleted it since.
                 # A step the cadence keeps off the shared tier ([shared] drain_every) needs no shared copy.
                 drained = d is None or not self.config.shared.drains(c.step) or \
-                    all(d.drained(job, c.step, r) for r in ranks)
+                    all((c.step, r) in drained_parts for r in ranks)
                 if drained and d is not None and c.complete_on(TierName.LOCAL) and \
                         not c.complete_on(TierName.SHARED) and \
                         all(TierName.SHARED in c.parts.get(r, {}) for r in range(c.world_size)):
