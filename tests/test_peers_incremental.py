@@ -11,6 +11,7 @@ wrong name would corrupt every later replica that names it).
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 from pathlib import Path
@@ -20,6 +21,9 @@ import grpc
 import pytest
 import torch
 from ckptstage.client import Client
+from ckptstage.daemon.catalog.chunkstore import ChunkStore
+from ckptstage.daemon.peers.replicachunks import ChunkSink, WrongChunk
+from ckptstage.daemon.tiers.fs import FsTier
 from ckptstage.protos import chunks, layout, packs
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 from peers_support import holdings, join, peer_nodes, peer_stub, replicas_held
@@ -219,3 +223,34 @@ def test_a_replica_sent_as_chunks_must_bring_every_chunk_the_peer_lacks(daemon_f
                 for n in lacked], chunks_only=True)
         assert replicas_held(b, job) == {(1, 0), (2, 0)}
         chunks.verify_part(layout.part_dir(b.local / ".peers", job, 2, 0))  # every block, from B's own store
+
+
+def test_a_replicas_chunks_arrive_in_pieces_that_straddle_them_in_either_form(tmp_path: Path) -> None:
+    """The sink alone: a data file's bytes, or the chunks by name, in pieces smaller than a chunk and not on its
+    boundaries (a chunk of 8 MiB spans two messages of 4 MiB); a piece out of order is refused."""
+    mib = 1 << 20
+    data = os.urandom(3 * mib + 5000)
+    listed = [chunks.Chunk(lo, hi, chunks.digest(data[lo:hi]))
+              for lo, hi in chunks.cut(len(data), [(0, 3 * mib)], 8 * mib, body=mib)]
+    manifest = {"job": JOB, "step": 1, "rank": 0, "chunks": {layout.DATA_FILE: chunks.chunk_list(listed)},
+                "files": {layout.DATA_FILE: layout.FileEntry(len(data), mib, tuple(layout.block_digests(data, mib)))
+                          .to_json()}}
+    for by_name in (False, True):
+        tier = FsTier(tmp_path / f"by-name-{by_name}", "n")
+        sink = ChunkSink(ChunkStore(tier, grace_s=0.0), manifest, tier.begin_part(JOB, 1, 0, replace=lambda f: True),
+                         tmp_path / "part")
+        if by_name:
+            sink.expect()
+            for c in listed:
+                for at in range(0, c.nbytes, 100_000):
+                    sink.write_chunk(c.name, at, data[c.lo + at:min(c.hi, c.lo + at + 100_000)])
+            with pytest.raises(WrongChunk, match="was not asked for"):
+                sink.write_chunk(listed[0].name, 0, data[:10])
+        else:
+            for at in range(0, len(data), 100_000):
+                sink.write(layout.DATA_FILE, data[at:at + 100_000])
+        sink.publish()
+        sink.close()
+        assert sink.written_bytes == len(data)
+        for c in listed:
+            assert chunks.read_chunk(chunks.store_dir(tier.root, JOB), c.name) == data[c.lo:c.hi]
