@@ -93,9 +93,10 @@ class Daemon(DaemonProcess):
         defaults: dict[str, Any] = {"local.dir": str(local), "shared.dir": str(shared) if shared else "",
                                     # benchmarks keep what they write: no eviction under a timed save
                                     "local.keep_last": 100, "shared.keep_last": 100,
-                                    # whole parts unless a benchmark says otherwise: the figures in
-                                    # docs/BENCHMARKS.md outside its incremental sections are of whole parts
-                                    "persist.incremental": False}
+                                    # whole parts unless a benchmark says otherwise (or CKPTBENCH_INCREMENTAL=1
+                                    # for any of them): the figures in docs/BENCHMARKS.md outside its
+                                    # incremental sections are of whole parts
+                                    "persist.incremental": os.environ.get("CKPTBENCH_INCREMENTAL") == "1"}
         if metrics:
             defaults["metrics.listen"] = f"127.0.0.1:{free_port()}"
         super().__init__(root, settings, defaults=defaults, log_level="INFO", ready_timeout=60.0,

@@ -39,7 +39,8 @@ def write_big_tier(shared: Path, seed_root: Path, jobs: int, steps_per_job: int)
 
     seed_shared = seed_root / "shared"
     settings: dict[str, Any] = {"arena.min_session_bytes": "64KiB", "persist.chunk_bytes": "256KiB",
-                                "arena.max_bytes": "4MiB"}
+                                "arena.max_bytes": "4MiB",
+                                "persist.incremental": False}  # the seed's data file is linked into every step
     with h.Daemon(seed_root / "d", seed_root / "local", seed_shared, **settings) as d:
         with Client("seed", socket=d.socket, rank=0, world_size=1, arena_bytes=1 << 20) as c:
             c.save_flat(1, rank_flat(0, 1, 16)).wait("local")

@@ -99,8 +99,10 @@ def needs(world: int, nodes: int, rows: int, daemons: Sequence[h.Daemon], plain:
     from ckptstage.protos import layout
 
     def size(step: int, rank: int, name: str) -> int:  # the owner's local copy: the same bytes
-        owner = daemons[rank * nodes // world]
-        return (layout.part_dir(owner.local, JOB, step, rank) / name).stat().st_size
+        part = layout.part_dir(daemons[rank * nodes // world].local, JOB, step, rank)
+        if name == layout.MANIFEST_FILE:
+            return (part / name).stat().st_size
+        return layout.manifest_files(layout.read_manifest(part))[name].size  # its own file, or its chunks
 
     def manifest(step: int, rank: int) -> int:
         return size(step, rank, layout.MANIFEST_FILE) if manifests else 0
