@@ -247,8 +247,10 @@ def test_a_corrupt_chunk_is_quarantined_and_written_again_by_the_next_save(daemo
 def test_a_pack_mostly_dead_is_repacked_and_its_space_comes_back(daemon_factory):
     """A small frozen tensor beside a large one that changes every step: once step 1 goes, its pack holds one
     live chunk (the frozen one) among megabytes no step names; the sweep copies that chunk into a new pack and
-    removes the old one."""
-    d = daemon_factory("n", **INCREMENTAL, **{"shared.dir": "", "local.keep_last": 1}).start()
+    removes the old one. (Step 2's save touched the old pack when it reused the frozen chunk: a sweep within the
+    grace of that touch leaves the pack to the next one, here the timer's.)"""
+    d = daemon_factory("n", **INCREMENTAL, **{"shared.dir": "", "local.keep_last": 1,
+                                              "retention.interval_s": 0.5}).start()
 
     def state(step):
         torch.manual_seed(step)
