@@ -27,7 +27,7 @@ and the load peers also warm (files read into the cache first):
 * ``dd``          ``dd if=<data file> iflag=direct bs=1M of=/dev/null`` (the disk, no allocation);
 * ``cat``         ``cat <data file> > /dev/null`` (the page-cache path; the reference for the shared tier).
 * ``chunked``     with ``--chunked``: ``client.load()`` of the same state saved under another job and
-                  rewritten as an incremental part (``_harness.to_chunks``: the data file in content-addressed
+                  rewritten as an incremental part (``_chunked.to_chunks``: the data file in content-addressed
                   chunks cut as the daemon cuts them, on each tier), so whole and chunked reads share rounds.
 
 The daemons keep no memory tier (``memory.enabled = false``): every load
@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import _harness as h
+from _chunked import to_chunks
 
 TARGET_X_DD = 0.8
 TARGET_X_TORCH = 1.5
@@ -149,10 +150,11 @@ class Bench:
         with Client(job, socket=self.daemon.socket) as c:
             c.save(1, state).wait("shared", timeout=600)
         with h.Timer() as t:
-            stores = [h.to_chunks(layout.part_dir(tier, job, 1, 0)) for tier in (self.work / "local", self.shared)]
+            stores = [to_chunks(layout.part_dir(tier, job, 1, 0)) for tier in (self.work / "local", self.shared)]
             self.daemon.restart()  # it indexed the step by its old manifests
         chunks = sum(1 for p in stores[0].rglob("*") if p.is_file())
-        print(f"  {job}: rewritten as {chunks} chunks per tier in {t.s:.1f} s", flush=True)
+        print(f"  {job}: rewritten as an incremental part ({chunks} files in its store per tier: packs and their "
+              f"indexes) in {t.s:.1f} s", flush=True)
         return stores[0], stores[1]
 
     def add(self, key: str, seconds: float) -> None:
