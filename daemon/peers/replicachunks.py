@@ -70,10 +70,7 @@ class ChunkSink:
         self._wanted = {}
         for listed in self._lists.values():
             for chunk in listed:
-                if chunk.name in self._leased:
-                    continue
-                self._leased.add(chunk.name)
-                if self._store.reuse(self.key, chunk.name):
+                if self._held(chunk):
                     self.reused_bytes += chunk.nbytes
                 else:
                     self._wanted[chunk.name] = chunk.nbytes
@@ -124,15 +121,19 @@ class ChunkSink:
             raise WrongChunk(f"{self._where / name}: bytes {chunk.lo}..{chunk.hi} are not chunk {chunk.name} "
                              "(their hash differs from the name the manifest gives them)")
         self._next[name] += 1
-        if chunk.name in self._leased:
-            self.reused_bytes += chunk.nbytes  # the same bytes twice in one part (zeroed optimizer state)
-            return
-        self._leased.add(chunk.name)
-        if self._store.reuse(self.key, chunk.name):
+        if self._held(chunk):
             self.reused_bytes += chunk.nbytes
             return
         self._batch.write(chunk.name, data, direct_io=False)
         self.written_bytes += chunk.nbytes
+
+    def _held(self, chunk: chunks.Chunk) -> bool:
+        """Leases ``chunk`` (once per part); True when the store holds it, or the part named it before (the same
+        bytes twice in one part: zeroed optimizer state)."""
+        if chunk.name in self._leased:
+            return True
+        self._leased.add(chunk.name)
+        return self._store.reuse(self.key, chunk.name)
 
     def publish(self) -> None:
         """The new chunks into the store, durably (every chunked file arrived whole)."""
@@ -182,12 +183,16 @@ class ReplicaChunks:
     def sweep(self, job: str) -> None:
         """Removes the chunks no replica on disk refers to any more from the stores replicas of ``job`` use (its
         own, and the user's); never raises (a failed sweep leaves chunks for the next one)."""
-        for key in (job, chunks.USER_STORE):
+        self.sweep_stores([job, chunks.USER_STORE])
+
+    def sweep_stores(self, keys: list[str]) -> None:
+        """:meth:`sweep` of the stores ``keys`` names."""
+        for key in keys:
             try:
                 self._store.sweep(key)
             except (OSError, MarkFailed, layout.ManifestError) as e:
                 log.warning("cannot sweep the chunks of the replicas of %s: %s", key, e,
-                            extra=fields(job=job, tier=TierName.PEER, error=e))
+                            extra=fields(job=key, tier=TierName.PEER, error=e))
             self.count(key)
 
     def count(self, key: str) -> None:

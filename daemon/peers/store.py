@@ -169,8 +169,8 @@ class ReplicaStore:
                     found += 1
         for job in {k[0] for k in self._replicas}:
             self._trim(job)
-        for job in self.disk.list_jobs():
-            self._chunks.sweep(job)  # the chunks of replicas dropped just before a crash, or cut short by one
+        # The chunks of replicas dropped just before a crash, or cut short by one: every store once.
+        self._chunks.sweep_stores([*self.disk.list_jobs(), chunks.USER_STORE])
         return found
 
     def close(self) -> None:
