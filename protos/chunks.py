@@ -48,6 +48,7 @@ USER_STORE = ".user"          # the store every job of a daemon's user shares on
 STORE_FIELD = "chunk_store"   # in a manifest: "user" when its chunks are in that store; absent: its job's
 CONDEMNED_DIR = ".condemned"  # in a store: chunks a sweep is about to delete (put back if named again)
 CORRUPT_DIR = ".corrupt"      # in a store: chunks that failed verification, kept for forensics
+SWEPT_FILE = ".swept"         # in a store: empty; its modification time is when a sweep last finished (any node's)
 CHUNK_HASH = "xxh3_128"
 PAGE = 4096
 SMALL_TENSOR_BYTES = 64 << 10   # tensors this big or bigger get chunks of their own

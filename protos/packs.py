@@ -256,7 +256,8 @@ class StoreIndex:
             if place is None or place.whole:
                 refreshed = True  # find() refreshed on its miss
             out[name] = place
-        gone = {p.path for p in out.values() if p is not None and not p.whole and not p.path.exists()}
+        packed = {p.path for p in out.values() if p is not None and not p.whole}
+        gone = {path for path in packed if not path.exists()}  # one look per pack, not per chunk
         if gone:
             self.reset()
             self.refresh()

@@ -300,6 +300,26 @@ def small_tmpfs(path: Path, size: str | int, mode: str = "1777") -> Iterator[Pat
         umount(path)
 
 
+def booked_part(catalog: Any, storage: Any, tier_name: Any, job: str, step: int, record: bool = True,
+                write: bool = True) -> Any:
+    """A committed part of one rank written to ``storage`` (an ``FsTier``; ``write=False``: the one there)
+    and added to ``catalog`` as the daemon's index holds it, with the step's commit record (in the catalogue,
+    and on the tier when ``write``) unless ``record`` is False."""
+    from ckptstage.daemon.catalog.parts import Part
+
+    path = commit_part(storage.root, job, step, 0, world_size=1, created=float(step), attempt="a") if write \
+        else layout.part_dir(storage.root, job, step, 0)
+    part = Part.read(layout.PartRef(job, step, 0, path), tier_name, storage)
+    catalog.add(part)
+    if record:
+        commit = layout.CommitRecord(job, step, "a", 1, float(step), {
+            0: layout.CommittedPart(part.nbytes, part.digest, part.created, {})})
+        catalog.set_record(tier_name, commit)
+        if write:
+            storage.create_commit_record(storage.step_location(job, step), commit)
+    return part
+
+
 def commit_part(tier: Path, job: str, step: int, rank: int, world_size: int = 2, created: float = 1.0,
                 attempt: str | None = None, metrics: dict[str, float] | None = None) -> Path:
     """A committed part with an empty data file, written the way the daemon writes one."""

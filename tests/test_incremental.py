@@ -174,7 +174,7 @@ def test_a_chunk_leased_by_a_save_in_flight_is_never_swept(tmp_path):
     path = s.path(JOB, name)
     path.parent.mkdir(parents=True)
     path.write_bytes(b"y")
-    assert s.reuse(JOB, name)  # a save relies on it; its manifest is not published yet
+    assert s.reuse(JOB, [name]) == {name}  # a save relies on it; its manifest is not published yet
     assert s.sweep(JOB, mark=set).removed == 0 and path.exists()
     # Released during a sweep (the part was published after the sweep's first mark): still kept by it.
     marks = iter([set(), set()])

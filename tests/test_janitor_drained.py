@@ -25,15 +25,9 @@ from ckptstage.daemon.retention.job_rules import JobRules
 from ckptstage.daemon.tiers.fs import FsTier
 from ckptstage.daemon.tiers.interface import TierName
 from ckptstage.protos import layout
-from support import commit_part
+from support import booked_part
 
 JOB = "racing"
-
-
-def committed(tier: Path, storage: FsTier, name: TierName, step: int) -> Part:
-    path = commit_part(tier, JOB, step, 0, world_size=1, created=float(step), attempt="a")
-    return Part.read(layout.PartRef(JOB, step, 0, path), name, storage)
-
 
 class DrainFinishingNow:
     """The drain queue as the pass asks it: step 1's part finishes draining at the first question about it
@@ -59,11 +53,10 @@ def test_a_drain_that_finishes_while_local_retention_plans_never_costs_the_steps
     tiers = {TierName.LOCAL: FsTier(local, "n"), TierName.SHARED: FsTier(shared, "n")}
     catalog = Catalog(tmp_path / "state" / "pins.json")
     for step in (1, 2):
-        part = committed(local, tiers[TierName.LOCAL], TierName.LOCAL, step)
-        catalog.add(part)
-        catalog.set_record(TierName.LOCAL, layout.CommitRecord(JOB, step, "a", 1, float(step), {
-            0: layout.CommittedPart(part.nbytes, part.digest, part.created, {})}))
-    drain: Any = DrainFinishingNow(catalog, committed(shared, tiers[TierName.SHARED], TierName.SHARED, 1))
+        booked_part(catalog, tiers[TierName.LOCAL], TierName.LOCAL, JOB, step)
+    shared_copy = booked_part(Catalog(tmp_path / "elsewhere.json"), tiers[TierName.SHARED], TierName.SHARED, JOB, 1,
+                              record=False)  # written; the drain books it in this catalogue as it finishes
+    drain: Any = DrainFinishingNow(catalog, shared_copy)
     janitor = Janitor(config, catalog, Metrics(), drain, JobRules(tmp_path / "rules.json", tiers[TierName.SHARED]),
                       lambda job, step, rank: False, tiers=tiers)
     assert janitor.apply(JOB, dry_run=True, local=True, shared=False) == []  # step 1 has no shared record yet

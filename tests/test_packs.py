@@ -94,6 +94,31 @@ def test_a_store_finds_packed_and_loose_chunks_and_looks_again_once_a_pack_is_go
     assert again[NAMES[0]] == packs.Place(loose, 0, 32, whole=True) and again[NAMES[1]] is None
 
 
+def test_reusing_chunks_touches_each_pack_they_are_in_once_and_says_which_the_store_holds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pack's modification time stands for all its chunks: on a shared file system a part reusing hundreds of
+    a base model's chunks makes one call per pack, not one per chunk."""
+    tier = FsTier(tmp_path / "tier", "n")
+    store = chunks.store_dir(tier.root, JOB)
+    for name in NAMES:
+        path = chunks.chunk_path(store, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(name.encode())
+    to_pack(store)
+    loose = "e" * 32
+    chunks.chunk_path(store, loose).parent.mkdir(parents=True, exist_ok=True)
+    chunks.chunk_path(store, loose).write_bytes(b"loose")
+    os.utime(packs.pack_path(store, "p1"), (1, 1))
+    touched: list[str] = []
+    real = os.utime
+    monkeypatch.setattr(os, "utime", lambda path, *a, **k: (touched.append(str(path)), real(path, *a, **k))[1])
+    store_of_chunks = ChunkStore(tier, grace_s=600)
+    assert store_of_chunks.reuse(JOB, [*NAMES, loose, "f" * 32]) == {*NAMES, loose}
+    assert sorted(touched) == sorted([str(packs.pack_path(store, "p1")), str(chunks.chunk_path(store, loose))])
+    assert packs.pack_path(store, "p1").stat().st_mtime > 1  # relied on now: no sweep takes it within the grace
+    store_of_chunks.release(JOB, [*NAMES, loose, "f" * 32])
+
+
 def test_neighbours_in_a_pack_are_read_together_and_every_other_chunk_alone(tmp_path: Path) -> None:
     a, b = tmp_path / "a.pack", tmp_path / "b.pack"
     n = [f"{i:032x}" for i in range(1, 9)]

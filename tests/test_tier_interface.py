@@ -314,10 +314,12 @@ def test_a_sweep_through_the_interface_keeps_exactly_the_chunks_a_manifest_names
     writer = tier.begin_part(JOB, 1, 0)
     writer.commit(_manifest(1, 0, live, chunk_list=[[chunks.digest(live), len(live)]]))
     assert referenced(tier, JOB) == {chunks.digest(live)}
+    assert tier.swept_at(JOB) is None
     swept = ChunkStore(tier, grace_s=-3600).sweep(JOB)  # everything is past its grace
     assert (swept.removed, swept.freed) == (1, 4096)
-    assert tier.list_chunks(JOB) == [chunks.digest(live)]
+    assert tier.list_chunks(JOB) == [chunks.digest(live)]  # the note of the sweep is no chunk
     tier.verify_part(writer.final)  # an incremental part verifies through its chunks
+    assert tier.swept_at(JOB) == pytest.approx(time.time(), abs=5)  # any node sharing the tier sees it
 
 
 def test_manifests_of_replacements_being_assembled_count_for_the_mark(tmp_path: Path) -> None:

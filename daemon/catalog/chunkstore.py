@@ -145,15 +145,17 @@ class ChunkStore:
     def path(self, job: str, name: str) -> Path:
         return self.tier.chunk_location(job, name)
 
-    def reuse(self, job: str, name: str) -> bool:
-        """Leases ``name`` for a part being written; True when the store holds it (it is touched then).
+    def reuse(self, job: str, names: Iterable[str]) -> set[str]:
+        """Leases each of ``names`` for a part being written; returns those the store holds (touched now).
 
-        Either way the lease holds until :meth:`release`: a chunk that is not
+        Either way a lease holds until :meth:`release`: a chunk that is not
         there yet is written into a :meth:`new_chunks` batch under it.
         """
+        names = list(names)
         with self._lock:
-            self._leases[(job, name)] += 1
-            return self.tier.touch_chunk(job, name)
+            for name in names:
+                self._leases[(job, name)] += 1
+            return self.tier.touch_chunks(job, names) if names else set()
 
     def new_chunks(self, job: str, part: PartWriter | None = None) -> ChunkBatch:
         """A batch of new chunks (leased by :meth:`reuse`), published into the store durably and together."""
@@ -194,13 +196,26 @@ class ChunkStore:
             held = Counter(n for p in stored for n in p.names)
             for pack in stored:
                 self._condemn_pack(job, pack, marked, cutoff, held)
-            return self._finish(job, mark())
+            swept = self._finish(job, mark())
+            try:
+                self.tier.note_swept(job)
+            except OSError as e:  # the next pass sweeps a little sooner than it need have
+                log.debug("cannot note the sweep of %s on %s: %s", job, self.tier.location, e)
+            return swept
         finally:
             with self._lock:
                 self._sweeping[job] -= 1
                 if not self._sweeping[job]:
                     del self._sweeping[job]
                     self._released.pop(job, None)
+
+    def since_swept(self, job: str) -> float | None:
+        """Seconds since a sweep of ``job``'s store last finished on any node sharing the tier (None: none known)."""
+        try:
+            at = self.tier.swept_at(job)
+        except OSError:
+            return None
+        return None if at is None else max(0.0, time.time() - at)
 
     def _busy(self, job: str, name: str) -> bool:
         return (job, name) in self._leases or name in self._released.get(job, ())
@@ -289,17 +304,19 @@ class PartChunks:
         Returns the unit's digest blocks' checksums (of ``block`` bytes each), taken in the same pass."""
         cuts = self._by_unit.get(unit, [])
         digests, names = chunks.hash_unit(data, start, block, cuts)
-        run: list[tuple[str, int, int]] = []  # new chunks side by side in ``data``: (name, offset, length)
+        fresh: list[tuple[int, int, str]] = []  # chunks this part did not name before
         for (lo, hi), name in zip(cuts, names):
             with self._lock:
                 self._names[lo] = name
-                first = name not in self._leased
-                self._leased.add(name)
-            if not first:
-                with self._lock:
+                if name in self._leased:
                     self.reused_bytes += hi - lo  # the same bytes twice in one part (zeroed optimizer state)
-                continue
-            if self.store.reuse(self.key, name):
+                    continue
+                self._leased.add(name)
+            fresh.append((lo, hi, name))
+        held = self.store.reuse(self.key, [name for _, _, name in fresh])
+        run: list[tuple[str, int, int]] = []  # new chunks side by side in ``data``: (name, offset, length)
+        for lo, hi, name in fresh:
+            if name in held:
                 with self._lock:
                     self.reused_bytes += hi - lo
                 continue

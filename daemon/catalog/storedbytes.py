@@ -11,6 +11,13 @@ read from its manifest once per part, since parts never change):
   what its parts hold there;
 * what deleting it would *free* (:func:`~ckptstage.daemon.catalog.chunkstore.stored_bytes`),
   steps deleted oldest first: retention's ``max_bytes`` weighs that.
+
+On the shared tier every node weighs every rank's parts, so there a step's
+lists come from its index (:mod:`ckptstage.protos.layout.stepindex`: one
+file per step, where reading the manifests is one file per part and per
+node, every step), and a step not yet committed there counts its parts whole
+until it is (nothing on that tier is weighed by bytes: the lists only feed
+``ls`` and the metrics).
 """
 
 from __future__ import annotations
@@ -52,18 +59,21 @@ class ChunkLists:
         seen: dict[tuple[Path, int], ChunkList | None] = {}
         rows: list[Row] = []
         for c in ckpts:
+            indexed: dict[int, ChunkList | None] | None = None  # the step's lists from its index, read once
             for part in c.on_tier(tier):
                 key = (part.path, part.ino)
-                if key not in known and not read:
+                if key not in known and (not read or tier == TierName.SHARED and not c.complete_on(tier)):
                     rows.append((c.step, part.nbytes, None))
                     continue
                 if key not in known:
+                    if tier == TierName.SHARED and indexed is None:
+                        indexed = _index_lists(storage, c, tier)
                     try:
-                        listed = chunks.manifest_chunks(storage.read_manifest(part.path)[0])
+                        known[key] = indexed[part.rank] if indexed and part.matches(c.records[tier]) else \
+                            _chunk_list(storage.read_manifest(part.path)[0])
                     except layout.ManifestError:
                         rows.append((c.step, part.nbytes, None))  # unreadable now: counted whole, read next time
                         continue
-                    known[key] = None if listed is None else tuple((x.name, x.nbytes) for x in listed)
                 seen[key] = known[key]
                 rows.append((c.step, part.nbytes, seen[key]))
         if read:
@@ -92,6 +102,28 @@ class ChunkLists:
                 del self._added[gone]
             held = [n for (_, t), n in self._added.items() if t == tier]
         return sum(held) if held else None
+
+
+def _chunk_list(manifest: dict[str, object]) -> ChunkList | None:
+    listed = chunks.manifest_chunks(manifest)
+    return None if listed is None else tuple((x.name, x.nbytes) for x in listed)
+
+
+def _index_lists(storage: Tier, ckpt: Checkpoint, tier: TierName) -> dict[int, ChunkList | None]:
+    """Every rank's chunk list from the index that the step's record on ``tier`` names; empty when it names none,
+    or the index is gone or fails its checks (each part's manifest is read then)."""
+    record = ckpt.records.get(tier)
+    if record is None or not record.index_digest:
+        return {}
+    where = storage.step_location(ckpt.job, ckpt.step)
+    try:
+        raw = storage.read_step_index(where)
+        if raw is None:
+            return {}
+        index = layout.parse_step_index(raw, where / layout.STEP_INDEX_FILE, record.index_digest)
+        return {rank: _chunk_list(index.manifest(rank)) for rank in range(index.world_size)}
+    except (OSError, layout.ManifestError):
+        return {}
 
 
 def added_bytes(rows: Iterable[Row]) -> dict[int, int]:

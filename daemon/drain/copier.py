@@ -200,8 +200,9 @@ class PartCopier:
         source = self.tiers[part.tier]
         reused = 0
         todo = []
+        held = store.reuse(key, names)
         for name in sorted(names):
-            if store.reuse(key, name):
+            if name in held:
                 reused += store.tier.chunk_size(key, name)
             else:
                 todo.append(name)

@@ -133,7 +133,7 @@ class ChunkSink:
         if chunk.name in self._leased:
             return True
         self._leased.add(chunk.name)
-        return self._store.reuse(self.key, chunk.name)
+        return chunk.name in self._store.reuse(self.key, [chunk.name])
 
     def publish(self) -> None:
         """The new chunks into the store, durably (every chunked file arrived whole)."""

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import Enum
 
 from ckptstage.daemon.catalog import chunkstore
 from ckptstage.daemon.retention import planner as retention
@@ -24,6 +25,8 @@ from ckptstage.protos import chunks, layout
 
 log = logging.getLogger(__name__)
 
+SWEEP_SPACING = 0.25  # after a deleting pass, a store is swept again once this share of the grace has passed
+
 
 @dataclass(frozen=True)
 class Deleted:
@@ -32,6 +35,14 @@ class Deleted:
     parts: int
     nbytes: int
     tiers: tuple[TierName, ...]
+
+
+class Removal(Enum):
+    """What became of a part retention deleted."""
+
+    REMOVED = "removed"  # this daemon removed it
+    GONE = "gone"        # it was gone already: another node's daemon applied the same rule to its step
+    KEPT = "kept"        # it stays: in use (a drain reading it), or the deletion failed (logged)
 
 
 @dataclass(frozen=True)
@@ -93,10 +104,8 @@ class Janitor:
             with self._locks[tier]:
                 planned = self._plan(job, tier)
                 if not dry_run:
-                    removed = self._remove_stragglers(job, tier)
-                    for action in planned:
-                        self._delete(action)
-                    self._sweep(job, tier, deleted=bool(planned or removed), trigger=trigger)
+                    here = [self._remove_stragglers(job, tier), *(self._delete(action) for action in planned)]
+                    self._sweep(job, tier, deleted=any(here), trigger=trigger)
                     if tier == TierName.LOCAL:
                         self.floor.after_pass(len(planned))
             actions = planned + actions if tier == TierName.LOCAL else actions + planned  # reported local first
@@ -160,7 +169,7 @@ class Janitor:
             while tier == TierName.LOCAL and self.drain is not None and self.drain.busy_with(part) and \
                     time.monotonic() < deadline:
                 time.sleep(0.05)
-            if self._delete_part(part, tier, retention.REQUESTED):
+            if self._delete_part(part, tier, retention.REQUESTED) is not Removal.KEPT:
                 return True
             if tier != TierName.LOCAL or self.drain is None or not self.drain.busy_with(part) or \
                     time.monotonic() >= deadline:
@@ -224,34 +233,38 @@ class Janitor:
             return None
         return None if usage.unbounded else usage.free_bytes
 
-    def _remove_stragglers(self, job: str, tier: TierName) -> int:
+    def _remove_stragglers(self, job: str, tier: TierName) -> bool:
         """Removes what no reader will ever use on ``tier``: parts of a complete step that its commit
         record does not name (an earlier attempt's, left by a crashed run), and records whose parts
-        are all gone (a deletion cut short). Returns how many parts went."""
-        removed = 0
+        are all gone (a deletion cut short). True when this daemon removed any of it itself."""
+        here = False
         for ckpt in self.catalog.checkpoints(job):
             if tier in ckpt.records and not ckpt.on_tier(tier):
-                self._delete_record(job, ckpt.step, tier, "its parts are gone")
+                here |= self._delete_record(job, ckpt.step, tier, "its parts are gone")
             for part in ckpt.stragglers():
                 if part.tier == tier:
-                    removed += self._delete_part(part, tier, "straggler")
-        return removed
+                    here |= self._delete_part(part, tier, "straggler") is Removal.REMOVED
+        return here
 
     def _sweep(self, job: str, tier: TierName, deleted: bool, trigger: str) -> None:
         """Removes the chunks that no part on ``tier`` refers to any more (incremental parts): of the job's
         store, and of the user's (:data:`chunks.USER_STORE`) where the tier has one.
 
-        After a pass that deleted parts, and at start and on request; on the timer (what is left: a failed
-        save's or drain's chunks) at most once per ``[persist] chunk_grace_s``, since none is older."""
+        When :func:`sweep_due`: a sweep reads the whole job's listing (every part's manifest, every pack's
+        index), on a tier that may be a shared file system under thousands of ranks."""
         store = self.chunk_stores.get(tier)
         if store is None:
             return
         for key in (job, chunks.USER_STORE):
             now = time.monotonic()
             last = self._swept_at.get((key, tier))
-            if not deleted and (trigger == "commit" or
-                                trigger == "timer" and last is not None and now - last < store.grace_s):
+            since = None if last is None else now - last
+            if not sweep_due(trigger, deleted, since, store.grace_s):
                 continue
+            if trigger not in ("start", "gc"):  # the tier's other nodes sweep it too: one sweep serves them all
+                elsewhere = store.since_swept(key)
+                if elsewhere is not None and not sweep_due(trigger, deleted, elsewhere, store.grace_s):
+                    continue
             self._swept_at[(key, tier)] = now
             try:
                 swept = store.sweep(key)  # nothing to do (and one look) where the store does not exist
@@ -262,40 +275,43 @@ class Janitor:
             self.metrics.chunks_swept.labels(tier.value).inc(swept.removed)
             self.metrics.chunk_bytes_swept.labels(tier.value).inc(swept.freed)
 
-    def _delete_record(self, job: str, step: int, tier: TierName, why: str) -> None:
-        """Deletes a step's commit record (after its parts: a half-deleted step never reads complete)."""
+    def _delete_record(self, job: str, step: int, tier: TierName, why: str) -> bool:
+        """Deletes a step's commit record (after its parts: a half-deleted step never reads complete); True
+        when this daemon removed it (not another node's, nor a failure)."""
         storage = self.tiers[tier]
         where = storage.step_location(job, step)
         self.catalog.drop_record(tier, job, step)
         try:
             storage.remove_commit_record(where)
         except FileNotFoundError:
-            return  # another node's daemon deleted it
+            return False  # another node's daemon deleted it
         except OSError as e:
             log.error("retention could not delete %s: %s", where / layout.COMMIT_FILE, e,
                       extra=fields(job=job, step=step, tier=tier, error=e))
-            return
+            return False
         log.info("retention: deleted the commit record of %s step %d on %s (%s)", job, step, tier.value, why,
                  extra=fields(job=job, step=step, tier=tier, reason=why))
+        return True
 
-    def _delete(self, action: GcAction) -> None:
+    def _delete(self, action: GcAction) -> bool:
+        """Deletes one step from one tier; True when this daemon carried the deletion out: it removed the
+        step's record (one node does, of all those that planned it), or a step without one, a part of it."""
         ckpt = self.catalog.get(action.job, action.step)
         if ckpt is None:
-            return
+            return False
         # Out of the index first, so that no reader takes the step for complete while its parts go; on disk
         # the record goes last, so that a deletion cut short never leaves a record naming absent parts valid.
         self.catalog.drop_record(action.tier, action.job, action.step)
-        kept = 0
-        for part in ckpt.on_tier(action.tier):
-            if not self._delete_part(part, action.tier, action.reason):
-                kept += 1
-        if not kept and action.tier in ckpt.records:
+        removals = [self._delete_part(part, action.tier, action.reason) for part in ckpt.on_tier(action.tier)]
+        if action.tier not in ckpt.records:
+            return Removal.REMOVED in removals
+        return Removal.KEPT not in removals and \
             self._delete_record(action.job, action.step, action.tier, action.reason)
 
-    def _delete_part(self, part: Part, tier: TierName, reason: str) -> bool:
-        """Deletes one part from ``tier``; False when it stays (in use, or the deletion failed)."""
+    def _delete_part(self, part: Part, tier: TierName, reason: str) -> Removal:
+        """Deletes one part from ``tier`` (see :class:`Removal`)."""
         if self._in_flight(part.job, part.step, part.rank) and tier == TierName.SHARED:
-            return False
+            return Removal.KEPT
         # A part that reached the shared tier is no failure when it goes, even while the drainer still
         # holds it (its step's record could not be sealed because the shared tier's retention had
         # already removed the step as superseded there).
@@ -303,22 +319,42 @@ class Janitor:
         failure = None if reason == retention.REQUESTED or drained else \
             "deleted before it drained: the step is committed by another attempt"
         if self.drain is not None and tier == TierName.LOCAL and not self.drain.drop(part, failure):
-            return False  # being read by a drain worker right now; the next pass gets it
+            return Removal.KEPT  # being read by a drain worker right now; the next pass gets it
         try:
             self.tiers[tier].remove_part(part.path)
         except FileNotFoundError:
             # Gone already: another node's daemon applied the same rule to this step.
             self.catalog.remove(part)
             log.debug("retention: %s was already deleted", part.path, extra=_fields(part))
-            return True
+            return Removal.GONE
         except OSError as e:
             log.error("retention could not delete %s: %s", part.path, e, extra=_fields(part, error=e))
-            return False
+            return Removal.KEPT
         self.catalog.remove(part)
         self.metrics.evictions.labels(tier.value, retention.rule_name(reason)).inc()
         log.info("retention: deleted %s step %d rank %d from %s (%s, %d bytes; attempt %r)", part.job, part.step,
                  part.rank, tier.value, reason, part.nbytes, part.attempt, extra=_fields(part, reason=reason))
+        return Removal.REMOVED
+
+
+def sweep_due(trigger: str, deleted: bool, since: float | None, grace_s: float) -> bool:
+    """Whether a retention pass sweeps a chunk store last swept ``since`` seconds ago (None: never since this
+    daemon started; by this daemon, or by any node sharing the tier: :meth:`ChunkStore.since_swept`).
+
+    At start and on request (``gc``), always. After a pass in which this daemon removed parts or records
+    itself (``deleted``; on a shared tier every node plans the same deletion, one carries it out, the others
+    find it done), at most once per :data:`SWEEP_SPACING` of the grace: a chunk whose last reference went is
+    removed only once nobody touched it for the grace, so sweeping sooner frees little, and with a step a
+    minute a sweep per deleting pass was a sweep per step. On the timer (what is left: a failed save's or
+    drain's chunks, a deletion whose sweep was spaced out, a node that died before its sweep), at most once
+    per grace. Never after a commit's or a drain's pass that removed nothing: no chunk lost its last
+    reference, and every part's commit and drain asks for a pass.
+    """
+    if trigger in ("start", "gc"):
         return True
+    if deleted:
+        return since is None or since >= SWEEP_SPACING * grace_s
+    return trigger == "timer" and (since is None or since >= grace_s)
 
 
 def _local_rules(config: Config, job: JobRetention) -> retention.LocalRules:

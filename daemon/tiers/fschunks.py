@@ -45,17 +45,42 @@ class FsChunkCalls(fspacks.PackCalls):
         place = packs.store_index(self._store(job)).find(name)
         return place.path if place is not None else chunks.chunk_path(self._store(job), name)
 
-    def touch_chunk(self, job: str, name: str) -> bool:
-        """Without listing the store for a chunk it does not know (a save asks this of each of its chunks): one
-        another node packed since the last listing is then written again, which is harmless."""
-        place = packs.store_index(self._store(job)).find(name, refreshed=True)
+    def swept_at(self, job: str) -> float | None:
         try:
-            if place is None:
-                return False
-            os.utime(place.path)  # a pack: every chunk in it counts as relied on
-            return True
+            return os.stat(self._store(job) / chunks.SWEPT_FILE).st_mtime
         except FileNotFoundError:
-            return False
+            return None
+
+    def note_swept(self, job: str) -> None:
+        path = self._store(job) / chunks.SWEPT_FILE
+        try:
+            os.utime(path)
+        except FileNotFoundError:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644))
+
+    def touch_chunk(self, job: str, name: str) -> bool:
+        return name in self.touch_chunks(job, [name])
+
+    def touch_chunks(self, job: str, names: Iterable[str]) -> set[str]:
+        """Without listing the store for a chunk it does not know (a save asks this of each of its chunks): one
+        another node packed since the last listing is then written again, which is harmless. A pack's
+        modification time stands for every chunk in it: each pack is touched once."""
+        index = packs.store_index(self._store(job))
+        touched: dict[Path, bool] = {}  # file -> there
+        held = set()
+        for name in names:
+            place = index.find(name, refreshed=True)
+            if place is None:
+                continue
+            if place.path not in touched:
+                try:
+                    os.utime(place.path)
+                    touched[place.path] = True
+                except FileNotFoundError:
+                    touched[place.path] = False
+            if touched[place.path]:
+                held.add(name)
+        return held
 
     def chunk_size(self, job: str, name: str) -> int:
         return self._find(job, name).length

@@ -320,6 +320,9 @@ class ChunkStorage(Protocol):
     def touch_chunk(self, job: str, name: str) -> bool:
         """Marks a chunk as relied on now (its modification time); False when the store lacks it."""
 
+    def touch_chunks(self, job: str, names: Iterable[str]) -> set[str]:
+        """:meth:`touch_chunk` of each of ``names`` (a pack holding several touched once); returns those held."""
+
     def chunk_size(self, job: str, name: str) -> int: ...
 
     def open_chunk(self, job: str, name: str) -> Reader:
@@ -335,6 +338,12 @@ class ChunkStorage(Protocol):
 
     def missing_chunks(self, job: str, names: Iterable[str]) -> list[str]:
         """The chunks among ``names`` the store does not hold."""
+
+    def swept_at(self, job: str) -> float | None:
+        """When a sweep of the store last finished, on any node (unix time; None: none did, or no store)."""
+
+    def note_swept(self, job: str) -> None:
+        """Records that a sweep of the store finished now (:meth:`swept_at`; one small write)."""
 
     def new_chunks(self, job: str, part: PartWriter | None = None) -> ChunkBatch:
         """A batch of new chunks; staged with ``part``'s temporaries when given (they go with it)."""

@@ -47,6 +47,16 @@ class S3Chunks:
     def has_chunk_store(self, job: str) -> bool:
         return self._objects.any_under(self._keys.dir_key(self._keys.store(job)))
 
+    def swept_at(self, job: str) -> float | None:
+        head = self._objects.head(self._swept_key(job))
+        return None if head is None else head["LastModified"].timestamp()
+
+    def note_swept(self, job: str) -> None:
+        self._objects.put(self._swept_key(job), b"")
+
+    def _swept_key(self, job: str) -> str:
+        return self._keys.key(self._keys.store(job) / chunks.SWEPT_FILE)
+
     def touch_chunk(self, job: str, name: str) -> bool:
         """Marks the chunk as relied on now: its tag :data:`TOUCHED_TAG` says when, which a sweep reads
         besides its modification time (:meth:`condemn_chunk`). A tag moves no bytes, and makes no new

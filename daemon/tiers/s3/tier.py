@@ -264,6 +264,9 @@ class S3Tier(NoPacks):
     def touch_chunk(self, job: str, name: str) -> bool:
         return self._chunks.touch_chunk(job, name)
 
+    def touch_chunks(self, job: str, names: Iterable[str]) -> set[str]:
+        return {name for name in names if self._chunks.touch_chunk(job, name)}  # an object per chunk
+
     def chunk_size(self, job: str, name: str) -> int:
         return self._chunks.chunk_size(job, name)
 
@@ -272,6 +275,12 @@ class S3Tier(NoPacks):
 
     def missing_chunks(self, job: str, names: Iterable[str]) -> list[str]:
         return self._chunks.missing_chunks(job, names)
+
+    def swept_at(self, job: str) -> float | None:
+        return self._chunks.swept_at(job)
+
+    def note_swept(self, job: str) -> None:
+        self._chunks.note_swept(job)
 
     def new_chunks(self, job: str, part: PartWriter | None = None) -> S3ChunkBatch:
         return self._chunks.new_chunks(job, part)
