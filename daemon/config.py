@@ -224,9 +224,8 @@ class PersistConfig:
     yield_to_loads_s: float = field(default=60.0, metadata=kind(seconds_between(0, 3600)))
     # Incremental parts: each tier stores (and the drain copies) only the chunks of a part that the
     # job's chunk store there lacks; unchanged tensors cost nothing (docs/FORMAT.md, "Incremental parts").
-    # Off by default: at many ranks the stores' lookups and sweeps cost the shared tier's metadata server far
-    # more calls per step than whole parts (docs/BENCHMARKS.md, "Incremental parts at scale").
-    incremental: bool = field(default=False, metadata=kind(BOOL))
+    # False: each part one data file.
+    incremental: bool = field(default=True, metadata=kind(BOOL))
     # Whose chunks an incremental part may share: "job" (its job's store) or "user" (one store per tier for
     # every job of this daemon's user: a fine-tune stores its base model's chunks only if no job did).
     dedup: str = field(default="job", metadata=kind(one_of("job", "user")))

@@ -19,8 +19,8 @@ from ckptstage.daemon.launcher import DaemonProcess
 DEFAULTS: dict[str, Any] = {"arena.max_bytes": "512MiB", "persist.chunk_bytes": "1MiB",
                             "arena.min_session_bytes": "1MiB", "shared.retry_initial_s": 0.2, "shared.retry_max_s": 1.0,
                             "shared.drain_on_stop_s": 0}
-if os.environ.get("CKPTSTAGE_TEST_INCREMENTAL") == "1":
-    DEFAULTS["persist.incremental"] = True  # the whole suite, every part written incrementally
+if os.environ.get("CKPTSTAGE_TEST_WHOLE") == "1":
+    DEFAULTS["persist.incremental"] = False  # the whole suite, every part written as one data file
 
 
 class DaemonProc(DaemonProcess):
