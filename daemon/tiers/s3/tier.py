@@ -40,12 +40,13 @@ from __future__ import annotations
 import errno
 import json
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ckptstage.daemon.tiers.interface import Manifest, NoPacks, PartWriter, QuarantinedCopy, Usage
-from ckptstage.daemon.tiers.s3.chunks import S3ChunkBatch, S3Chunks
+from ckptstage.daemon.tiers.interface import Manifest, QuarantinedCopy, Usage
+from ckptstage.daemon.tiers.s3.chunkcalls import S3ChunkCalls
+from ckptstage.daemon.tiers.s3.chunks import S3Chunks
 from ckptstage.daemon.tiers.s3.claims import CLAIM_STALE_S, Claims
 from ckptstage.daemon.tiers.s3.cleanup import Cleanup
 from ckptstage.daemon.tiers.s3.conditions import check_conditions
@@ -66,7 +67,7 @@ THREADS = 16                 # uploads (and, apart, ranged reads) in flight, acr
 MAX_THREADS = MAX_CONNECTIONS // 2  # both pools together hold at most the client's connections
 
 
-class S3Tier(NoPacks):
+class S3Tier(S3ChunkCalls):
     """One bucket and prefix holding checkpoints, as the daemon ``owner`` uses it.
 
     ``owner`` names this daemon's temporaries (``.tmp/<owner>/``); a tier used
@@ -252,59 +253,6 @@ class S3Tier(NoPacks):
     def write_job_json(self, job: str, name: str, obj: Any) -> None:
         self.objects.put(self._keys.job_document(job, name),
                          json.dumps(obj, sort_keys=True).encode())  # one PUT: readers see the old or the new
-
-    # --- chunk stores (see chunks.py) ---------------------------------------------------
-
-    def has_chunk_store(self, job: str) -> bool:
-        return self._chunks.has_chunk_store(job)
-
-    def chunk_location(self, job: str, name: str) -> Path:
-        return self._keys.chunk_location(job, name)
-
-    def touch_chunk(self, job: str, name: str) -> bool:
-        return self._chunks.touch_chunk(job, name)
-
-    def touch_chunks(self, job: str, names: Iterable[str]) -> set[str]:
-        return {name for name in names if self._chunks.touch_chunk(job, name)}  # an object per chunk
-
-    def chunk_size(self, job: str, name: str) -> int:
-        return self._chunks.chunk_size(job, name)
-
-    def open_chunk(self, job: str, name: str) -> ObjectReader:
-        return self._chunks.open_chunk(job, name)
-
-    def missing_chunks(self, job: str, names: Iterable[str]) -> list[str]:
-        return self._chunks.missing_chunks(job, names)
-
-    def swept_at(self, job: str) -> float | None:
-        return self._chunks.swept_at(job)
-
-    def note_swept(self, job: str) -> None:
-        self._chunks.note_swept(job)
-
-    def new_chunks(self, job: str, part: PartWriter | None = None) -> S3ChunkBatch:
-        return self._chunks.new_chunks(job, part)
-
-    def list_manifests(self, job: str) -> list[Path]:
-        return self._index.list_manifests(job)
-
-    def manifest_version(self, part: Path) -> tuple[int, ...]:
-        return self._index.manifest_version(part)
-
-    def list_chunks(self, job: str) -> list[str]:
-        return self._chunks.list_chunks(job)
-
-    def condemn_chunk(self, job: str, name: str, untouched_since: float) -> bool:
-        return self._chunks.condemn_chunk(job, name, untouched_since)
-
-    def condemned_chunks(self, job: str) -> list[str]:
-        return self._chunks.condemned_chunks(job)
-
-    def restore_chunk(self, job: str, name: str) -> None:
-        self._chunks.restore_chunk(job, name)
-
-    def delete_condemned_chunk(self, job: str, name: str) -> int:
-        return self._chunks.delete_condemned_chunk(job, name)
 
     # --- housekeeping -------------------------------------------------------------------
 
