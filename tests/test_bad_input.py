@@ -30,6 +30,7 @@ from ckptstage.daemon.save import manifest_check
 from ckptstage.protos import layout
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 from conftest import DaemonProc
+from support import wait_until
 
 _steps = itertools.count(1000)
 
@@ -45,6 +46,10 @@ def assert_serves(daemon: Any, job: str = "healthy") -> None:
 
 
 def temporaries(local: Path) -> list[Path]:
+    """What the daemon's temporaries hold once retention's deletions in flight are done: a deletion renames a
+    step's part into ``del.*`` there, then removes it (the previous case's save may start one just now)."""
+    wait_until(lambda: not any(p.name.startswith("del.") for p in local.glob(f"{layout.TMP_DIR}/*/*")), 30,
+               "retention's deletions in flight")
     return [p for p in local.glob(f"{layout.TMP_DIR}/*/*")]
 
 
