@@ -213,7 +213,9 @@ def _drained_steps(server: Any, root: Path, prefix: str, incremental: bool) -> d
 
     saved = {rank: torch.arange(3000, dtype=torch.float32) * (rank + 1) for rank in (0, 1)}
     daemon = DaemonProcess(root, {"shared.dir": "", "shared.url": f"s3://{BUCKET}/{prefix}",
-                                  "shared.endpoint": server.endpoint, "persist.incremental": incremental},
+                                  "shared.endpoint": server.endpoint, "persist.incremental": incremental,
+                                  # its chunks kept compressed: the block decodes them
+                                  "shared.compression": "zstd" if incremental else "none"},
                            defaults=DEFAULTS, env=server.env()).start()
     try:
         clients = [Client("docs", socket=daemon.socket, rank=rank, world_size=2) for rank in saved]
@@ -240,6 +242,8 @@ def test_the_format_docs_boto3_block_reads_a_drained_step(s3_server: Any, tmp_pa
     saved = _drained_steps(s3_server, tmp_path / "node", prefix, incremental)
     listing = s3_server.client().list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/docs/chunks/")
     assert bool(listing.get("KeyCount")) == incremental  # the block's chunk branch is the one exercised
+    heads = [s3_server.client().head_object(Bucket=BUCKET, Key=o["Key"]) for o in listing.get("Contents", [])]
+    assert any("ckptstage-size" in h["Metadata"] for h in heads) == incremental  # and its decoding
     block = _fenced(FORMAT, "python", "With boto3,")
     line = 'bucket, prefix, job, step = "my-checkpoints", "alice", "llama-7b", 120\n'
     assert block.count(line) == 1, "the block no longer names its step on one line this test replaces"

@@ -129,14 +129,25 @@ class _LimitedSink(_Paced):
 
 
 class _LimitedBatch(_Paced):
-    """A :class:`ChunkBatch` (publish, discard: its own) that takes each chunk's tokens before writing it."""
+    """A :class:`ChunkBatch` (publish, discard: its own) that takes each chunk's tokens before writing it; a
+    batch that can pace itself (``pace_with``: the object store's, which knows what a compressed chunk sends)
+    takes them for the bytes it sends instead."""
+
+    def __init__(self, inner: Any, limiter: Pacer) -> None:
+        super().__init__(inner, limiter)
+        pace_with = getattr(inner, "pace_with", None)
+        self._inner_paces = pace_with is not None
+        if pace_with is not None:
+            pace_with(lambda n: _acquire(limiter, n))
 
     def write(self, name: str, data: memoryview, direct_io: bool) -> None:
-        _acquire(self._limiter, len(data))
+        if not self._inner_paces:
+            _acquire(self._limiter, len(data))
         self._inner.write(name, data, direct_io)
 
     def write_run(self, held: Sequence[tuple[str, int, int]], data: memoryview, direct_io: bool) -> None:
-        _acquire(self._limiter, len(data))
+        if not self._inner_paces:
+            _acquire(self._limiter, len(data))
         self._inner.write_run(held, data, direct_io)
 
 

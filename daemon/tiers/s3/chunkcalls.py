@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ckptstage.daemon.tiers.interface import NoPacks, PartWriter
 from ckptstage.daemon.tiers.s3.chunks import S3ChunkBatch, S3Chunks
+from ckptstage.daemon.tiers.s3.compression import DecodedReader
 from ckptstage.daemon.tiers.s3.io import ObjectReader
 from ckptstage.daemon.tiers.s3.keys import Keys
 from ckptstage.daemon.tiers.s3.listing import S3Index
@@ -36,7 +37,7 @@ class S3ChunkCalls(NoPacks):
     def chunk_size(self, job: str, name: str) -> int:
         return self._chunks.chunk_size(job, name)
 
-    def open_chunk(self, job: str, name: str) -> ObjectReader:
+    def open_chunk(self, job: str, name: str) -> ObjectReader | DecodedReader:
         return self._chunks.open_chunk(job, name)
 
     def missing_chunks(self, job: str, names: Iterable[str]) -> list[str]:

@@ -17,16 +17,17 @@ import errno
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from ckptstage.daemon.logs import fields
 from ckptstage.daemon.tiers.interface import PartWriter
 from ckptstage.daemon.tiers.s3.client import is_refused
 from ckptstage.daemon.tiers.s3.io import ObjectReader, Transfers
+from ckptstage.daemon.tiers.s3.compression import SIZE_META, Compression, DecodedReader, open_object
 from ckptstage.daemon.tiers.s3.keys import Keys
 from ckptstage.daemon.tiers.s3.objects import Objects
-from ckptstage.protos import chunks, layout
+from ckptstage.protos import chunks
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +39,11 @@ class S3Chunks:
     """The chunk stores of the jobs under ``keys``' prefix, on one bucket's ``objects``; chunks are read
     through ``transfers``."""
 
-    def __init__(self, keys: Keys, objects: Objects, transfers: Transfers) -> None:
+    def __init__(self, keys: Keys, objects: Objects, transfers: Transfers, compression: Compression) -> None:
         self._keys = keys
         self._objects = objects
         self._transfers = transfers
+        self.compression = compression
         self._refused: set[str] = set()  # what the store declined to do ("tagging", "reading tags")
 
     def has_chunk_store(self, job: str) -> bool:
@@ -73,7 +75,10 @@ class S3Chunks:
                     if not is_refused(e):
                         raise
                     self._refuse("tagging", e, "chunks reused are touched by copying them onto themselves")
-            self._objects.rewrite(key, {"touched": now})
+            head = self._objects.head(key)
+            if head is None:
+                return False
+            self._objects.rewrite(key, {**(head.get("Metadata") or {}), "touched": now})  # a decoded size stays
         except FileNotFoundError:
             return False
         return True
@@ -107,10 +112,11 @@ class S3Chunks:
         head = self._objects.head(key)
         if head is None:
             raise FileNotFoundError(errno.ENOENT, f"no chunk {self._objects.where(key)}")
-        return int(head["ContentLength"])
+        return int((head.get("Metadata") or {}).get(SIZE_META, head["ContentLength"]))
 
-    def open_chunk(self, job: str, name: str) -> ObjectReader:
-        return self._transfers.reader(self._keys.chunk_key(job, name))
+    def open_chunk(self, job: str, name: str) -> ObjectReader | DecodedReader:
+        """The chunk's bytes: read by ranges, or when it is kept compressed, whole and decoded."""
+        return open_object(self._transfers, self._keys.chunk_key(job, name))
 
     def missing_chunks(self, job: str, names: Iterable[str]) -> list[str]:
         names = list(names)
@@ -123,7 +129,7 @@ class S3Chunks:
 
     def new_chunks(self, job: str, part: PartWriter | None = None) -> S3ChunkBatch:
         """A batch whose chunks go straight into the store (nothing is staged: see :class:`S3ChunkBatch`)."""
-        return S3ChunkBatch(self._keys, self._objects, chunks.check_store_key(job))
+        return S3ChunkBatch(self._keys, self._objects, chunks.check_store_key(job), self.compression)
 
     def list_chunks(self, job: str) -> list[str]:
         out = []
@@ -198,15 +204,29 @@ class S3ChunkBatch:
     sweep to remove: another writer may rely on it already.
     """
 
-    def __init__(self, keys: Keys, objects: Objects, job: str) -> None:
+    def __init__(self, keys: Keys, objects: Objects, job: str, compression: Compression) -> None:
         self._keys = keys
         self._objects = objects
         self._job = job
+        self._compression = compression
+        self._pace: Callable[[int], None] = lambda n: None
+
+    def pace_with(self, pace: Callable[[int], None]) -> None:
+        """``pace(n)`` before each upload of ``n`` bytes (a rate limit counting what is sent, not what the
+        chunks hold)."""
+        self._pace = pace
 
     def write(self, name: str, data: memoryview, direct_io: bool) -> None:
+        """Uploads one chunk, compressed where the tier's :class:`Compression` says so."""
         if not chunks.is_chunk_name(name):
             raise ValueError(f"{name!r} is not a chunk name")
-        self._objects.put(self._keys.chunk_key(self._job, name), bytes(data))
+        frame = self._compression.encode(data)
+        body = bytes(data) if frame is None else frame
+        t0 = time.perf_counter()
+        self._pace(len(body))  # a cap on the tier is part of what an upload costs: "auto" weighs it too
+        self._objects.put(self._keys.chunk_key(self._job, name), body,
+                          metadata=None if frame is None else {SIZE_META: str(len(data))})
+        self._compression.sent(len(body), time.perf_counter() - t0)
 
     def write_run(self, held: Sequence[tuple[str, int, int]], data: memoryview, direct_io: bool) -> None:
         """An object per chunk."""

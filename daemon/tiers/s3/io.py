@@ -207,6 +207,7 @@ class ObjectReader:
         except FileNotFoundError as e:
             raise (on_missing(e) if on_missing else e) from None
         self.size: int = int(head["ContentLength"])
+        self.metadata: dict[str, str] = dict(head.get("Metadata") or {})
         self._etag = str(head["ETag"])
         self._pos = 0
         self._asked: deque[tuple[int, int, Future[bytes]]] = deque()  # (start, end, GET), in order from _pos

@@ -80,11 +80,14 @@ class Objects:
             return False
         return True
 
-    def put(self, key: str, data: bytes, if_absent: bool = False, if_match: str | None = None) -> str:
+    def put(self, key: str, data: bytes, if_absent: bool = False, if_match: str | None = None,
+            metadata: dict[str, str] | None = None) -> str:
         """Writes a small object whole; returns its ETag. ``if_absent``: FileExistsError when one is there;
         ``if_match``: FileExistsError (or FileNotFoundError) unless the object there has that ETag."""
         conn = self.connection
-        extra = {"IfNoneMatch": "*"} if if_absent else {"IfMatch": if_match} if if_match else {}
+        extra: dict[str, Any] = {"IfNoneMatch": "*"} if if_absent else {"IfMatch": if_match} if if_match else {}
+        if metadata:
+            extra["Metadata"] = metadata
         for attempt in range(CONFLICT_ATTEMPTS):
             try:
                 with errors("writing", conn, key):

@@ -47,6 +47,7 @@ from typing import Any
 from ckptstage.daemon.tiers.interface import Manifest, QuarantinedCopy, Usage
 from ckptstage.daemon.tiers.s3.chunkcalls import S3ChunkCalls
 from ckptstage.daemon.tiers.s3.chunks import S3Chunks
+from ckptstage.daemon.tiers.s3.compression import Compression
 from ckptstage.daemon.tiers.s3.claims import CLAIM_STALE_S, Claims
 from ckptstage.daemon.tiers.s3.cleanup import Cleanup
 from ckptstage.daemon.tiers.s3.conditions import check_conditions
@@ -82,7 +83,8 @@ class S3Tier(S3ChunkCalls):
 
     def __init__(self, conn: Connection, owner: str = "", piece_bytes: int = PIECE_BYTES,
                  in_flight: int = IN_FLIGHT, threads: int = THREADS, claim_stale_s: float = CLAIM_STALE_S,
-                 abandoned_s: float | None = None) -> None:
+                 abandoned_s: float | None = None, compression: str = "none") -> None:
+        """``compression``: whether chunks are kept compressed (:mod:`.compression`; ``[shared] compression``)."""
         if piece_bytes < MIN_PIECE_BYTES:
             raise ValueError(f"a multipart upload's pieces are at least {MIN_PIECE_BYTES} bytes, not {piece_bytes}")
         self.connection = conn
@@ -92,7 +94,7 @@ class S3Tier(S3ChunkCalls):
         self._transfers = Transfers(conn, piece_bytes, in_flight, threads)
         self._cleanup = Cleanup(self.objects, self.claims, self._keys)
         self._index = S3Index(self._keys, self.objects)
-        self._chunks = S3Chunks(self._keys, self.objects, self._transfers)
+        self._chunks = S3Chunks(self._keys, self.objects, self._transfers, Compression(compression))
         self._replacing = S3Replacing(self._keys, self.objects, self._index, self._cleanup)
         self.abandoned_s = abandoned_s if abandoned_s is not None else ABANDONED_AFTER * claim_stale_s
 
@@ -103,7 +105,7 @@ class S3Tier(S3ChunkCalls):
         that many per part drained at once."""
         threads = min(MAX_THREADS, max(THREADS, config.multipart_concurrency * config.max_concurrent))
         return cls(connect(config), owner, piece_bytes=config.multipart_bytes,
-                   in_flight=config.multipart_concurrency, threads=threads)
+                   in_flight=config.multipart_concurrency, threads=threads, compression=config.compression)
 
     @property
     def root(self) -> Path:

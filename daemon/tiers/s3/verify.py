@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckptstage.daemon.tiers.interface import Manifest
+from ckptstage.daemon.tiers.s3.compression import open_object
 from ckptstage.daemon.tiers.s3.io import Transfers
 from ckptstage.daemon.tiers.s3.keys import Keys
 from ckptstage.protos import chunks, layout
@@ -27,7 +28,7 @@ def verify_part(part: Path, manifest: Manifest, keys: Keys, transfers: Transfers
         for ext in chunks.extents(part, manifest, name, chunks.loose(chunks.store_of(part, manifest))):
             verifier.path = ext.path  # a bad block is named by the object its last bytes came from
             try:
-                reader = transfers.reader(keys.key(ext.path))
+                reader = open_object(transfers, keys.key(ext.path))  # a compressed chunk: what it decodes to
             except FileNotFoundError as e:
                 raise layout.ChecksumMismatch(ext.path, f"missing: {e}") from e
             except OSError as e:

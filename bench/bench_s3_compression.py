@@ -1,0 +1,227 @@
+"""Compressed chunks on an object store: bytes sent and drain time per ``[shared] compression``, next to
+``zstd -1`` of the same files, on a store as fast as loopback and on one capped to 200 MB/s; then a restore.
+
+    .venv/bin/python bench/bench_s3_compression.py                 # GPT-2 124M full fine-tune, fp32, ~6 min
+    .venv/bin/python bench/bench_s3_compression.py --bf16          # the same state cast to bf16
+    .venv/bin/python bench/bench_s3_compression.py --caps 200MB/s --rounds 1
+
+One SeaweedFS on loopback (``tests/s3server.py``, as ``bench_s3.py``
+starts it). Per cap ("none", or ``[shared] max_bandwidth``, which counts the
+bytes a chunk is sent as), one daemon per mode: ``none``, ``bg-zstd``
+(byte-grouped zstd -1 on every chunk that shrinks by 5%) and ``auto`` (when
+the codec outruns the upload, from what the tier measured), incremental
+parts, each its own local tier and prefix. The state: GPT-2 124M built from
+``GPT2Config()`` with AdamW (weights and both moments, 1.4 GiB fp32), one
+training step before each round, so every chunk changes. Each round every
+daemon saves the step in turn (rotating order) and is timed from
+``wait("local")`` to ``wait("shared")``; the bytes the step added to the
+store are summed from the new chunk objects (what they hold decoded, from
+the manifests; what they take, from their sizes). Beside them, in the same
+round: ``zstd -1`` (the CLI, one thread) of the step's new pack files on
+the ``none`` daemon's local tier, timed, its output counted. At the end a
+daemon that never saw the job loads the last step from each prefix (fetched
+onto its own local tier and decoded), timed cold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import _harness as h
+from bench_s3 import arena_bytes, s3server
+
+JOB = "squeeze"
+MODES = ("none", "bg-zstd", "auto")
+
+
+def daemon(root: Path, server: Any, prefix: str, arena: int, **settings: Any) -> h.Daemon:
+    s3 = s3server()
+    d = h.Daemon(root, root / "local", None, **{
+        "shared.url": f"s3://{s3.BUCKET}/{prefix}", "shared.endpoint": server.endpoint, "shared.region": s3.REGION,
+        "persist.incremental": True, "arena.max_bytes": arena, "local.keep_last": 2, "shared.keep_last": 100,
+        "memory.enabled": False, **settings})
+    d.env.update(server.env())
+    return d
+
+
+def stored(server: Any, prefix: str, before: set[str]) -> tuple[set[str], int, int]:
+    """The chunk objects under ``prefix`` now, and the decoded and stored bytes of those not in ``before``."""
+    from ckptstage.daemon.tiers.s3.compression import SIZE_META
+
+    s3 = s3server()
+    client = server.client()
+    keys: set[str] = set()
+    logical = sent = 0
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=s3.BUCKET, Prefix=f"{prefix}/{JOB}/chunks/"):
+        for o in page.get("Contents", []):
+            key = o["Key"]
+            if "/." in key:
+                continue
+            keys.add(key)
+            if key in before:
+                continue
+            meta = client.head_object(Bucket=s3.BUCKET, Key=key).get("Metadata", {})
+            logical += int(meta.get(SIZE_META, o["Size"]))
+            sent += int(o["Size"])
+    return keys, logical, sent
+
+
+def zstd_cli(files: list[Path]) -> tuple[float, int]:
+    """``zstd -1`` (one thread) of ``files``: seconds, compressed bytes."""
+    out = 0
+    with h.Timer() as t:
+        for f in files:
+            got = subprocess.run(["zstd", "-1", "-T1", "-q", "-c", str(f)], check=True, capture_output=True)
+            out += len(got.stdout)
+    return t.s, out
+
+
+def packs_of(local: Path) -> dict[Path, float]:
+    return {p: p.stat().st_mtime for p in (local / JOB / "chunks" / "packs").glob("*.pack")}
+
+
+def bench(args: argparse.Namespace, work: Path, droot: Path, out: Any) -> dict[str, Any]:
+    import torch
+    from _finetune import Trainer
+    from ckptstage.client import Client
+
+    s3 = s3server()
+    server = s3.start(work / "seaweedfs")
+    out(f"SeaweedFS at {server.endpoint}, serving after {server.start_s:.1f} s")
+    trainer = Trainer(lora=False, batch=1, seq=64)
+    trainer.train(1)
+
+    def state() -> dict[str, Any]:
+        s = trainer.state()
+        if args.bf16:
+            s = {k: _cast(v, torch.bfloat16) for k, v in s.items()}
+        return s
+
+    nbytes = h.state_bytes(state())
+    out(f"{trainer.note}; {'bf16' if args.bf16 else 'fp32'} state {nbytes / h.MiB:.0f} MiB")
+    rows: dict[str, dict[str, list[float]]] = {}
+    step = 0
+    try:
+        for cap in args.caps:
+            extra = {} if cap == "none" else {"shared.max_bandwidth": cap}
+            nodes = {m: daemon(droot / f"{cap.replace('/', '')}-{m}", server, f"{cap.replace('/', '')}-{m}",
+                               arena_bytes(nbytes), **{"shared.compression": m, **extra}) for m in MODES}
+            for d in nodes.values():
+                d.start()
+            clients = {m: Client(JOB, socket=d.socket) for m, d in nodes.items()}
+            seen = {m: set[str]() for m in MODES}
+            try:
+                for r in range(args.rounds + 1):  # round 0 untimed: connections, imports, the first probe
+                    step += 1
+                    trainer.train(1)
+                    s = state()
+                    order = list(MODES[r % 3:] + MODES[:r % 3])
+                    for m in order:
+                        before = packs_of(nodes[m].local)
+                        h.settle(args.settle)
+                        handle = clients[m].save(step, s)
+                        handle.wait("local")
+                        t0 = time.perf_counter()
+                        handle.wait("shared", timeout=600)
+                        took = time.perf_counter() - t0
+                        seen[m], logical, sent = stored(server, f"{cap.replace('/', '')}-{m}", seen[m])
+                        if r == 0:
+                            continue
+                        row = rows.setdefault(f"{cap} {m}", {})
+                        for k, v in (("drain_s", took), ("logical", logical), ("sent", sent)):
+                            row.setdefault(k, []).append(v)
+                        if m == "none":
+                            new = [p for p, t in packs_of(nodes[m].local).items() if before.get(p) != t]
+                            z_s, z_bytes = zstd_cli(new)
+                            cli = rows.setdefault(f"{cap} zstd -1 CLI", {})
+                            for k, v in (("drain_s", z_s), ("logical", logical), ("sent", z_bytes)):
+                                cli.setdefault(k, []).append(v)
+                        out(f"  {cap:>8} round {r}: {m:8} drain {took:6.2f} s, sent {sent / h.MiB:7.1f} of "
+                            f"{logical / h.MiB:7.1f} MiB  (load {h.load()})")
+            finally:
+                for c in clients.values():
+                    c.close()
+                for d in nodes.values():
+                    d.stop()
+            for name, got in restore(cap, server, droot, nbytes, step).items():
+                rows.setdefault(name, {}).update(got)
+    finally:
+        server.stop()
+    return rows
+
+
+def restore(cap: str, server: Any, droot: Path, nbytes: int, step: int) -> dict[str, dict[str, list[float]]]:
+    """A daemon that never saw the job loads ``step`` from each mode's prefix, cold: seconds."""
+    from ckptstage.client import Client
+
+    out: dict[str, dict[str, list[float]]] = {}
+    for m in MODES:
+        tag = f"{cap.replace('/', '')}-{m}"
+        d = daemon(droot / f"reader-{tag}", server, tag, arena_bytes(nbytes)).start()
+        try:
+            with Client(JOB, socket=d.socket) as c:
+                deadline = time.monotonic() + 60
+                while step not in [i.step for i in c.list() if i.complete] and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                with h.Timer() as t:
+                    c.load(step=step)
+            out[f"{cap} {m}"] = {"restore_s": [t.s]}
+        finally:
+            d.stop()
+    return out
+
+
+def _cast(value: Any, dtype: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(dtype)
+    if isinstance(value, dict):
+        return {k: _cast(v, dtype) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cast(v, dtype) for v in value]
+    return value
+
+
+def report(rows: dict[str, dict[str, list[float]]], out: Any) -> None:
+    out(f"\n{'':24} {'drain (s)':>10} {'MB/s of state':>14} {'sent / logical':>15} {'restore (s)':>12}")
+    for cap in sorted({k.split(' ', 1)[0] for k in rows}):
+        base = h.median(rows[f"{cap} none"]["drain_s"])
+        for name in [f"{cap} {m}" for m in MODES] + [f"{cap} zstd -1 CLI"]:
+            r = rows.get(name)
+            if r is None or "drain_s" not in r:
+                continue
+            drain, logical, sent = h.median(r["drain_s"]), h.median(r["logical"]), h.median(r["sent"])
+            restore_s = rows.get(name, {}).get("restore_s")
+            out(f"{name:24} {drain:10.2f} {logical / drain / 1e6:14.0f} {sent / logical:15.3f} "
+                f"{'' if not restore_s else f'{restore_s[0]:.2f}':>12}   x{drain / base:.2f} of none's drain")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = h.run_args(__doc__ or "", "the local tiers and SeaweedFS's data live")
+    p.add_argument("--rounds", type=int, default=2, help="timed rounds per cap (default 2)")
+    p.add_argument("--caps", nargs="+", default=["none", "200MB/s"], help="[shared] max_bandwidth per run "
+                   "(none: uncapped; default: none 200MB/s)")
+    p.add_argument("--bf16", action="store_true", help="the state cast to bf16")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result: dict[str, Any] = {"bench": "s3_compression", "argv": sys.argv}
+    with h.bench_dirs(args.dir, "s3-compression") as (work, droot, info):
+        result["machine"] = info
+        rows = bench(args, work, droot, print)
+    report(rows, print)
+    result["rows"] = rows
+    h.write_json(args.json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
