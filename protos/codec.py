@@ -68,11 +68,11 @@ def _planes(data: memoryview, group: int) -> list[memoryview]:
     return [memoryview(split[i]) for i in range(group)]
 
 
-def _sampled_ratio(data: memoryview, group: int) -> float:
-    """Compressed / original bytes of ``data``'s first :data:`SAMPLE` bytes, grouped by ``group``."""
+def _sampled(data: memoryview, group: int) -> list[float]:
+    """Per plane of ``data`` grouped by ``group``, the share of its first bytes (:data:`SAMPLE` in all) that
+    zstd keeps."""
     head = data[:SAMPLE - SAMPLE % group]
-    stored = sum(min(len(p), len(_compressor().compress(p))) for p in _planes(head, group))
-    return stored / max(1, len(head))
+    return [len(_compressor().compress(p)) / max(1, len(p)) for p in _planes(head, group)]
 
 
 def encode(data: memoryview | bytes, grouped: bool = True) -> bytes | None:
@@ -81,13 +81,14 @@ def encode(data: memoryview | bytes, grouped: bool = True) -> bytes | None:
     data = memoryview(data).cast("B")
     n = len(data)
     choices = [g for g in (GROUPS if grouped else (1,)) if n % g == 0]
-    ratios = {g: _sampled_ratio(data, g) for g in choices}
-    group = min(ratios, key=lambda g: ratios[g])
-    if ratios[group] > 1 - MIN_GAIN:
+    samples = {g: _sampled(data, g) for g in choices}
+    kept = {g: sum(min(1.0, r) for r in s) / g for g, s in samples.items()}  # a plane that grows goes raw
+    group = min(kept, key=lambda g: kept[g])
+    if kept[group] > 1 - MIN_GAIN:
         return None
     stored: list[tuple[int, bytes | memoryview]] = []
-    for plane in _planes(data, group):
-        packed = _compressor().compress(plane) if _sampled_ratio(plane, 1) <= 1 - MIN_GAIN else None
+    for plane, ratio in zip(_planes(data, group), samples[group]):
+        packed = _compressor().compress(plane) if ratio <= 1 - MIN_GAIN else None
         stored.append((ZSTD, packed) if packed is not None and len(packed) < len(plane) else (RAW, plane))
     head = _HEAD.pack(MAGIC, VERSION, group, n) + b"".join(_PLANE.pack(kind, len(b)) for kind, b in stored)
     if len(head) + sum(len(b) for _, b in stored) > n * (1 - MIN_GAIN):
@@ -111,32 +112,47 @@ def _header(frame: bytes | memoryview) -> tuple[bytes, int, int, int]:
     return magic, version, group, n
 
 
-def decode(frame: bytes | memoryview) -> bytes:
+def decode(frame: bytes | bytearray | memoryview) -> bytes | memoryview:
     """The chunk's bytes; raises :class:`CodecError` when the frame does not hold them whole."""
     frame = memoryview(frame).cast("B")
     _, _, group, n = _header(frame)
     if n % group:
         raise CodecError(f"a compressed chunk of {n} bytes cannot be in {group}-byte elements")
+    planes = _planes_of(frame, group)
+    end = _HEAD.size + group * _PLANE.size + sum(len(b) for _, b in planes)
+    if end != len(frame):
+        raise CodecError(f"a compressed chunk has {len(frame) - end} bytes past its last plane")
+    if group == 1:
+        return _decoded(planes[0], 0, n)
+    out = np.empty((n // group, group), dtype=np.uint8)  # plane i goes into column i: the elements again
+    for i, (kind, body) in enumerate(planes):
+        out[:, i] = np.frombuffer(_decoded((kind, body), i, n // group), dtype=np.uint8)
+    return out.data.cast("B")
+
+
+def _planes_of(frame: memoryview, group: int) -> list[tuple[int, memoryview]]:
+    """Each plane's kind and stored bytes, as the header lists them."""
     pos = _HEAD.size + group * _PLANE.size
-    planes: list[bytes] = []
+    out = []
     for i in range(group):
         kind, size = _PLANE.unpack_from(frame, _HEAD.size + i * _PLANE.size)
         body = frame[pos:pos + size]
         pos += size
         if len(body) != size:
             raise CodecError(f"a compressed chunk ends inside plane {i} ({len(frame)} bytes)")
-        try:
-            plane = bytes(body) if kind == RAW else \
-                _decompressor().decompress(body, max_output_size=n // group) if kind == ZSTD else None
-        except zstandard.ZstdError as e:
-            raise CodecError(f"plane {i} of a compressed chunk does not decompress: {e}") from None
-        if plane is None or len(plane) != n // group:
-            raise CodecError(f"plane {i} of a compressed chunk holds {0 if plane is None else len(plane)} bytes, "
-                             f"not {n // group} (kind {kind})")
-        planes.append(plane)
-    if pos != len(frame):
-        raise CodecError(f"a compressed chunk has {len(frame) - pos} bytes past its last plane")
-    if group == 1:
-        return planes[0]
-    joined = np.frombuffer(b"".join(planes), dtype=np.uint8).reshape(group, -1).T.copy()
-    return joined.tobytes()
+        out.append((kind, body))
+    return out
+
+
+def _decoded(plane: tuple[int, memoryview], i: int, size: int) -> bytes | memoryview:
+    """Plane ``i``'s bytes (``size`` of them), decompressed when it was."""
+    kind, body = plane
+    try:
+        got: bytes | memoryview | None = body if kind == RAW else \
+            _decompressor().decompress(body, max_output_size=size) if kind == ZSTD else None
+    except zstandard.ZstdError as e:
+        raise CodecError(f"plane {i} of a compressed chunk does not decompress: {e}") from None
+    if got is None or len(got) != size:
+        raise CodecError(f"plane {i} of a compressed chunk holds {0 if got is None else len(got)} bytes, "
+                         f"not {size} (kind {kind})")
+    return got

@@ -103,8 +103,10 @@ def open_object(transfers: Transfers, key: str) -> ObjectReader | DecodedReader:
     reader = transfers.reader(key)
     if SIZE_META not in reader.metadata:
         return reader
+    frame = bytearray(reader.size)
     with reader:
-        return DecodedReader(reader.read(reader.size))
+        got = reader.readinto(memoryview(frame)) or 0
+    return DecodedReader(bytes(frame[:got]) if got < len(frame) else frame)
 
 
 class DecodedReader:
@@ -112,7 +114,7 @@ class DecodedReader:
     persist, 64 MiB). A frame that does not decode is served as it is: the reader's check of the bytes
     against the chunk's name then fails and names the chunk, as it does for a damaged chunk stored raw."""
 
-    def __init__(self, frame: bytes) -> None:
+    def __init__(self, frame: bytes | bytearray) -> None:
         try:
             self._data = memoryview(codec.decode(frame))
         except codec.CodecError:
