@@ -81,7 +81,9 @@ def test_a_damaged_frame_is_refused_or_decodes_to_other_bytes_never_silently_to_
 def test_auto_compresses_only_where_the_codec_outruns_the_upload() -> None:
     data = memoryview(_weights(3, torch.bfloat16))
     fast = Compression("auto")
-    assert fast.encode(data) is not None  # nothing measured yet: the first chunk probes
+    frame = fast.encode(data)
+    assert frame is not None  # nothing measured yet: the first chunk probes
+    assert fast.figures()["stored_share"] == pytest.approx(len(frame) / len(data))  # what it saw, not a prior
     fast.sent(10 << 20, (10 << 20) / 20e9)  # a stream at 20 GB/s: no codec saves time there
     assert fast.pays() is False
     chosen = [fast.encode(data) is not None for _ in range(2 * PROBE_EVERY)]

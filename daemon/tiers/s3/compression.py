@@ -49,7 +49,7 @@ class Compression:
         self._lock = threading.Lock()
         self._stream_bps: float | None = None  # one upload's bytes per second
         self._codec_bps: float | None = None   # uncompressed bytes per second through the codec
-        self._stored = 1.0                     # the share of its bytes a compressed chunk kept
+        self._stored: float | None = None      # the share of its bytes a compressed chunk kept
         self._count = 0
 
     def encode(self, data: memoryview) -> bytes | None:
@@ -73,7 +73,7 @@ class Compression:
     def pays(self) -> bool | None:
         """Whether compressing makes an upload finish sooner, from the figures so far (None: not measured)."""
         with self._lock:
-            if self._stream_bps is None or self._codec_bps is None:
+            if self._stream_bps is None or self._codec_bps is None or self._stored is None:
                 return None
             return self._codec_bps * (1.0 - self._stored) > self._stream_bps
 
