@@ -93,29 +93,29 @@ def encode(data: memoryview | bytes, grouped: bool = True) -> bytes | None:
     head = _HEAD.pack(MAGIC, VERSION, group, n) + b"".join(_PLANE.pack(kind, len(b)) for kind, b in stored)
     if len(head) + sum(len(b) for _, b in stored) > n * (1 - MIN_GAIN):
         return None
-    return b"".join([head, *(bytes(b) for _, b in stored)])
+    return b"".join([head, *(b for _, b in stored)])
 
 
 def decoded_size(frame: bytes | memoryview) -> int:
     """The decoded size a frame declares (its header only)."""
-    magic, version, _, n = _header(frame)
-    return n
+    return _header(frame)[1]
 
 
-def _header(frame: bytes | memoryview) -> tuple[bytes, int, int, int]:
+def _header(frame: bytes | memoryview) -> tuple[int, int]:
+    """The frame's group and decoded length, checked."""
     if len(frame) < _HEAD.size:
         raise CodecError(f"a compressed chunk of {len(frame)} bytes is shorter than its header")
     magic, version, group, n = _HEAD.unpack_from(frame)
     if magic != MAGIC or version != VERSION or group not in GROUPS:
         raise CodecError(f"not a version {VERSION} compressed chunk (magic {magic!r}, version {version}, "
                          f"group {group})")
-    return magic, version, group, n
+    return group, n
 
 
 def decode(frame: bytes | bytearray | memoryview) -> bytes | memoryview:
     """The chunk's bytes; raises :class:`CodecError` when the frame does not hold them whole."""
     frame = memoryview(frame).cast("B")
-    _, _, group, n = _header(frame)
+    group, n = _header(frame)
     if n % group:
         raise CodecError(f"a compressed chunk of {n} bytes cannot be in {group}-byte elements")
     planes = _planes_of(frame, group)

@@ -261,10 +261,9 @@ class Janitor:
             since = None if last is None else now - last
             if not sweep_due(trigger, deleted, since, store.grace_s):
                 continue
-            if trigger not in ("start", "gc"):  # the tier's other nodes sweep it too: one sweep serves them all
-                elsewhere = store.since_swept(key)
-                if elsewhere is not None and not sweep_due(trigger, deleted, elsewhere, store.grace_s):
-                    continue
+            elsewhere = store.since_swept(key)  # the tier's other nodes sweep it too: one sweep serves them all
+            if elsewhere is not None and not sweep_due(trigger, deleted, elsewhere, store.grace_s):
+                continue
             self._swept_at[(key, tier)] = now
             try:
                 swept = store.sweep(key)  # nothing to do (and one look) where the store does not exist
