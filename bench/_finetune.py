@@ -134,7 +134,7 @@ def chunk_files(tier: Path, job: str) -> dict[str, int]:
 
     index = packs.StoreIndex(chunks.store_dir(tier, job))  # a fresh one: the store changes between calls
     index.refresh()
-    found = {name: length for name, (_, _, length) in index.packed().items()}
+    found = {name: place.length for name, place in index.packed().items()}
     found.update({p.name: n for p, n in files_under(chunks.store_dir(tier, job), skip=CONDEMNED_DIR).items()
                   if chunks.is_chunk_name(p.name)})
     return found

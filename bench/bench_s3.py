@@ -220,7 +220,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--multipart-bytes", default="64MiB", help="[shared] multipart_bytes (default 64MiB)")
     p.add_argument("--multipart-concurrency", type=int, default=8, help="[shared] multipart_concurrency (default 8)")
     p.add_argument("--incremental", action=argparse.BooleanOptionalAction, default=False,
-                   help="[persist] incremental: the drain uploads a part's chunks, an object each (default: off)")
+                   help="[persist] incremental: the drain uploads a part's chunks as packs (default: off)")
     return p.parse_args(argv)
 
 

@@ -7,6 +7,10 @@ each (``<store>/9f/<name>``) or in packs::
     <store>/packs/<id>.idx    {"format": "ckptstage-pack/1", "chunks": [[name, offset, length], ...]}
                               xxh3_64:<16 hex digits of the line above>
 
+An entry of four, ``[name, offset, length, size]``, is a chunk kept
+compressed (an object store's, ``[shared] compression``): its ``length``
+bytes are a frame of :mod:`ckptstage.protos.codec` that decodes to ``size``.
+
 A writer fills the ``.pack`` file, makes it durable, then writes its ``.idx``
 atomically: the index is what publishes the pack, and a pack with no index
 is not part of the store (a writer cut short; it is removed once stale).
@@ -18,7 +22,8 @@ manifest as every read is.
 Which pack holds a chunk is the store's business, not the manifest's, so that
 chunks can move between packs without a committed manifest changing: a reader
 looks its chunks up in the store (:class:`StoreIndex`, which reads each
-index once, since none changes).
+index once, since none changes). A :class:`PackSource` is how it lists and
+reads a store: files here (:class:`FsPackSource`), objects on an object store.
 
 This module is imported by the daemon and the client alike: no torch.
 """
@@ -32,6 +37,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple, Protocol
 
 from ckptstage.protos import layout
 
@@ -50,15 +56,32 @@ class PackError(layout.ManifestError):
     """A pack's index that cannot be trusted (torn, changed, not of this format)."""
 
 
+class Entry(NamedTuple):
+    """One chunk of a pack's index: ``length`` bytes at ``offset``; ``size`` > 0: they are a codec frame that
+    decodes to ``size`` bytes (0: they are the chunk's bytes)."""
+
+    name: str
+    offset: int
+    length: int
+    size: int = 0
+
+
 @dataclass(frozen=True)
 class Place:
     """Where a chunk's bytes are: ``length`` bytes of ``path`` from ``offset``; ``whole``: the file holds exactly
-    those (a chunk stored loose), else a range of a pack."""
+    those (a chunk stored loose), else a range of a pack. ``size`` > 0: those bytes are a codec frame that
+    decodes to ``size`` bytes (a chunk an object store keeps compressed in a pack)."""
 
     path: Path
     offset: int
     length: int
     whole: bool
+    size: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """The chunk's own size (what it decodes to)."""
+        return self.size or self.length
 
 
 @dataclass(frozen=True)
@@ -131,15 +154,27 @@ def pack_id_of(name: str) -> str | None:
     return None
 
 
-def encode_index(entries: Sequence[tuple[str, int, int]]) -> bytes:
-    """The ``.idx`` file of a pack holding ``entries`` (name, offset, length)."""
-    body = json.dumps({"format": FORMAT, "chunks": [list(e) for e in entries]}, separators=(",", ":")).encode()
+def is_pack_file(name: str) -> bool:
+    """Whether ``name`` is a pack's file name (``<id>.pack``; one moved aside as corrupt included)."""
+    return name.endswith(PACK_SUFFIX) and pack_id_of(name) is not None
+
+
+def index_beside(pack: Path) -> Path:
+    """The index that goes with the pack file at ``pack``."""
+    return pack.with_name(pack.name[:-len(PACK_SUFFIX)] + INDEX_SUFFIX)
+
+
+def encode_index(entries: Sequence[Entry | tuple[str, int, int]]) -> bytes:
+    """The ``.idx`` file of a pack holding ``entries`` (name, offset, length[, decoded size])."""
+    rows = [list(e[:3]) + ([e[3]] if len(e) > 3 and e[3] else []) for e in entries]  # type: ignore[misc]
+    body = json.dumps({"format": FORMAT, "chunks": rows}, separators=(",", ":")).encode()
     return layout.with_trailer(body)
 
 
-def decode_index(raw: bytes, path: Path) -> list[tuple[str, int, int]]:
+def decode_index(raw: bytes, path: Path) -> list[Entry]:
     """The entries of a ``.idx`` file, checked: its trailer, its format, each name (32 hex digits), each offset
-    (on a page) and length (positive), no two ranges overlapping. Raises :class:`PackError` naming ``path``."""
+    (on a page), length and decoded size (positive), no two ranges overlapping. Raises :class:`PackError`
+    naming ``path``."""
     if len(raw) > MAX_INDEX_BYTES:
         raise PackError(f"{path}: a pack index of {len(raw)} bytes exceeds {MAX_INDEX_BYTES}")
     try:
@@ -148,69 +183,114 @@ def decode_index(raw: bytes, path: Path) -> list[tuple[str, int, int]]:
         raise PackError(f"{path}: not a pack index: {e}") from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("chunks"), list):
         raise PackError(f"{path}: not a {FORMAT} index")
-    out: list[tuple[str, int, int]] = []
+    out: list[Entry] = []
     for item in doc["chunks"]:
-        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and _NAME_RE.fullmatch(item[0])
-                and all(isinstance(x, int) and not isinstance(x, bool) for x in item[1:])
-                and item[1] >= 0 and item[1] % PAGE == 0 and item[2] > 0):
-            raise PackError(f"{path}: entry {len(out)} is not [32 hex digits, page-aligned offset, length]: "
-                            f"{str(item)[:80]}")
-        out.append((item[0], item[1], item[2]))
-    ranges = sorted((off, off + n) for _, off, n in out)
+        if not (isinstance(item, list) and len(item) in (3, 4) and isinstance(item[0], str)
+                and _NAME_RE.fullmatch(item[0])
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in item[1:]) and item[1] >= 0 and item[1] % PAGE == 0 and all(x > 0 for x in item[2:])):
+            raise PackError(f"{path}: entry {len(out)} is not [32 hex digits, page-aligned offset, length"
+                            f"(, decoded size)]: {str(item)[:80]}")
+        out.append(Entry(*item))
+    ranges = sorted((e.offset, e.offset + e.length) for e in out)
     if any(a_hi > b_lo for (_, a_hi), (b_lo, _) in zip(ranges, ranges[1:])):
         raise PackError(f"{path}: two chunks overlap")
     return out
 
 
-def read_index(path: Path) -> list[tuple[str, int, int]]:
+def read_index(path: Path) -> list[Entry]:
     with open(path, "rb") as f:
         return decode_index(f.read(MAX_INDEX_BYTES + 1), path)
 
 
+class PackSource(Protocol):
+    """How a :class:`StoreIndex` sees one store: what its packs directory lists, an index's entries, a chunk
+    stored on its own, whether packs are still there."""
+
+    def index_names(self) -> list[str] | None:
+        """The names in the store's packs directory (None: it has none)."""
+
+    def read_index(self, name: str) -> list[Entry]:
+        """The entries of index ``name`` ([] when its pack is gone). FileNotFoundError: the index is gone;
+        :class:`PackError`: it cannot be trusted."""
+
+    def loose(self, name: str) -> Place | None:
+        """Where chunk ``name`` is stored on its own (None: it is not)."""
+
+    def gone(self, paths: set[Path]) -> set[Path]:
+        """Those of the pack files ``paths`` that are no longer there."""
+
+
+class FsPackSource:
+    """A store on a file system: its directories and files."""
+
+    def __init__(self, store: Path) -> None:
+        self.store = store
+
+    def index_names(self) -> list[str] | None:
+        try:
+            return os.listdir(packs_dir(self.store))
+        except FileNotFoundError:
+            return None
+
+    def read_index(self, name: str) -> list[Entry]:
+        pack = packs_dir(self.store) / (name[:-len(INDEX_SUFFIX)] + PACK_SUFFIX)
+        return read_index(packs_dir(self.store) / name) if pack.exists() else []  # gone: nothing
+
+    def loose(self, name: str) -> Place | None:
+        path = self.store / name[:2] / name
+        try:
+            return Place(path, 0, os.stat(path).st_size, whole=True)
+        except FileNotFoundError:
+            return None
+
+    def gone(self, paths: set[Path]) -> set[Path]:
+        return {path for path in paths if not path.exists()}
+
+
 class StoreIndex:
-    """Where each chunk of one store is on a file system: its packs (each index read once) or its own file.
+    """Where each chunk of one store is: its packs (each index read once) or its own file (or object).
 
     :meth:`find` looks in the packs read so far, then, once per call that
     misses, reads the indexes published since, then looks for the chunk's own
     file. Thread-safe. An index that fails its checks is left out (the chunks
     it lists are then not found there: a reader falls back to another copy).
+    ``source`` lists and reads the store (a file system's by default).
     """
 
-    def __init__(self, store: Path) -> None:
+    def __init__(self, store: Path, source: PackSource | None = None) -> None:
         self.store = store
+        self._source = source or FsPackSource(store)
         self._lock = threading.Lock()
-        self._read: set[str] = set()                       # index file names read (or found bad)
-        self._places: dict[str, tuple[Path, int, int]] = {}  # chunk -> (pack, offset, length)
-        self._listed = False                                 # refreshed since created or reset
+        self._read: set[str] = set()             # index file names read (or found bad)
+        self._places: dict[str, Place] = {}      # chunk -> where in a pack
+        self._listed = False                     # refreshed since created or reset
 
     def refresh(self) -> None:
         """Reads the indexes published since the last call."""
-        try:
-            names = os.listdir(packs_dir(self.store))
-        except FileNotFoundError:
+        names = self._source.index_names()
+        if names is None:
             return
         with self._lock:
             self._listed = True
             new = [n for n in names if n.endswith(INDEX_SUFFIX) and n not in self._read and pack_id_of(n)]
         for name in sorted(new):
-            pack = packs_dir(self.store) / (name[:-len(INDEX_SUFFIX)] + PACK_SUFFIX)
             try:
-                entries = read_index(packs_dir(self.store) / name) if pack.exists() else []  # gone: nothing
+                entries = self._source.read_index(name)
             except FileNotFoundError:
                 continue  # removed meanwhile (a repack's old pack)
             except PackError:
                 entries = []
-            with self._lock:
-                self._read.add(name)
-                for chunk, offset, length in entries:
-                    self._places.setdefault(chunk, (pack, offset, length))
+            self._note(packs_dir(self.store) / (name[:-len(INDEX_SUFFIX)] + PACK_SUFFIX), entries)
 
-    def add(self, pack: Path, entries: Sequence[tuple[str, int, int]]) -> None:
+    def add(self, pack: Path, entries: Sequence[Entry | tuple[str, int, int]]) -> None:
         """A pack this process just published (its index renamed into place): known without a listing."""
+        self._note(pack, [Entry(*e) for e in entries])
+
+    def _note(self, pack: Path, entries: Sequence[Entry]) -> None:
         with self._lock:
             self._read.add(pack.name[:-len(PACK_SUFFIX)] + INDEX_SUFFIX)
-            for chunk, offset, length in entries:
-                self._places.setdefault(chunk, (pack, offset, length))
+            for e in entries:
+                self._places.setdefault(e.name, Place(pack, e.offset, e.length, whole=False, size=e.size))
 
     def reset(self) -> None:
         """A pack went (or is going): every index is read again at the next miss (another pack may hold its
@@ -220,8 +300,8 @@ class StoreIndex:
             self._places.clear()
             self._listed = False
 
-    def packed(self) -> dict[str, tuple[Path, int, int]]:
-        """Every chunk the packs read so far hold: name -> (pack, offset, length)."""
+    def packed(self) -> dict[str, Place]:
+        """Every chunk the packs read so far hold, and where."""
         with self._lock:
             return dict(self._places)
 
@@ -235,15 +315,11 @@ class StoreIndex:
             with self._lock:
                 hit = self._places.get(name)
             if hit is not None:
-                return Place(hit[0], hit[1], hit[2], whole=False)
+                return hit
             if attempt or refreshed:
                 break
             self.refresh()
-        loose = self.store / name[:2] / name
-        try:
-            return Place(loose, 0, os.stat(loose).st_size, whole=True)
-        except FileNotFoundError:
-            return None
+        return self._source.loose(name)
 
     def find_all(self, names: Iterable[str]) -> dict[str, Place | None]:
         """:meth:`find` of every name, refreshing at most once; a pack found gone (removed by a sweep since its
@@ -257,7 +333,7 @@ class StoreIndex:
                 refreshed = True  # find() refreshed on its miss
             out[name] = place
         packed = {p.path for p in out.values() if p is not None and not p.whole}
-        gone = {path for path in packed if not path.exists()}  # one look per pack, not per chunk
+        gone = self._source.gone(packed)  # one look per pack, not per chunk
         if gone:
             self.reset()
             self.refresh()

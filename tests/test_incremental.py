@@ -45,7 +45,7 @@ def store(tier: Path, job: str = JOB) -> dict[str, int]:
     root = chunks.store_dir(tier, job)
     index = packs.StoreIndex(root)
     index.refresh()
-    out = {name: length for name, (_, _, length) in index.packed().items()}
+    out = {name: place.length for name, place in index.packed().items()}
     for p in root.glob("??/*"):
         try:
             if chunks.is_chunk_name(p.name):

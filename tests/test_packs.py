@@ -50,10 +50,18 @@ def to_pack(store: Path, pack_id: str = "p1") -> dict[str, tuple[int, int]]:
     return {n: (o, ln) for n, o, ln in entries}
 
 
+def _index_of(entry: str) -> bytes:
+    """An index listing one entry as written (its trailer right)."""
+    return layout.with_trailer(f'{{"format":"{packs.FORMAT}","chunks":[{entry}]}}'.encode())
+
+
 def test_an_index_round_trips_and_every_damage_is_refused(tmp_path: Path) -> None:
-    entries = [(NAMES[0], 0, 10), (NAMES[1], 4096, 5000), (NAMES[2], 12288, 1)]
+    entries = [(NAMES[0], 0, 10), (NAMES[1], 4096, 5000), (NAMES[2], 12288, 1, 70)]  # the last one compressed
     raw = packs.encode_index(entries)
-    assert packs.decode_index(raw, tmp_path / "x.idx") == entries
+    assert f'"{NAMES[0]}",0,10]'.encode() in raw  # a decoded size only for a chunk kept compressed
+    assert f'"{NAMES[2]}",12288,1,70]'.encode() in raw
+    assert packs.decode_index(raw, tmp_path / "x.idx") == [
+        packs.Entry(NAMES[0], 0, 10), packs.Entry(NAMES[1], 4096, 5000), packs.Entry(NAMES[2], 12288, 1, size=70)]
     flipped = bytearray(raw)
     flipped[20] ^= 1
     bad = {
@@ -63,6 +71,8 @@ def test_an_index_round_trips_and_every_damage_is_refused(tmp_path: Path) -> Non
         "off a page": packs.encode_index([(NAMES[0], 100, 10)]),
         "not a chunk name": packs.encode_index([("xyz", 0, 10)]),
         "empty chunk": packs.encode_index([(NAMES[0], 0, 0)]),
+        "no decoded size": _index_of(f'["{NAMES[0]}",0,10,0]'),
+        "five fields": _index_of(f'["{NAMES[0]}",0,10,20,1]'),
         "another format": layout.with_trailer(b'{"format":"other","chunks":[]}'),
     }
     for why, data in bad.items():
@@ -254,7 +264,7 @@ def packed(store: Path) -> dict[str, tuple[Path, int, int]]:
     """What the packs of ``store`` hold, read afresh: name -> (pack, offset, length)."""
     index = packs.StoreIndex(store)
     index.refresh()
-    return index.packed()
+    return {name: (p.path, p.offset, p.length) for name, p in index.packed().items()}
 
 
 def test_each_part_s_new_chunks_are_one_pack_that_loads_verifies_and_drains(daemon_factory: Any) -> None:

@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 
-from ckptstage.protos import codec
+from ckptstage.protos import codec, packs
 
 pytest.importorskip("boto3", reason="the s3 extra (boto3) is not installed")
 torch = pytest.importorskip("torch")
 
 from ckptstage.client import Client, errors  # noqa: E402
 from ckptstage.daemon.launcher import DaemonProcess  # noqa: E402
-from ckptstage.daemon.tiers.s3.compression import PROBE_EVERY, SIZE_META, Compression  # noqa: E402
+from ckptstage.daemon.tiers.s3.compression import PROBE_EVERY, Compression  # noqa: E402
 from conftest import DEFAULTS  # noqa: E402
 from s3server import BUCKET, S3Server, s3_server  # noqa: E402
 from support import wait_until  # noqa: E402
@@ -111,11 +111,18 @@ def _equal(got: dict[str, Any], want: dict[str, Any]) -> bool:
     return all(torch.equal(got[k], want[k]) for k in ("w32", "w16", "noise")) and got["step"] == want["step"]
 
 
-def _chunk_objects(server: S3Server, prefix: str) -> list[dict[str, Any]]:
+def _packed(server: S3Server, prefix: str) -> list[tuple[str, packs.Entry]]:
+    """Every chunk in the packs of the job's store on the object store: (its pack's key, its index entry)."""
     client = server.client()
-    listed = client.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/{JOB}/chunks/").get("Contents", [])
-    return [{"Key": o["Key"], **client.head_object(Bucket=BUCKET, Key=o["Key"])} for o in listed
-            if "/." not in o["Key"]]
+    where = f"{prefix}/{JOB}/chunks/packs/"
+    listed = client.list_objects_v2(Bucket=BUCKET, Prefix=where, Delimiter="/").get("Contents", [])
+    out = []
+    for o in listed:
+        if o["Key"].endswith(packs.INDEX_SUFFIX):
+            raw = client.get_object(Bucket=BUCKET, Key=o["Key"])["Body"].read()
+            pack = o["Key"][:-len(packs.INDEX_SUFFIX)] + packs.PACK_SUFFIX
+            out += [(pack, e) for e in packs.decode_index(raw, Path(o["Key"]))]
+    return out
 
 
 def test_bg_zstd_on_the_store_holds_fewer_bytes_and_a_node_that_never_saw_the_job_loads_it_back(
@@ -130,26 +137,25 @@ def test_bg_zstd_on_the_store_holds_fewer_bytes_and_a_node_that_never_saw_the_jo
         with Client(JOB, socket=a.socket) as c:
             for step in (1, 2):
                 c.save(step, _state(step)).wait("shared", timeout=60)
-        heads = _chunk_objects(s3_server, prefix)
-        squeezed = [h for h in heads if SIZE_META in h.get("Metadata", {})]
-        logical = sum(int(h.get("Metadata", {}).get(SIZE_META, h["ContentLength"])) for h in heads)
-        stored = sum(int(h["ContentLength"]) for h in heads)
-        assert squeezed and all(int(h["ContentLength"]) < int(h["Metadata"][SIZE_META]) for h in squeezed)
-        assert len(squeezed) < len(heads)  # the noise stays as it is
+        entries = _packed(s3_server, prefix)
+        squeezed = [(pack, e) for pack, e in entries if e.size]  # recorded per chunk in its pack's index
+        logical = sum(e.size or e.length for _, e in entries)
+        stored = sum(e.length for _, e in entries)
+        assert squeezed and all(e.length < e.size for _, e in squeezed)
+        assert len(squeezed) < len(entries)  # the noise stays as it is
         assert stored < 0.85 * logical, (stored, logical)
         with Client(JOB, socket=b.socket) as reader:
             wait_until(lambda: [i.step for i in reader.list() if i.complete] == [1, 2], 20, "B listing the store")
             assert _equal(reader.load(step=2), _state(2))
-            # A flipped byte in one of step 1's compressed chunks (its metadata kept, as bit rot keeps it).
+            # A flipped byte in one of step 1's compressed chunks, in its pack.
             client = s3_server.client()
-            key = next(h["Key"] for h in squeezed if h["Key"].rsplit("/", 1)[1] not in _fetched(b.local))
+            key, entry = next((k, e) for k, e in squeezed if e.name not in _fetched(b.local))
             body = bytearray(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
-            body[len(body) // 2] ^= 0x01
-            client.put_object(Bucket=BUCKET, Key=key, Body=bytes(body),
-                              Metadata=client.head_object(Bucket=BUCKET, Key=key)["Metadata"])
+            body[entry.offset + entry.length // 2] ^= 0x01
+            client.put_object(Bucket=BUCKET, Key=key, Body=bytes(body))
             with pytest.raises(errors.CkptStageError, match=rf"{JOB} step 1 rank 0") as caught:
                 reader.load(step=1)
-            assert key.rsplit("/", 1)[1] in str(caught.value)  # the chunk, by name
+            assert entry.name in str(caught.value)  # the chunk, by name
     finally:
         a.stop()
         b.stop()

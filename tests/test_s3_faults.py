@@ -572,14 +572,16 @@ def test_a_store_without_object_tags_has_reused_chunks_touched_by_copying_them_o
     tier = _tier(proxy.endpoint, f"untagged-{uuid.uuid4().hex[:8]}")
     refused = proxy.fail(501, "NotImplemented", match=r"\?tagging")
     names = [chunks.digest(memoryview(d)) for d in (b"kept", b"swept")]
-    batch = tier.new_chunks("tags")
-    for name, d in zip(names, (b"kept", b"swept")):
+    for name, d in zip(names, (b"kept", b"swept")):  # a pack each
+        batch = tier.new_chunks("tags")
         batch.write(name, memoryview(d), direct_io=False)
-    batch.publish()
+        batch.publish()
+    pack = {p.chunks[0][0]: p.pack_id for p in tier.list_packs("tags")}
     time.sleep(2.1)  # the store's times are whole seconds
     cutoff = time.time()
     assert tier.touch_chunk("tags", names[0]) and tier.touch_chunk("tags", names[0])
-    assert not tier.condemn_chunk("tags", names[0], cutoff)  # its modification time is the touch's
-    assert tier.condemn_chunk("tags", names[1], cutoff)      # untouched: no tag to read, its time is old
+    assert not tier.condemn_pack("tags", pack[names[0]], cutoff)  # its index's modification time is the touch's
+    assert tier.condemn_pack("tags", pack[names[1]], cutoff)      # untouched: no tag to read, its time is old
+    assert tier.missing_chunks("tags", names) == [names[1]]
     assert refused.hits == 2  # one refused tagging, one refused tag reading: then neither is asked again
     assert caplog.text.count("refuses tagging") == 1 and caplog.text.count("refuses reading tags") == 1

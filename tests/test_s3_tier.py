@@ -294,7 +294,7 @@ def test_the_tier_is_named_by_its_url_and_sets_no_limit_of_its_own(tier: S3Tier)
     assert f"{url}/{JOB}/step-000000000003/rank-00000" in str(gone.value) and "/s3:" not in str(gone.value)
 
 
-def test_new_chunks_go_straight_to_their_keys_and_a_touch_moves_no_bytes(tier: S3Tier) -> None:
+def test_new_chunks_go_up_as_one_pack_a_touch_tags_its_index_and_a_sweep_moves_it_whole(tier: S3Tier) -> None:
     conn = tier.connection
     sent: list[str] = []
     conn.client.meta.events.register("before-call.s3", lambda model, **_: sent.append(model.name))
@@ -303,23 +303,56 @@ def test_new_chunks_go_straight_to_their_keys_and_a_touch_moves_no_bytes(tier: S
     batch = tier.new_chunks(JOB)
     for name, d in zip(names, data):
         batch.write(name, memoryview(d), direct_io=False)
-    assert tier.missing_chunks(JOB, names) == []  # each in the store, whole, once written
+    assert sorted(tier.missing_chunks(JOB, names)) == sorted(names)  # nothing is in the store before publish
     batch.publish()
     batch.discard()
-    assert sent.count("PutObject") == 3 and "CopyObject" not in sent and _keys(tier, layout.TMP_DIR) == []
+    # Three chunks, two PUTs: the pack (smaller than a piece: no multipart upload), then its index.
+    assert [c for c in sent if c.startswith(("Put", "Create", "Upload", "Copy"))] == ["PutObject", "PutObject"]
+    assert tier.missing_chunks(JOB, names) == [] and _keys(tier, layout.TMP_DIR) == []
+    [pack] = tier.list_packs(JOB)
+    assert pack.names == set(names)
+    for name, d in zip(names, data):
+        assert tier.chunk_size(JOB, name) == len(d)
+        with tier.open_chunk(JOB, name) as f:
+            assert f.read(1 << 20) == d
     key = tier.key(tier.chunk_location(JOB, names[0]))
     before = conn.client.head_object(Bucket=conn.bucket, Key=key)
     time.sleep(2.1)  # the store's times are whole seconds
     cutoff = time.time()  # untouched since the write, by its modification time
     sent.clear()
-    assert tier.touch_chunk(JOB, names[0]) and sent == ["PutObjectTagging"]
+    assert tier.touch_chunks(JOB, names) == set(names) and sent == ["PutObjectTagging"]  # the pack's index, once
     after = conn.client.head_object(Bucket=conn.bucket, Key=key)
-    assert (after["LastModified"], after["ETag"]) == (before["LastModified"], before["ETag"])
-    # A sweep reads the touch from the tag: relied on since the cutoff, the chunk stays; the others go.
-    assert not tier.condemn_chunk(JOB, names[0], cutoff)
-    assert tier.condemn_chunk(JOB, names[1], cutoff) and tier.condemned_chunks(JOB) == [names[1]]
-    assert tier.condemn_chunk(JOB, names[0], time.time() + 1)  # once nobody touched it for the grace
-    assert not tier.touch_chunk(JOB, names[1])  # condemned: not in the store
+    assert (after["LastModified"], after["ETag"]) == (before["LastModified"], before["ETag"])  # no byte moved
+    # A sweep reads the touch from the index's tag: relied on since the cutoff, the pack stays.
+    assert not tier.condemn_pack(JOB, pack.pack_id, cutoff)
+    assert tier.condemn_pack(JOB, pack.pack_id, time.time() + 1)  # once nobody touched it for the grace
+    assert tier.list_packs(JOB) == [] and sorted(tier.missing_chunks(JOB, names)) == sorted(names)
+    assert not tier.touch_chunk(JOB, names[0])  # condemned: not in the store
+    assert [p.names for p in tier.condemned_packs(JOB)] == [set(names)]
+    tier.restore_pack(JOB, pack.pack_id)  # named again before it went
+    assert tier.missing_chunks(JOB, names) == []
+    assert tier.condemn_pack(JOB, pack.pack_id, time.time() + 1)
+    assert tier.delete_condemned_pack(JOB, pack.pack_id) == after["ContentLength"]
+    assert tier.condemned_packs(JOB) == [] and tier.list_packs(JOB) == []
+    assert [k for k in _keys(tier, JOB) if "/packs/" in k] == []
+    with pytest.raises(FileNotFoundError):
+        tier.restore_pack(JOB, pack.pack_id)
+
+
+def test_a_chunk_kept_as_an_object_of_its_own_is_still_read_touched_and_swept(tier: S3Tier) -> None:
+    """A store written before packs: each chunk an object at its name's key."""
+    data = os.urandom(5000)
+    name = chunks.digest(memoryview(data))
+    tier.objects.put(tier.key(tier.chunk_location(JOB, name)), data)
+    assert tier.missing_chunks(JOB, [name]) == [] and tier.chunk_size(JOB, name) == len(data)
+    assert tier.list_chunks(JOB) == [name] and tier.list_packs(JOB) == []
+    with tier.open_chunk(JOB, name) as f:
+        assert f.read(1 << 20) == data
+    time.sleep(2.1)
+    cutoff = time.time()
+    assert tier.touch_chunk(JOB, name) and not tier.condemn_chunk(JOB, name, cutoff)
+    assert tier.condemn_chunk(JOB, name, time.time() + 1) and tier.condemned_chunks(JOB) == [name]
+    assert tier.missing_chunks(JOB, [name]) == [name] and not tier.touch_chunk(JOB, name)
 
 
 # --- errors that name the bucket and the endpoint ------------------------------------------------------

@@ -73,19 +73,15 @@ def tier(request: Any, tmp_path: Path) -> Tier:
 
 
 def _put_chunks(t: Tier, items: dict[str, bytes]) -> None:
-    """Chunks stored one each (name -> bytes): through a batch on a store that keeps them so (the object store);
-    as files of their own on the file system, as stores written before packs hold them (a batch there writes a
-    pack: see the pack tests below)."""
-    if isinstance(t, FsTier):
-        for name, data in items.items():
-            path = chunks.chunk_path(chunks.store_dir(t.root, JOB), name)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
-        return
-    batch = t.new_chunks(JOB)
+    """Chunks stored one each (name -> bytes), as stores written before packs hold them: a file or an object of
+    their own (a batch writes a pack: see the pack tests, and tests/test_s3_packs.py)."""
     for name, data in items.items():
-        batch.write(name, memoryview(data), direct_io=False)
-    batch.publish()
+        location = chunks.chunk_path(chunks.store_dir(t.root, JOB), name)
+        if isinstance(t, FsTier):
+            location.parent.mkdir(parents=True, exist_ok=True)
+            location.write_bytes(data)
+        else:
+            object_bytes(t, location, data)
 
 
 def _stored(t: Tier, location: Path, data: bytes | None = None) -> bytes:
@@ -245,17 +241,15 @@ def test_a_corrupt_byte_fails_verification_naming_the_block(tier: Tier) -> None:
 
 
 def test_new_chunks_are_visible_once_published_and_read_back_by_name(tier: Tier) -> None:
-    """A file system shows a batch's chunks when it is published, not before, and a discarded batch leaves
-    none; an object store shows each as soon as its PUT is done (whole or absent) and leaves a discarded
-    batch's chunks to the sweep (see :class:`ChunkBatch`)."""
-    early = type(tier).__name__ == "S3Tier"
+    """A store shows a batch's chunks when it is published (its pack's index), not before, and a discarded
+    batch leaves none."""
     a, b = b"a" * 4096, b"b" * 100
     names = [chunks.digest(a), chunks.digest(b)]
     batch = tier.new_chunks(JOB)
     batch.write(names[0], memoryview(a), direct_io=False)
     batch.write(names[1], memoryview(b), direct_io=True)  # unaligned: falls back to buffered writes
-    assert tier.missing_chunks(JOB, names) == ([] if early else names)
-    assert tier.touch_chunk(JOB, names[0]) == early
+    assert tier.missing_chunks(JOB, names) == names
+    assert not tier.touch_chunk(JOB, names[0])
     batch.publish()
     batch.discard()  # a no-op once published
     assert tier.has_chunk_store(JOB) and tier.missing_chunks(JOB, names) == []
@@ -267,10 +261,9 @@ def test_new_chunks_are_visible_once_published_and_read_back_by_name(tier: Tier)
     dropped = tier.new_chunks(JOB)
     dropped.write(c, memoryview(b"c"), direct_io=False)
     dropped.discard()
-    assert tier.missing_chunks(JOB, [c]) == ([] if early else [c])
-    if not early:
-        with pytest.raises(FileNotFoundError):
-            tier.open_chunk(JOB, c)
+    assert tier.missing_chunks(JOB, [c]) == [c]
+    with pytest.raises(FileNotFoundError):
+        tier.open_chunk(JOB, c)
     assert tier.clean_temporaries() == 0  # batches leave no temporary behind
     assert tier.clean_abandoned() == 0  # nobody else wrote here
 

@@ -155,7 +155,7 @@ def list_packs(store: Path) -> list[Pack]:
 
 
 def _held(index: Path) -> tuple[tuple[str, int], ...]:
-    return tuple((name, length) for name, _, length in packs.read_index(index))
+    return tuple((e.name, e.length) for e in packs.read_index(index))
 
 
 def _condemned(store: Path) -> Path:
@@ -233,14 +233,14 @@ def quarantine_pack(root: Path, store: Path, pack: Path, staging: Path) -> Path:
     batch = FsPackBatch(root, store, staging)
     try:
         with open(pack, "rb", buffering=0) as f:
-            for name, offset, length in entries:  # a chunk that fails its name is left behind
-                def read_into(view: memoryview, at: int = offset) -> int:
+            for e in entries:  # a chunk that fails its name is left behind
+                def read_into(view: memoryview, at: int = e.offset) -> int:
                     return os.preadv(f.fileno(), [view], at)
 
-                def write(view: memoryview, name: str = name) -> None:
+                def write(view: memoryview, name: str = e.name) -> None:
                     batch.write(name, view, direct_io=True)
 
-                chunks.copy_checked(name, length, read_into, write)
+                chunks.copy_checked(e.name, e.length, read_into, write)
         batch.publish()
     finally:
         batch.discard()

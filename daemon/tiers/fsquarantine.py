@@ -50,7 +50,7 @@ def list_quarantined(root: Path) -> list[QuarantinedCopy]:
         except OSError:
             continue
         for name in names:
-            chunk = chunks.corrupt_chunk_name(name) or (name if _corrupt_pack(name) else None)
+            chunk = chunks.corrupt_chunk_name(name) or (name if packs.is_pack_file(name) else None)
             if chunk is not None:
                 found += _copy(job_dir.name, None, None, job_dir / chunks.CHUNKS_DIR / chunks.CORRUPT_DIR / name,
                                chunk)
@@ -62,7 +62,7 @@ def delete_quarantined(root: Path, location: Path) -> int:
     bytes it held. Refuses (ValueError) any other path."""
     part = layout.parse_corrupt_dirname(location.name) is not None and \
         layout.parse_step_dirname(location.parent.name) is not None
-    chunk = (chunks.corrupt_chunk_name(location.name) is not None or _corrupt_pack(location.name)) and \
+    chunk = (chunks.corrupt_chunk_name(location.name) is not None or packs.is_pack_file(location.name)) and \
         location.parent.name == chunks.CORRUPT_DIR and location.parent.parent.name == chunks.CHUNKS_DIR
     if not (part or chunk):
         raise ValueError(f"{location} is not a copy moved aside as corrupt")
@@ -76,14 +76,9 @@ def delete_quarantined(root: Path, location: Path) -> int:
             pass
     else:
         location.unlink()
-        if _corrupt_pack(location.name):  # its index went aside with it
-            location.with_name(location.name[:-len(packs.PACK_SUFFIX)] + packs.INDEX_SUFFIX).unlink(missing_ok=True)
+        if packs.is_pack_file(location.name):  # its index went aside with it
+            packs.index_beside(location).unlink(missing_ok=True)
     return nbytes
-
-
-def _corrupt_pack(name: str) -> bool:
-    """A pack moved aside (:func:`ckptstage.daemon.tiers.fspacks.quarantine_pack`): ``<id>-<6 hex>.pack``."""
-    return name.endswith(packs.PACK_SUFFIX) and packs.pack_id_of(name) is not None
 
 
 def _copy(job: str, step: int | None, rank: int | None, entry: Path, chunk: str = "") -> list[QuarantinedCopy]:

@@ -35,7 +35,6 @@ format (:mod:`ckptstage.protos.layout`) and nothing of the daemon.
 
 from __future__ import annotations
 
-import errno
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -99,39 +98,6 @@ class Pack:
     @property
     def nbytes(self) -> int:
         return sum(length for _, length in self.chunks)
-
-
-class NoPacks:
-    """The pack calls of :class:`ChunkStorage` for a store that keeps every chunk on its own (an object store,
-    where a chunk is one object): it has no pack to list, condemn, put back or delete, and reads each chunk
-    alone."""
-
-    def chunk_location(self, job: str, name: str) -> Path:
-        raise NotImplementedError
-
-    def open_chunk(self, job: str, name: str) -> Reader:
-        raise NotImplementedError
-
-    def chunk_runs(self, job: str, names: Iterable[str], max_bytes: int) -> list[packs.Run]:
-        return [packs.Run(self.chunk_location(job, name), 0, 0, ((name, 0, 0),), whole=True) for name in names]
-
-    def open_chunk_run(self, job: str, run: packs.Run) -> Reader:
-        return self.open_chunk(job, run.names[0])
-
-    def list_packs(self, job: str) -> list[Pack]:
-        return []
-
-    def condemn_pack(self, job: str, pack_id: str, untouched_since: float) -> bool:
-        return False
-
-    def condemned_packs(self, job: str) -> list[Pack]:
-        return []
-
-    def restore_pack(self, job: str, pack_id: str) -> None:
-        raise FileNotFoundError(errno.ENOENT, f"no pack {pack_id} of {job}: this store keeps no packs")
-
-    def delete_condemned_pack(self, job: str, pack_id: str) -> int:
-        raise FileNotFoundError(errno.ENOENT, f"no pack {pack_id} of {job}: this store keeps no packs")
 
 
 class DataSink(Protocol):

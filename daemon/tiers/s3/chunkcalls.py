@@ -1,24 +1,24 @@
 """The chunk-store calls of the object-store tier (:class:`~ckptstage.daemon.tiers.interface.ChunkStorage`),
-as :class:`~ckptstage.daemon.tiers.s3.tier.S3Tier` answers them: its :class:`S3Chunks`, and its index for the
-manifests a sweep marks from. Packs are a file-system tier's: an object store keeps a chunk per object."""
+as :class:`~ckptstage.daemon.tiers.s3.tier.S3Tier` answers them: its :class:`S3Chunks` (and their packs), and
+its index for the manifests a sweep marks from."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
 
-from ckptstage.daemon.tiers.interface import NoPacks, PartWriter
-from ckptstage.daemon.tiers.s3.chunks import S3ChunkBatch, S3Chunks
+from ckptstage.daemon.tiers.interface import Pack, PartWriter
+from ckptstage.daemon.tiers.s3.chunks import S3Chunks
 from ckptstage.daemon.tiers.s3.compression import DecodedReader
 from ckptstage.daemon.tiers.s3.io import ObjectReader
-from ckptstage.daemon.tiers.s3.keys import Keys
 from ckptstage.daemon.tiers.s3.listing import S3Index
+from ckptstage.daemon.tiers.s3.packbatch import S3PackBatch
+from ckptstage.protos import packs
 
 
-class S3ChunkCalls(NoPacks):
+class S3ChunkCalls:
     """The :class:`~ckptstage.daemon.tiers.interface.ChunkStorage` half of the object-store tier."""
 
-    _keys: Keys
     _index: S3Index
     _chunks: S3Chunks
 
@@ -26,19 +26,25 @@ class S3ChunkCalls(NoPacks):
         return self._chunks.has_chunk_store(job)
 
     def chunk_location(self, job: str, name: str) -> Path:
-        return self._keys.chunk_location(job, name)
+        return self._chunks.chunk_location(job, name)
 
     def touch_chunk(self, job: str, name: str) -> bool:
-        return self._chunks.touch_chunk(job, name)
+        return name in self._chunks.touch_chunks(job, [name])
 
     def touch_chunks(self, job: str, names: Iterable[str]) -> set[str]:
-        return {name for name in names if self._chunks.touch_chunk(job, name)}  # an object per chunk
+        return self._chunks.touch_chunks(job, names)
 
     def chunk_size(self, job: str, name: str) -> int:
         return self._chunks.chunk_size(job, name)
 
     def open_chunk(self, job: str, name: str) -> ObjectReader | DecodedReader:
         return self._chunks.open_chunk(job, name)
+
+    def chunk_runs(self, job: str, names: Iterable[str], max_bytes: int) -> list[packs.Run]:
+        return self._chunks.chunk_runs(job, names, max_bytes)
+
+    def open_chunk_run(self, job: str, run: packs.Run) -> ObjectReader | DecodedReader:
+        return self._chunks.open_chunk_run(job, run)
 
     def missing_chunks(self, job: str, names: Iterable[str]) -> list[str]:
         return self._chunks.missing_chunks(job, names)
@@ -49,7 +55,7 @@ class S3ChunkCalls(NoPacks):
     def note_swept(self, job: str) -> None:
         self._chunks.note_swept(job)
 
-    def new_chunks(self, job: str, part: PartWriter | None = None) -> S3ChunkBatch:
+    def new_chunks(self, job: str, part: PartWriter | None = None) -> S3PackBatch:
         return self._chunks.new_chunks(job, part)
 
     def list_manifests(self, job: str) -> list[Path]:
@@ -72,3 +78,18 @@ class S3ChunkCalls(NoPacks):
 
     def delete_condemned_chunk(self, job: str, name: str) -> int:
         return self._chunks.delete_condemned_chunk(job, name)
+
+    def list_packs(self, job: str) -> list[Pack]:
+        return self._chunks.packs.list_packs(job)
+
+    def condemn_pack(self, job: str, pack_id: str, untouched_since: float) -> bool:
+        return self._chunks.packs.condemn_pack(job, pack_id, untouched_since)
+
+    def condemned_packs(self, job: str) -> list[Pack]:
+        return self._chunks.packs.condemned_packs(job)
+
+    def restore_pack(self, job: str, pack_id: str) -> None:
+        self._chunks.packs.restore_pack(job, pack_id)
+
+    def delete_condemned_pack(self, job: str, pack_id: str) -> int:
+        return self._chunks.packs.delete_condemned_pack(job, pack_id)

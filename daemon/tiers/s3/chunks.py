@@ -1,50 +1,45 @@
-"""The chunk stores of incremental parts on the object store: one per job, each chunk an object named by its bytes.
+"""The chunk stores of incremental parts on the object store: one per job (and one per user), chunks in packs.
 
-New chunks go straight to their keys (:class:`S3ChunkBatch` says why that
-is safe). A chunk reused is touched with a tag naming the time
-(:data:`TOUCHED_TAG`), which a sweep reads besides the modification time
-before it condemns the chunk: no bytes move, and a versioned bucket keeps no
-extra version of the chunk for each save that reuses it. A store that
-refuses tags has its chunks copied onto themselves instead, as S3 sets no
-modification time otherwise. A sweep's rules (leases, the grace period) are
+New chunks go into packs (:mod:`ckptstage.daemon.tiers.s3.packbatch`), found
+through their indexes (:mod:`ckptstage.daemon.tiers.s3.packs`); a store
+written before packs keeps each chunk as an object named by its bytes,
+which stay readable and are swept as before. A chunk reused is touched
+(:mod:`ckptstage.daemon.tiers.s3.touch`): its pack's index, or its own
+object. A sweep's rules (leases, the grace period) are
 :class:`ckptstage.daemon.catalog.chunkstore.ChunkStore`'s: this module only
-stores, lists and moves chunks.
+stores, finds, lists and moves chunks.
 """
 
 from __future__ import annotations
 
 import errno
-import logging
-import math
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
-from ckptstage.daemon.logs import fields
 from ckptstage.daemon.tiers.interface import PartWriter
-from ckptstage.daemon.tiers.s3.client import is_refused
+from ckptstage.daemon.tiers.s3.compression import SIZE_META, Compression, DecodedReader, open_object, read_decoded
 from ckptstage.daemon.tiers.s3.io import ObjectReader, Transfers
-from ckptstage.daemon.tiers.s3.compression import SIZE_META, Compression, DecodedReader, open_object
 from ckptstage.daemon.tiers.s3.keys import Keys
 from ckptstage.daemon.tiers.s3.objects import Objects
-from ckptstage.protos import chunks
-
-log = logging.getLogger(__name__)
-
-_MANY = 256                  # more chunk names than this: list the store instead of asking for each
-TOUCHED_TAG = "ckptstage-touched"  # a chunk's tag: when a writer last relied on it (unix time, touch_chunk)
+from ckptstage.daemon.tiers.s3.packbatch import S3PackBatch
+from ckptstage.daemon.tiers.s3.packs import S3Packs
+from ckptstage.daemon.tiers.s3.touch import Touches
+from ckptstage.protos import chunks, packs
 
 
 class S3Chunks:
     """The chunk stores of the jobs under ``keys``' prefix, on one bucket's ``objects``; chunks are read
-    through ``transfers``."""
+    through ``transfers``, and packed in uploads of ``piece_bytes`` pieces."""
 
-    def __init__(self, keys: Keys, objects: Objects, transfers: Transfers, compression: Compression) -> None:
+    def __init__(self, keys: Keys, objects: Objects, transfers: Transfers, compression: Compression,
+                 piece_bytes: int) -> None:
         self._keys = keys
         self._objects = objects
         self._transfers = transfers
         self.compression = compression
-        self._refused: set[str] = set()  # what the store declined to do ("tagging", "reading tags")
+        self._piece_bytes = piece_bytes
+        self._touches = Touches(objects, keys.url)
+        self.packs = S3Packs(keys, objects, self._touches, self.new_chunks)
 
     def has_chunk_store(self, job: str) -> bool:
         return self._objects.any_under(self._keys.dir_key(self._keys.store(job)))
@@ -59,99 +54,120 @@ class S3Chunks:
     def _swept_key(self, job: str) -> str:
         return self._keys.key(self._keys.store(job) / chunks.SWEPT_FILE)
 
-    def touch_chunk(self, job: str, name: str) -> bool:
-        """Marks the chunk as relied on now: its tag :data:`TOUCHED_TAG` says when, which a sweep reads
-        besides its modification time (:meth:`condemn_chunk`). A tag moves no bytes, and makes no new
-        version of the chunk in a versioned bucket. Where the store refuses tags, the chunk is copied onto
-        itself instead: its modification time becomes now."""
-        key = self._keys.chunk_key(job, name)
-        now = f"{math.ceil(time.time() * 1000) / 1000:.3f}"  # to the millisecond, never before the touch
-        try:
-            if "tagging" not in self._refused:
-                try:
-                    self._objects.tag(key, {TOUCHED_TAG: now})
-                    return True
-                except OSError as e:
-                    if not is_refused(e):
-                        raise
-                    self._refuse("tagging", e, "chunks reused are touched by copying them onto themselves")
-            head = self._objects.head(key)
-            if head is None:
-                return False
-            self._objects.rewrite(key, {**(head.get("Metadata") or {}), "touched": now})  # a decoded size stays
-        except FileNotFoundError:
-            return False
-        return True
+    # ------------------------------------------------------------------ finding and reading
 
-    def _refuse(self, what: str, e: OSError, instead: str) -> None:
-        """Notes (once, with a warning) that the store refuses ``what``: the tier does ``instead`` from now on."""
-        if what not in self._refused:
-            log.warning("%s refuses %s (%s): %s", self._keys.url, what, e, instead,
-                        extra=fields(tier="shared", path=self._keys.url, error=e))
-        self._refused.add(what)
+    def _find(self, job: str, name: str) -> packs.Place:
+        place = self.packs.index(job).find(name)
+        if place is None:
+            raise FileNotFoundError(errno.ENOENT, f"no chunk {name} in {self._keys.url_of(self._keys.store(job))}")
+        return place
 
-    def _touched(self, key: str) -> float:
-        """When a writer last touched the object by its tag (unix time; 0: never, or the store keeps no
-        tags); FileNotFoundError when it is gone."""
-        if "reading tags" in self._refused:
-            return 0.0
-        try:
-            tags = self._objects.tags(key)
-        except OSError as e:
-            if not is_refused(e):
-                raise
-            self._refuse("reading tags", e, "a sweep knows when a chunk was used last by its modification time only")
-            return 0.0
-        try:
-            return float(tags.get(TOUCHED_TAG, 0))
-        except ValueError:
-            return 0.0
+    def chunk_location(self, job: str, name: str) -> Path:
+        """The object holding the chunk (a pack, or its own); where its own would be when it is nowhere."""
+        place = self.packs.index(job).find(name)
+        return place.path if place is not None else self._keys.chunk_location(job, name)
+
+    def touch_chunks(self, job: str, names: Iterable[str]) -> set[str]:
+        """Touches each pack holding one of ``names`` once (its index), and each chunk kept on its own; returns
+        the names the store holds. A chunk another node packed since the store was last listed is not looked
+        for: it is written again, which is harmless."""
+        index = self.packs.index(job)
+        touched: dict[Path, bool] = {}  # the object touched -> there
+        held = set()
+        for name in names:
+            place = index.find(name, refreshed=True)
+            if place is None:
+                continue
+            witness = place.path if place.whole else packs.index_beside(place.path)
+            if witness not in touched:
+                touched[witness] = self._touches.touch(self._keys.key(witness))
+            if touched[witness]:
+                held.add(name)
+        return held
 
     def chunk_size(self, job: str, name: str) -> int:
-        key = self._keys.chunk_key(job, name)
+        place = self._find(job, name)
+        if not place.whole:
+            return place.nbytes
+        key = self._keys.key(place.path)
         head = self._objects.head(key)
         if head is None:
             raise FileNotFoundError(errno.ENOENT, f"no chunk {self._objects.where(key)}")
         return int((head.get("Metadata") or {}).get(SIZE_META, head["ContentLength"]))
 
     def open_chunk(self, job: str, name: str) -> ObjectReader | DecodedReader:
-        """The chunk's bytes: read by ranges, or when it is kept compressed, whole and decoded."""
-        return open_object(self._transfers, self._keys.chunk_key(job, name))
+        """The chunk's bytes, read by ranges, or when it is kept compressed, whole and decoded. A pack a
+        repack emptied and a sweep removed between the lookup and the open is looked up again."""
+        place = self._find(job, name)
+        try:
+            return self.open_place(place)
+        except FileNotFoundError:
+            if place.whole:
+                raise
+            self.packs.index(job).reset()
+            return self.open_place(self._find(job, name))
+
+    def open_place(self, place: packs.Place) -> ObjectReader | DecodedReader:
+        """A reader of what a chunk at ``place`` holds (decoded, where it is kept compressed)."""
+        key = self._keys.key(place.path)
+        if place.whole:
+            return open_object(self._transfers, key)
+        reader = self._transfers.reader(key, window=(place.offset, place.length))
+        return read_decoded(reader) if place.size else reader
+
+    def chunk_runs(self, job: str, names: Iterable[str], max_bytes: int) -> list[packs.Run]:
+        """Neighbours of one pack in one ranged read (:func:`packs.runs`); a chunk kept compressed, or on its
+        own, in a read of its own. FileNotFoundError names a chunk the store lacks."""
+        found = self.packs.index(job).find_all(names)
+        lost = [name for name, place in found.items() if place is None]
+        if lost:
+            raise FileNotFoundError(errno.ENOENT, f"no chunk {lost[0]} in {self._keys.url_of(self._keys.store(job))}",
+                                    str(self._keys.chunk_location(job, lost[0])))
+        placed = [(name, place) for name, place in found.items() if place is not None]
+        alone = [packs.Run(p.path, p.offset, p.length, ((name, 0, p.nbytes),), whole=p.whole)
+                 for name, p in placed if p.whole or p.size]
+        return alone + packs.runs([(n, p) for n, p in placed if not (p.whole or p.size)], max_bytes)
+
+    def open_chunk_run(self, job: str, run: packs.Run) -> ObjectReader | DecodedReader:
+        if run.whole:
+            return open_object(self._transfers, self._keys.key(run.path))
+        name, _, size = run.chunks[0]
+        if len(run.chunks) == 1 and size != run.length:  # a frame (kept only when shorter than its chunk)
+            return self.open_place(packs.Place(run.path, run.offset, run.length, whole=False, size=size))
+        return self._transfers.reader(self._keys.key(run.path), window=(run.offset, run.length))
 
     def missing_chunks(self, job: str, names: Iterable[str]) -> list[str]:
-        names = list(names)
-        if len(names) > _MANY:
-            held = set(self.list_chunks(job))
-            return [n for n in names if n not in held]
-        keys = [self._keys.chunk_key(job, n) for n in names]
-        there = list(self._transfers.pool("read").map(self._objects.head, keys))
-        return [n for n, head in zip(names, there) if head is None]
+        return [n for n, place in self.packs.index(job).find_all(names).items() if place is None]
 
-    def new_chunks(self, job: str, part: PartWriter | None = None) -> S3ChunkBatch:
-        """A batch whose chunks go straight into the store (nothing is staged: see :class:`S3ChunkBatch`)."""
-        return S3ChunkBatch(self._keys, self._objects, chunks.check_store_key(job), self.compression)
+    def new_chunks(self, job: str, part: PartWriter | None = None) -> S3PackBatch:
+        """A batch of new chunks packed straight into the store (nothing is staged: an upload is invisible
+        until it is completed, and its index publishes a pack)."""
+        return S3PackBatch(self._keys, self._objects, job, self.compression, self._piece_bytes,
+                           self.packs.published(job))
 
     def list_chunks(self, job: str) -> list[str]:
-        out = []
-        for obj in self._objects.listing(self._keys.dir_key(self._keys.store(job))):
+        index = self.packs.index(job)
+        index.refresh()
+        found = set(index.packed())
+        for obj in self._objects.listing(self._keys.dir_key(self._keys.store(job))):  # and those on their own
             fan, _, name = obj.get("Key", "").rpartition("/")
             if chunks.is_chunk_name(name) and fan.endswith(f"/{name[:2]}"):  # not .condemned nor .corrupt
-                out.append(name)
-        return out
+                found.add(name)
+        return sorted(found)
+
+    # ------------------------------------------------------------------ chunks kept on their own: the sweep
 
     def condemn_chunk(self, job: str, name: str, untouched_since: float) -> bool:
         key = self._keys.chunk_key(job, name)
         head = self._objects.head(key)
-        # S3 keeps modification times to the second: the second it names may run up to 1 s later.
-        if head is None or head["LastModified"].timestamp() + 1 > untouched_since:
-            return False
         try:
-            if self._touched(key) > untouched_since:
+            if head is None or not self._touches.idle(key, head, untouched_since):
                 return False
             self._objects.copy(key, self._keys.condemned(job, name), int(head["ContentLength"]))
             self._objects.delete(key, str(head["ETag"]))
         except FileNotFoundError:
             return False  # another node's sweep took it first
+        self.packs.index(job).reset()
         return True
 
     def condemned_chunks(self, job: str) -> list[str]:
@@ -176,6 +192,10 @@ class S3Chunks:
         return int(head["ContentLength"])
 
     def quarantine_chunk(self, location: Path) -> Path | None:
+        """A chunk's own object moves to ``<store>/.corrupt/``; a pack is quarantined whole
+        (:meth:`S3Packs.quarantine_pack`: its intact chunks repacked first)."""
+        if location.parent.name == packs.PACKS_DIR:
+            return self.packs.quarantine_pack(location, self.open_place)
         target = chunks.corrupt_location(location)
         if target is None:
             return None
@@ -186,55 +206,3 @@ class S3Chunks:
         self._objects.copy(key, self._keys.key(target), int(head["ContentLength"]))
         self._objects.delete(key, str(head["ETag"]))
         return target
-
-
-class S3ChunkBatch:
-    """New chunks of a job's store, each uploaded straight to its key in the store by :meth:`write`.
-
-    Staging them first and copying them in at :meth:`publish` would cost a
-    second copy of every byte and twice the requests, and protect nothing: a
-    chunk's name is the hash of its bytes, so a chunk never changes (one
-    written where the same name already is has the same bytes), and a PUT is
-    whole or absent. A chunk in the store before a manifest names it is
-    harmless: no part relies on it yet, a writer that finds it reuses the
-    right bytes, and a sweep leaves it for the grace period as it was written
-    just now (this daemon's sweeps never take a chunk its writers lease). So
-    every chunk is in the store once its :meth:`write` returned, and
-    :meth:`discard` leaves what was written for a later save to reuse or a
-    sweep to remove: another writer may rely on it already.
-    """
-
-    def __init__(self, keys: Keys, objects: Objects, job: str, compression: Compression) -> None:
-        self._keys = keys
-        self._objects = objects
-        self._job = job
-        self._compression = compression
-        self._pace: Callable[[int], None] = lambda n: None
-
-    def pace_with(self, pace: Callable[[int], None]) -> None:
-        """``pace(n)`` before each upload of ``n`` bytes (a rate limit counting what is sent, not what the
-        chunks hold)."""
-        self._pace = pace
-
-    def write(self, name: str, data: memoryview, direct_io: bool) -> None:
-        """Uploads one chunk, compressed where the tier's :class:`Compression` says so."""
-        if not chunks.is_chunk_name(name):
-            raise ValueError(f"{name!r} is not a chunk name")
-        frame = self._compression.encode(data)
-        body = bytes(data) if frame is None else frame
-        t0 = time.perf_counter()
-        self._pace(len(body))  # a cap on the tier is part of what an upload costs: "auto" weighs it too
-        self._objects.put(self._keys.chunk_key(self._job, name), body,
-                          metadata=None if frame is None else {SIZE_META: str(len(data))})
-        self._compression.sent(len(body), time.perf_counter() - t0)
-
-    def write_run(self, held: Sequence[tuple[str, int, int]], data: memoryview, direct_io: bool) -> None:
-        """An object per chunk."""
-        for name, offset, length in held:
-            self.write(name, data[offset:offset + length], direct_io)
-
-    def publish(self) -> None:
-        """Nothing left to do: each chunk went into the store whole as it was written."""
-
-    def discard(self) -> None:
-        """Nothing to undo: chunks written stay for a later save or a sweep (see the class)."""

@@ -101,8 +101,11 @@ def open_object(transfers: Transfers, key: str) -> ObjectReader | DecodedReader:
     """The object at ``key`` as a reader of what it holds: read by ranges, or when it is a compressed chunk
     (:data:`SIZE_META` in its metadata), whole and decoded."""
     reader = transfers.reader(key)
-    if SIZE_META not in reader.metadata:
-        return reader
+    return reader if SIZE_META not in reader.metadata else read_decoded(reader)
+
+
+def read_decoded(reader: ObjectReader) -> DecodedReader:
+    """What ``reader`` holds (a frame: an object, or a chunk's range of a pack), read whole and decoded."""
     frame = bytearray(reader.size)
     with reader:
         got = reader.readinto(memoryview(frame)) or 0

@@ -41,6 +41,31 @@ def piece_size(size: int, piece_bytes: int) -> int:
     return max(piece_bytes, MIN_PIECE_BYTES, -(-size // MAX_PIECES))
 
 
+def begin_upload(conn: Connection, key: str) -> str:
+    """Starts a multipart upload of ``key``; returns its id."""
+    with errors("starting the upload of", conn, key):
+        return str(conn.client.create_multipart_upload(Bucket=conn.bucket, Key=key)["UploadId"])
+
+
+def upload_piece(conn: Connection, key: str, upload_id: str, number: int, body: bytes | bytearray
+                 ) -> dict[str, Any]:
+    """Uploads piece ``number`` (from 1) of an upload; returns what its completion must name it by."""
+    with errors(f"uploading piece {number} of", conn, key):
+        got = conn.client.upload_part(Bucket=conn.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body)
+    part = {"PartNumber": number, "ETag": got["ETag"]}
+    for name in ("ChecksumCRC32", "ChecksumCRC32C", "ChecksumCRC64NVME", "ChecksumSHA1", "ChecksumSHA256"):
+        if got.get(name):
+            part[name] = got[name]  # the completion must repeat each piece's checksum
+    return part
+
+
+def complete_upload(conn: Connection, key: str, upload_id: str, parts: list[dict[str, Any]]) -> None:
+    """Makes an upload's object whole from its ``parts`` (in order): the object appears under ``key``."""
+    with errors("completing the upload of", conn, key):
+        conn.client.complete_multipart_upload(Bucket=conn.bucket, Key=key, UploadId=upload_id,
+                                              MultipartUpload={"Parts": parts})
+
+
 class UploadSink:
     """One object being written: pieces uploaded as they fill, the object whole at :meth:`sync`.
 
@@ -123,20 +148,11 @@ class UploadSink:
     def _begin(self) -> str:
         with self._lock:
             if self._upload_id is None:
-                with errors("starting the upload of", self._conn, self.key):
-                    self._upload_id = str(self._conn.client.create_multipart_upload(
-                        Bucket=self._conn.bucket, Key=self.key)["UploadId"])
+                self._upload_id = begin_upload(self._conn, self.key)
             return self._upload_id
 
     def _upload_piece(self, upload_id: str, index: int, buf: bytearray) -> dict[str, Any]:
-        with errors(f"uploading piece {index + 1} of", self._conn, self.key):
-            got = self._conn.client.upload_part(Bucket=self._conn.bucket, Key=self.key, UploadId=upload_id,
-                                                PartNumber=index + 1, Body=buf)
-        part = {"PartNumber": index + 1, "ETag": got["ETag"]}
-        for name in ("ChecksumCRC32", "ChecksumCRC32C", "ChecksumCRC64NVME", "ChecksumSHA1", "ChecksumSHA256"):
-            if got.get(name):
-                part[name] = got[name]  # the completion must repeat each piece's checksum
-        return part
+        return upload_piece(self._conn, self.key, upload_id, index + 1, buf)
 
     # --- completion ------------------------------------------------------------------
 
@@ -162,10 +178,8 @@ class UploadSink:
         parts = [self._uploads[i].result() for i in range(self._count)]
         if self._before_complete is not None:
             self._before_complete()
-        with errors("completing the upload of", self._conn, self.key):
-            self._conn.client.complete_multipart_upload(
-                Bucket=self._conn.bucket, Key=self.key, UploadId=self._upload_id,
-                MultipartUpload={"Parts": parts})
+        assert self._upload_id is not None, "a file of several pieces started its upload with its first"
+        complete_upload(self._conn, self.key, self._upload_id, parts)
         self._done = True
 
     def close(self) -> None:
@@ -183,7 +197,9 @@ class UploadSink:
 
 
 class ObjectReader:
-    """An object read from its start (or where :meth:`seek` says), by ranged GETs on ``pool``.
+    """An object read from its start (or where :meth:`seek` says), by ranged GETs on ``pool``; with ``window``
+    (offset, length), only that range of it, as if it were the whole object (a chunk in a pack): shorter where
+    the object ends first.
 
     Up to ``ahead`` GETs of :data:`READ_PIECE_BYTES` are kept in flight ahead
     of the reader, across reads: a read takes what has come and asks for the
@@ -196,7 +212,7 @@ class ObjectReader:
 
     def __init__(self, conn: Connection, key: str, pool: ThreadPoolExecutor,
                  on_missing: Callable[[FileNotFoundError], BaseException] | None = None,
-                 ahead: int = READ_AHEAD) -> None:
+                 ahead: int = READ_AHEAD, window: tuple[int, int] | None = None) -> None:
         self._conn = conn
         self.key = key
         self._pool = pool
@@ -206,7 +222,8 @@ class ObjectReader:
                 head = conn.client.head_object(Bucket=conn.bucket, Key=key)
         except FileNotFoundError as e:
             raise (on_missing(e) if on_missing else e) from None
-        self.size: int = int(head["ContentLength"])
+        self._base, length = window or (0, int(head["ContentLength"]))
+        self.size: int = max(0, min(length, int(head["ContentLength"]) - self._base))
         self.metadata: dict[str, str] = dict(head.get("Metadata") or {})
         self._etag = str(head["ETag"])
         self._pos = 0
@@ -242,7 +259,7 @@ class ObjectReader:
         """Bytes [lo, hi) of the object; the object must not have changed."""
         with errors("reading", self._conn, self.key):
             got = self._conn.client.get_object(Bucket=self._conn.bucket, Key=self.key, IfMatch=self._etag,
-                                               Range=f"bytes={lo}-{hi - 1}")
+                                               Range=f"bytes={self._base + lo}-{self._base + hi - 1}")
             data: bytes = got["Body"].read()
         if len(data) != hi - lo:
             raise OSError(f"reading {self._conn.where(self.key)}: {len(data)} bytes for a range of {hi - lo}")
@@ -301,6 +318,7 @@ class Transfers:
         return UploadSink(self._conn, key, size, self._piece_bytes, self.pool("upload"), self._in_flight,
                           before_complete=before_complete)
 
-    def reader(self, key: str) -> ObjectReader:
-        """The object at ``key``, read by ranges on the tier's threads."""
-        return ObjectReader(self._conn, key, self.pool("read"))
+    def reader(self, key: str, window: tuple[int, int] | None = None) -> ObjectReader:
+        """The object at ``key`` (or the ``window`` of it: offset, length), read by ranges on the tier's
+        threads."""
+        return ObjectReader(self._conn, key, self.pool("read"), window=window)

@@ -17,7 +17,7 @@ from typing import Any
 from ckptstage.daemon.tiers.interface import Manifest, QuarantinedCopy
 from ckptstage.daemon.tiers.s3.keys import REPLACE_DIR, Keys
 from ckptstage.daemon.tiers.s3.objects import Objects, version
-from ckptstage.protos import chunks, layout
+from ckptstage.protos import chunks, layout, packs
 
 
 class S3Index:
@@ -114,7 +114,7 @@ class S3Index:
 
     def list_quarantined(self) -> list[QuarantinedCopy]:
         """Parts moved aside (``<job>/step-N/.corrupt-rank-R-<random>/``) and chunks
-        (``<job>/chunks/.corrupt/<name>-<random>``); ``since``: their objects' newest LastModified (the copy
+        (``<job>/chunks/.corrupt/<name>-<random>``, or a pack ``<id>-<random>.pack`` with its index); ``since``: their objects' newest LastModified (the copy
         that moved them aside)."""
         found: dict[Path, QuarantinedCopy] = {}
 
@@ -136,7 +136,7 @@ class S3Index:
             corrupt = f"{job_key}{chunks.CHUNKS_DIR}/{chunks.CORRUPT_DIR}/"
             for obj in self._objects.listing(corrupt):
                 name = obj.get("Key", "")[len(corrupt):]
-                chunk = chunks.corrupt_chunk_name(name)
+                chunk = chunks.corrupt_chunk_name(name) or (name if packs.is_pack_file(name) else None)
                 if chunk is not None and "/" not in name:
                     add(job, None, None, self._keys.location(obj["Key"]), obj, chunk)
         return list(found.values())
@@ -146,10 +146,13 @@ class S3Index:
         if layout.parse_corrupt_dirname(location.name) is not None and \
                 layout.parse_step_dirname(location.parent.name) is not None:
             found = [o for o in self._objects.listing(self._keys.dir_key(location)) if "Key" in o]
-        elif chunks.corrupt_chunk_name(location.name) is not None and location.parent.name == chunks.CORRUPT_DIR:
+        elif (chunks.corrupt_chunk_name(location.name) is not None or packs.is_pack_file(location.name)) \
+                and location.parent.name == chunks.CORRUPT_DIR:
             key = self._keys.key(location)
             head = self._objects.head(key)
             found = [] if head is None else [{"Key": key, "Size": int(head["ContentLength"])}]
+            if found and packs.is_pack_file(location.name):  # its index went aside with it
+                found.append({"Key": self._keys.key(packs.index_beside(location)), "Size": 0})
         else:
             raise ValueError(f"{self._objects.where(self._keys.key(location))} is not a copy moved aside as corrupt")
         if not found:

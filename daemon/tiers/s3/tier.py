@@ -94,7 +94,7 @@ class S3Tier(S3ChunkCalls):
         self._transfers = Transfers(conn, piece_bytes, in_flight, threads)
         self._cleanup = Cleanup(self.objects, self.claims, self._keys)
         self._index = S3Index(self._keys, self.objects)
-        self._chunks = S3Chunks(self._keys, self.objects, self._transfers, Compression(compression))
+        self._chunks = S3Chunks(self._keys, self.objects, self._transfers, Compression(compression), piece_bytes)
         self._replacing = S3Replacing(self._keys, self.objects, self._index, self._cleanup)
         self.abandoned_s = abandoned_s if abandoned_s is not None else ABANDONED_AFTER * claim_stale_s
 
@@ -195,7 +195,7 @@ class S3Tier(S3ChunkCalls):
 
     def verify_part(self, part: Path) -> None:
         """Reads every byte of the part by ranges and checks it against the manifest (see verify.py)."""
-        verify_part(part, self.read_manifest(part)[0], self._keys, self._transfers)
+        verify_part(part, self.read_manifest(part)[0], self._keys, self._transfers, self._chunks)
 
     def readable_path(self, part: Path) -> Path | None:
         return None  # objects are not files: the daemon fetches the part to the local tier for readers
