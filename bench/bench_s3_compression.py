@@ -15,8 +15,8 @@ parts, each its own local tier and prefix. The state: GPT-2 124M built from
 training step before each round, so every chunk changes. Each round every
 daemon saves the step in turn (rotating order) and is timed from
 ``wait("local")`` to ``wait("shared")``; the bytes the step added to the
-store are summed from the new chunk objects (what they hold decoded, from
-the manifests; what they take, from their sizes). Beside them, in the same
+store are summed from the indexes of its new packs (what each chunk holds
+decoded, and what it takes). Beside them, in the same
 round: ``zstd -1`` (the CLI, one thread) of the step's new pack files on
 the ``none`` daemon's local tier, timed, its output counted. At the end a
 daemon that never saw the job loads the last step from each prefix (fetched
@@ -51,24 +51,27 @@ def daemon(root: Path, server: Any, prefix: str, arena: int, **settings: Any) ->
 
 
 def stored(server: Any, prefix: str, before: set[str]) -> tuple[set[str], int, int]:
-    """The chunk objects under ``prefix`` now, and the decoded and stored bytes of those not in ``before``."""
-    from ckptstage.daemon.tiers.s3.compression import SIZE_META
+    """The pack indexes under ``prefix`` now, and the decoded and stored bytes of the chunks of those not in
+    ``before`` (read from the indexes: a compressed chunk's entry gives its decoded size)."""
+    from ckptstage.protos import packs
 
     s3 = s3server()
     client = server.client()
     keys: set[str] = set()
     logical = sent = 0
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=s3.BUCKET, Prefix=f"{prefix}/{JOB}/chunks/"):
+    where = f"{prefix}/{JOB}/chunks/packs/"
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=s3.BUCKET, Prefix=where, Delimiter="/"):
         for o in page.get("Contents", []):
             key = o["Key"]
-            if "/." in key:
+            if not key.endswith(packs.INDEX_SUFFIX):
                 continue
             keys.add(key)
             if key in before:
                 continue
-            meta = client.head_object(Bucket=s3.BUCKET, Key=key).get("Metadata", {})
-            logical += int(meta.get(SIZE_META, o["Size"]))
-            sent += int(o["Size"])
+            raw = client.get_object(Bucket=s3.BUCKET, Key=key)["Body"].read()
+            for e in packs.decode_index(raw, Path(key)):
+                logical += e.size or e.length
+                sent += e.length
     return keys, logical, sent
 
 

@@ -427,8 +427,10 @@ LIMITS = [
 
 @pytest.fixture(scope="module")
 def limits_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
-    """One daemon for every case below (each leaves it as it found it), with its temporaries' directory made."""
-    d = DaemonProc(tmp_path_factory.mktemp("limits") / "node").start()
+    """One daemon for every case below (each leaves it as it found it), with its temporaries' directory made.
+    It keeps every step: retention deleting one (a rename into the temporaries, then a removal) would touch the
+    directory whose modification time says a refused request created nothing there."""
+    d = DaemonProc(tmp_path_factory.mktemp("limits") / "node", **{"local.keep_last": 1000}).start()
     assert_serves(d, "lim")
     yield d
     d.stop()

@@ -435,6 +435,35 @@ def test_the_store_killed_mid_upload_and_restarted_the_drain_resumes_and_nothing
     _assert_whole_on_the_store(server, "killed", "killed", [1, 2])
 
 
+def test_the_daemon_killed_while_a_pack_uploads_shows_nothing_of_it_and_drains_the_step_whole_once_restarted(
+        server: S3Server, tmp_path: Path) -> None:
+    d = _daemon(server, tmp_path / "n", "packkill", **{"shared.max_bandwidth": "8MiB/s", "persist.incremental": True})
+    reader = open_tier(server, "reader", prefix="packkill")
+    conn = reader.connection
+
+    def uploads() -> list[dict[str, Any]]:
+        return conn.client.list_multipart_uploads(Bucket=conn.bucket, Prefix="packkill/").get("Uploads", [])
+
+    try:
+        with Client("pk", socket=d.socket) as client:
+            client.save(1, _state(1000, 1)).wait("shared", timeout=30)
+            client.save(2, _state(6 * MiB, 2)).wait("local", timeout=30)  # 24 MiB of new chunks: a pack of 5 pieces
+            wait_until(uploads, 20, "a pack upload under way", poll=0.05)
+            d.kill()
+        [cut] = uploads()
+        assert "/chunks/packs/" in cut["Key"]
+        # Nothing of the step is visible: no record, and every pack listed is one its index publishes.
+        assert [s.step for s in reader.list_steps("pk") if s.record_ino] == [1]
+        assert all(p.chunks for p in reader.list_packs("pk"))
+        d.restart()
+        with Client("pk", socket=d.socket) as client:
+            client.wait_step(2, "shared", timeout=60)
+        assert cut["UploadId"] not in [u["UploadId"] for u in uploads()]  # the restarted daemon aborted its own
+    finally:
+        d.stop()
+    _assert_whole_on_the_store(server, "packkill", "pk", [1, 2])
+
+
 def test_refused_credentials_a_missing_bucket_or_another_region_at_start_leave_the_local_tier_working_and_say_why(
         server: S3Server, proxy: FaultProxy, tmp_path: Path) -> None:
     # A bucket in another region: S3 answers 301 PermanentRedirect naming it (the SDK follows once, signing

@@ -18,7 +18,9 @@ Until its upload is completed a pack is invisible (S3 shows no object of an
 upload in progress), and :meth:`S3PackBatch.discard` aborts it; one left by
 a daemon that died is aborted by a later sweep (:mod:`ckptstage.daemon.tiers.s3.packs`).
 A crash between a pack's completion and its index leaves a pack no index
-publishes, which no reader sees and a sweep removes once stale.
+publishes, which no reader sees and a sweep removes once stale. A pack's id
+begins with its daemon's tag (:func:`owner_tag`), so that a daemon that
+restarts aborts the uploads it left at once (:meth:`S3Packs.abort_own_uploads`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+
+import xxhash
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +43,11 @@ from ckptstage.daemon.tiers.s3.objects import Objects, abort
 from ckptstage.protos import chunks, packs
 
 PACK_BYTES = 1 << 30  # a pack rolls over once this much is in it (or one piece, where pieces are larger)
+
+
+def owner_tag(owner: str) -> str:
+    """What the ids of the packs daemon ``owner`` writes begin with (then ``-``): 8 hex digits."""
+    return xxhash.xxh3_64_hexdigest(owner.encode())[:8]
 
 
 @dataclass
@@ -128,7 +137,7 @@ class S3PackBatch:
     # ------------------------------------------------------------------ inside
 
     def _new(self) -> _Pack:
-        return _Pack(uuid.uuid4().hex[:16])
+        return _Pack(f"{owner_tag(self._keys.owner)}-{uuid.uuid4().hex[:16]}")
 
     def _key(self, pack: _Pack, suffix: str) -> str:
         return self._keys.key(packs.packs_dir(self._store) / f"{pack.pack_id}{suffix}")

@@ -15,7 +15,8 @@ renamed and a pack may hold a gigabyte:
 A pack no index publishes is a writer's cut short (completed, its index
 never written): a sweep condemns it once it is :data:`ABANDONED_S` old, by
 writing an empty condemned index. A multipart upload of a pack left that
-long by a daemon that died is aborted by the sweep's listing too.
+long by a daemon that died is aborted by the sweep's listing too; a daemon
+that restarts aborts its own at once (:meth:`S3Packs.abort_own_uploads`).
 
 A reuse touches the pack's index, not its bytes (:mod:`ckptstage.daemon.tiers.s3.touch`).
 """
@@ -33,7 +34,7 @@ from ckptstage.daemon.tiers.interface import Pack, Reader
 from ckptstage.daemon.tiers.s3.keys import Keys
 from ckptstage.daemon.tiers.s3.objects import Objects, abort
 from ckptstage.daemon.tiers.s3.orphans import age_s
-from ckptstage.daemon.tiers.s3.packbatch import S3PackBatch
+from ckptstage.daemon.tiers.s3.packbatch import S3PackBatch, owner_tag
 from ckptstage.daemon.tiers.s3.touch import Touches
 from ckptstage.protos import chunks, packs
 
@@ -114,6 +115,18 @@ class S3Packs:
                 found = []
             self._entries[(key, etag)] = found
         return found
+
+    def abort_own_uploads(self) -> int:
+        """Aborts the pack uploads this daemon left in any store of the tier (it restarts: none is its
+        writers' now); returns how many."""
+        mine = f"{owner_tag(self._keys.owner)}-"
+        done = 0
+        for upload in self._objects.uploads(self._keys.dir_key(self._keys.root)):
+            where = self._keys.location(upload["Key"])
+            if where.parent.name == packs.PACKS_DIR and where.name.startswith(mine):
+                abort(self._objects.connection, upload["Key"], upload["UploadId"])
+                done += 1
+        return done
 
     # ------------------------------------------------------------------ the sweep's calls
 

@@ -265,7 +265,8 @@ class S3Tier(S3ChunkCalls):
         check_conditions(self.objects, self._keys)
 
     def clean_temporaries(self) -> int:
-        return self._cleanup.clean_temporaries()
+        """This daemon's temporaries (:meth:`Cleanup.clean_temporaries`), and the pack uploads its writers left."""
+        return self._cleanup.clean_temporaries() + (self._chunks.packs.abort_own_uploads() if self.owner else 0)
 
     def clean_abandoned(self) -> int:
         """Cleans what other daemons' writers and removals left and have not touched for
