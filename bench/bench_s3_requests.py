@@ -46,10 +46,8 @@ def new_chunks(local: Path, step: int) -> int:
     from ckptstage.protos import chunks, layout
 
     def named(s: int) -> set[str]:
-        try:
-            return chunks.referenced(layout.read_manifest(layout.part_dir(local, JOB, s, 0)))
-        except FileNotFoundError:
-            return set()
+        part = layout.part_dir(local, JOB, s, 0)
+        return chunks.referenced(layout.read_manifest(part)) if part.is_dir() else set()
 
     return len(named(step) - named(step - 1))
 
@@ -129,7 +127,7 @@ def _upload_file(server: Any, local: Path, step: int) -> int:
 
 def report(rows: dict[str, dict[str, list[float]]], out: Any) -> None:
     out(f"\n{'':34} {'requests':>9} {'of which PUT':>13} {'drain (s)':>10} {'x whole':>8} {'x upload_file':>14}")
-    for key in dict.fromkeys(k.rsplit(" ", 1)[0] for k in rows):
+    for key in dict.fromkeys(" ".join(k.split(" ")[:2]) for k in rows):  # "<workload> <first|later>"
         whole = h.median(rows[f"{key} whole"]["requests"])
         peer = h.median(rows[f"{key} upload_file"]["requests"])
         for name in ("incremental", "whole", "upload_file", "chunks new"):
@@ -156,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     with h.bench_dirs(args.dir, "s3-requests") as (work, droot, info):
         result["machine"] = info
         rows = bench(args, work, droot, print)
-    report(rows, print)
     result["rows"] = rows
     h.write_json(args.json, result)
+    report(rows, print)
     return 0
 
 
