@@ -122,6 +122,24 @@ def test_what_a_dead_writer_left_is_removed_once_stale_and_never_before(
     assert started["UploadId"] not in [u["UploadId"] for u in uploads]
 
 
+def test_a_pack_condemned_by_another_node_is_missing_to_a_node_that_read_its_index_before(
+        s3_server: S3Server) -> None:
+    """A writer checks its part's chunks once the part is published (a sweep elsewhere may have taken one):
+    a pack whose index was condemned is gone to it, though its bytes are still there."""
+    prefix = f"elsewhere-{os.urandom(4).hex()}"
+    sweeper, writer = _tier(s3_server, prefix), _tier(s3_server, prefix)
+    made = _chunks(2, 10_000)
+    batch = sweeper.new_chunks(JOB)
+    for name, data in made.items():
+        batch.write(name, memoryview(data), False)
+    batch.publish()
+    assert writer.missing_chunks(JOB, made) == []  # the writer has read the pack's index
+    [pack] = sweeper.list_packs(JOB)
+    assert sweeper.condemn_pack(JOB, pack.pack_id, time.time() + 2)
+    assert sorted(writer.missing_chunks(JOB, made)) == sorted(made)
+    assert writer.touch_chunks(JOB, made) == set()
+
+
 def test_a_sweep_repacks_a_mostly_dead_pack_and_removes_it_keeping_every_named_chunk(s3_server: S3Server) -> None:
     tier = _tier(s3_server, f"repack-{os.urandom(4).hex()}")
     live, dead = _chunks(1, 100_000), _chunks(2, 1 << 20)

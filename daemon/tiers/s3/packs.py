@@ -72,7 +72,10 @@ class S3PackSource:
         return None if size is None else packs.Place(self._keys.chunk_location(self._job, name), 0, size, whole=True)
 
     def gone(self, paths: set[Path]) -> set[Path]:
-        return {path for path in paths if self._objects.head(self._keys.key(path)) is None}
+        """The packs whose index is no longer there: condemned (their bytes stay until deleted) or deleted. A
+        writer that checks its chunks after publishing a part must see a condemned pack as gone, as it does
+        on a file system, where the pack is renamed away."""
+        return {path for path in paths if self._objects.head(self._keys.key(packs.index_beside(path))) is None}
 
 
 class S3Packs:
