@@ -319,24 +319,15 @@ def missing(store: Path, names: Iterable[str]) -> list[str]:
 def read_chunk(store: Path, name: str) -> bytes:
     """Chunk ``name``'s bytes from ``store`` (a range of a pack, or its own file), unchecked. A pack removed under
     the read (a repack moved the chunk) is looked up again, once; FileNotFoundError: the store lacks it."""
-    index = packs.store_index(store)
-    for again in (False, True):
-        place = index.find(name)
-        if place is None:
-            raise FileNotFoundError(errno.ENOENT, f"no chunk {name} in {store}")
-        try:
-            with open(place.path, "rb") as f:
-                f.seek(place.offset)
-                data = f.read(place.length)
-        except FileNotFoundError:
-            if place.whole or again:
-                raise
-            index.reset()
-            continue
+    def read(place: packs.Place) -> bytes:
+        with open(place.path, "rb") as f:
+            f.seek(place.offset)
+            data = f.read(place.length)
         if len(data) != place.length:
             raise OSError(errno.EIO, f"{place.path}: shorter than its chunk {name} ({place.length} bytes)")
         return data
-    raise AssertionError("unreachable")
+
+    return packs.use_chunk(packs.store_index(store), name, read, str(store))
 
 
 def verify_part(part: Path, manifest: dict[str, Any] | None = None) -> None:

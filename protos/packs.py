@@ -30,16 +30,19 @@ This module is imported by the daemon and the client alike: no torch.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeVar
 
 from ckptstage.protos import layout
+
+T = TypeVar("T")
 
 PACKS_DIR = "packs"
 PACK_SUFFIX = ".pack"
@@ -339,6 +342,23 @@ class StoreIndex:
             self.refresh()
             out.update({n: self.find(n, refreshed=True) for n, p in out.items() if p is not None and p.path in gone})
         return out
+
+
+def use_chunk(index: StoreIndex, name: str, use: Callable[[Place], T], where: str) -> T:
+    """``use(place)`` of chunk ``name``, where ``index`` finds it; a pack removed under it (a repack moved the
+    chunk, a sweep took the pack) is looked up again, once. FileNotFoundError: the store (named ``where``)
+    lacks the chunk."""
+    for again in (False, True):
+        place = index.find(name)
+        if place is None:
+            raise FileNotFoundError(errno.ENOENT, f"no chunk {name} in {where}")
+        try:
+            return use(place)
+        except FileNotFoundError:
+            if place.whole or again:
+                raise
+            index.reset()
+    raise AssertionError("unreachable")
 
 
 _STORES: dict[Path, StoreIndex] = {}

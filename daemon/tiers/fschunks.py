@@ -88,15 +88,8 @@ class FsChunkCalls(fspacks.PackCalls):
     def open_chunk(self, job: str, name: str) -> FileReader:
         """A reader of the chunk's bytes. A pack a repack emptied and a sweep removed between the lookup and the
         open is looked up again (the chunk is in the new pack)."""
-        place = self._find(job, name)
-        try:
-            return FileReader(place.path, sequential=False, place=place)
-        except FileNotFoundError:
-            if place.whole:
-                raise
-            packs.store_index(self._store(job)).reset()
-            place = self._find(job, name)
-            return FileReader(place.path, sequential=False, place=place)
+        return packs.use_chunk(packs.store_index(self._store(job)), name,
+                               lambda place: FileReader(place.path, sequential=False, place=place), str(self._store(job)))
 
     def chunk_runs(self, job: str, names: Iterable[str], max_bytes: int) -> list[packs.Run]:
         """Reads that fetch every chunk among ``names``: neighbours in one pack in one read

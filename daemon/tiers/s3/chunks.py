@@ -98,14 +98,8 @@ class S3Chunks:
     def open_chunk(self, job: str, name: str) -> ObjectReader | DecodedReader:
         """The chunk's bytes, read by ranges, or when it is kept compressed, whole and decoded. A pack a
         repack emptied and a sweep removed between the lookup and the open is looked up again."""
-        place = self._find(job, name)
-        try:
-            return self.open_place(place)
-        except FileNotFoundError:
-            if place.whole:
-                raise
-            self.packs.index(job).reset()
-            return self.open_place(self._find(job, name))
+        return packs.use_chunk(self.packs.index(job), name, self.open_place,
+                               self._keys.url_of(self._keys.store(job)))
 
     def open_place(self, place: packs.Place) -> ObjectReader | DecodedReader:
         """A reader of what a chunk at ``place`` holds (decoded, where it is kept compressed)."""
