@@ -3,7 +3,8 @@
 A batch's chunks go up as a few pack objects (multipart where a pack passes a piece), never an object per
 chunk; what a batch abandons leaves nothing; the sweep's calls move a pack whole, repack a mostly dead one and
 remove what a dead writer left; a corrupt pack goes aside with its intact chunks kept; a pack cut short is
-found on read; and a real daemon drains a part with many chunks as two objects.
+found on read; a real daemon drains a part with many chunks as two objects, and its own retention removes the
+packs only deleted steps named.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ckptstage.daemon.tiers.s3.tier import S3Tier  # noqa: E402
 from ckptstage.protos import chunks, layout, packs  # noqa: E402
 from conftest import DEFAULTS  # noqa: E402
 from s3server import ACCESS_KEY, BUCKET, REGION, SECRET_KEY, S3Server, s3_server  # noqa: E402
+from support import wait_until  # noqa: E402
 
 JOB = "packs"
 _ = s3_server  # the session's server, a fixture
@@ -233,3 +235,42 @@ def test_a_daemon_drains_a_part_of_many_chunks_as_one_pack_and_its_index(s3_serv
     keys = [o["Key"].split("/chunks/", 1)[1] for o in listed]
     assert len([k for k in keys if k.endswith(packs.PACK_SUFFIX)]) == 2  # one pack per part: step 2's holds w0's
     assert all(k.startswith("packs/") or k == chunks.SWEPT_FILE for k in keys), keys  # no object per chunk
+
+
+def test_retention_on_the_object_store_removes_the_packs_only_deleted_steps_named(
+        s3_server: S3Server, tmp_path: Path) -> None:
+    """A daemon's own retention, end to end: keep_last 1 on the object store; each step's own tensor goes with
+    its step, in its pack (removed whole); the base every step names stays in the first step's pack (with the
+    first step's own tensor: a third of it, not worth a repack)."""
+    torch = pytest.importorskip("torch")
+    prefix = f"retained-{os.urandom(4).hex()}"
+    daemon = DaemonProcess(tmp_path / "n", {"shared.dir": "", "shared.url": f"s3://{BUCKET}/{prefix}",
+                                            "shared.endpoint": s3_server.endpoint, "persist.incremental": True,
+                                            "persist.chunk_grace_s": 0.01, "shared.keep_last": 1,
+                                            # the store's times are whole seconds: a pack written in the
+                                            # last second or two is never condemned; the timer's passes
+                                            # sweep once they are older
+                                            "local.keep_last": 1, "retention.interval_s": 0.5},
+                           defaults=DEFAULTS, env=s3_server.env()).start()
+    base = torch.randn(1 << 20)  # 4 MiB, in every step
+    tier = _tier(s3_server, prefix)
+    try:
+        with Client(JOB, socket=daemon.socket) as c:
+            for step in range(1, 5):
+                c.save(step, {"base": base, "own": torch.full((1 << 19,), float(step))}).wait("shared", timeout=60)
+                if step == 1:
+                    [first] = tier.list_packs(JOB)
+            part = tier.part_location(JOB, 4, 0)
+            named = chunks.referenced(tier.read_manifest(part)[0])
+
+            def settled() -> bool:
+                stored = tier.list_packs(JOB)
+                return len(stored) == 2 and not tier.condemned_packs(JOB) and \
+                    named <= set().union(*(p.names for p in stored))
+
+            wait_until(settled, 30, "the packs of steps 2 and 3 removed")
+            assert first.pack_id in {p.pack_id for p in tier.list_packs(JOB)}  # the base's pack stays
+            tier.verify_part(part)
+            assert torch.equal(c.load(step=4)["own"], torch.full((1 << 19,), 4.0))
+    finally:
+        daemon.stop()
