@@ -344,6 +344,23 @@ class StoreIndex:
         return out
 
 
+def touch_each(index: StoreIndex, names: Iterable[str], touch: Callable[[Place], bool]) -> set[str]:
+    """``touch(place)`` once per file holding one of ``names`` (a pack, or a chunk's own file), as ``index``
+    finds them without looking for a chunk published since it last listed the store; returns the names whose
+    file was there (``touch`` True)."""
+    touched: dict[Path, bool] = {}  # file -> there
+    held = set()
+    for name in names:
+        place = index.find(name, refreshed=True)
+        if place is None:
+            continue
+        if place.path not in touched:
+            touched[place.path] = touch(place)
+        if touched[place.path]:
+            held.add(name)
+    return held
+
+
 def use_chunk(index: StoreIndex, name: str, use: Callable[[Place], T], where: str) -> T:
     """``use(place)`` of chunk ``name``, where ``index`` finds it; a pack removed under it (a repack moved the
     chunk, a sweep took the pack) is looked up again, once. FileNotFoundError: the store (named ``where``)

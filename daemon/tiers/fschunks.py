@@ -65,22 +65,14 @@ class FsChunkCalls(fspacks.PackCalls):
         """Without listing the store for a chunk it does not know (a save asks this of each of its chunks): one
         another node packed since the last listing is then written again, which is harmless. A pack's
         modification time stands for every chunk in it: each pack is touched once."""
-        index = packs.store_index(self._store(job))
-        touched: dict[Path, bool] = {}  # file -> there
-        held = set()
-        for name in names:
-            place = index.find(name, refreshed=True)
-            if place is None:
-                continue
-            if place.path not in touched:
-                try:
-                    os.utime(place.path)
-                    touched[place.path] = True
-                except FileNotFoundError:
-                    touched[place.path] = False
-            if touched[place.path]:
-                held.add(name)
-        return held
+        def touch(place: packs.Place) -> bool:
+            try:
+                os.utime(place.path)
+            except FileNotFoundError:
+                return False
+            return True
+
+        return packs.touch_each(packs.store_index(self._store(job)), names, touch)
 
     def chunk_size(self, job: str, name: str) -> int:
         return self._find(job, name).length

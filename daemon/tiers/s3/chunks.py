@@ -71,19 +71,8 @@ class S3Chunks:
         """Touches each pack holding one of ``names`` once (its index), and each chunk kept on its own; returns
         the names the store holds. A chunk another node packed since the store was last listed is not looked
         for: it is written again, which is harmless."""
-        index = self.packs.index(job)
-        touched: dict[Path, bool] = {}  # the object touched -> there
-        held = set()
-        for name in names:
-            place = index.find(name, refreshed=True)
-            if place is None:
-                continue
-            witness = place.path if place.whole else packs.index_beside(place.path)
-            if witness not in touched:
-                touched[witness] = self._touches.touch(self._keys.key(witness))
-            if touched[witness]:
-                held.add(name)
-        return held
+        return packs.touch_each(self.packs.index(job), names, lambda place: self._touches.touch(
+            self._keys.key(place.path if place.whole else packs.index_beside(place.path))))
 
     def chunk_size(self, job: str, name: str) -> int:
         place = self._find(job, name)
