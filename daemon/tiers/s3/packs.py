@@ -155,6 +155,9 @@ class S3Packs:
                 continue  # condemned meanwhile
             stamp = (index or obj)["LastModified"].timestamp()
             out.append(Pack(pack_id, tuple((e.name, e.length) for e in entries), stamp))
+        # Forget the indexes of packs no longer here (deleted, or moved): the cache holds what the store holds.
+        self._entries = {k: v for k, v in self._entries.items()
+                         if not k[0].startswith(prefix) or k[0][len(prefix):] in listed}
         for upload in self._objects.uploads(prefix):
             if time.time() - upload["Initiated"].timestamp() > ABANDONED_S:
                 abort(self._objects.connection, upload["Key"], upload["UploadId"])
