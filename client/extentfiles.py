@@ -30,6 +30,8 @@ class _Handle:
     users: int = 0                  # reads using it right now (counted only where extents are closed for room)
     finished: bool = False          # no read is due any more: closed when the last user lets go
     checked: bool = False           # its file's size is the manifest's
+    decoded: memoryview | None = None  # a compressed extent's bytes, decoded at its first read
+    decoding: threading.Lock = field(default_factory=threading.Lock)
 
     def close(self) -> None:
         for fd in set(self.fds.values()):
@@ -62,6 +64,10 @@ class ExtentFiles:
 
     A whole part keeps its one file open while it is read either way; a part
     of a thousand chunks holds a few dozen descriptors at most.
+
+    A compressed extent (a chunk a shared tier keeps compressed,
+    :attr:`chunks.Extent.coded`) is read whole at its first read and decoded;
+    its reads are copies of the decoded bytes, which it keeps while it is open.
 
     A file that is not there is a :class:`layout.ManifestError` caused by the
     FileNotFoundError (:func:`layout.is_verification_failure`: the copy is
@@ -122,6 +128,8 @@ class ExtentFiles:
         if io is not None and io.next < i:
             io.past(i)
         e = self.extents[i]
+        if e.coded:
+            return _copy_out(self._decoded(i), views, offset - e.lo, size)
         room = page_up(e.hi) - offset
         if (size if size >= 0 else sum(len(v) for v in views)) > room:
             if room <= 0:
@@ -160,7 +168,8 @@ class ExtentFiles:
         (all of a whole file's range), through their ``cached`` descriptors,
         which cached reads of the range then use.
         """
-        parts = [(min(hi, self.extents[i].hi) - max(lo, self.extents[i].lo), i) for i in self._range(lo, hi)]
+        parts = [(min(hi, self.extents[i].hi) - max(lo, self.extents[i].lo), i) for i in self._range(lo, hi)
+                 if not self.extents[i].coded]  # read into memory whatever the kind of read
         if len(parts) > _PROBE_EXTENTS:
             parts = sorted(parts, reverse=True)[:_PROBE_EXTENTS]
         got = 0
@@ -173,6 +182,19 @@ class ExtentFiles:
             finally:
                 self._let_go(i)
         return got * 2 >= sum(n for n, _ in parts)
+
+    def _decoded(self, i: int) -> memoryview:
+        """Compressed extent ``i``'s bytes: its frame read and decoded once while it is open (by whichever read
+        comes first; the others wait for it)."""
+        h = self._acquire(i, "buffered")
+        try:
+            with h.decoding:
+                if h.decoded is None:
+                    e = self.extents[i]
+                    h.decoded = e.decode(os.pread(h.fds["buffered"], e.coded, e.lo - e.base))
+                return h.decoded
+        finally:
+            self._let_go(i)
 
     # ------------------------------------------------------------------ descriptors
 
@@ -340,6 +362,19 @@ def _open_extent(e: chunks.Extent, flags: int, check: bool = True) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _copy_out(data: memoryview, views: list[memoryview], at: int, size: int) -> int:
+    """Copies ``data`` from ``at`` into ``views`` (``size`` bytes of them, -1: all), up to its end; bytes copied."""
+    total = size if size >= 0 else sum(len(v) for v in views)
+    done = 0
+    for v in views:
+        n = min(len(v), total - done, len(data) - at - done)
+        if n <= 0:
+            break
+        (v if v.format == "B" and v.ndim == 1 else v.cast("B"))[:n] = data[at + done:at + done + n]
+        done += n
+    return done
 
 
 def _head(views: list[memoryview], n: int) -> list[memoryview]:

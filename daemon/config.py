@@ -142,9 +142,9 @@ class SharedConfig:
     # (and the memory tier), where local retention treats them as needing no shared copy.
     drain_every: int = field(default=1, metadata=kind(int_between(1, MAX_KEEP_EVERY)))
     keep_best: KeepBest | None = field(default=None, metadata=kind(KEEP_BEST))
-    # Chunks of incremental parts kept compressed on an object store: "auto" (when it makes the upload finish
-    # sooner, from what the tier measures), "none", "zstd", "bg-zstd" (byte-grouped: what model states gain
-    # most from). A file-system tier is read in place by trainers: "auto" and "none" only there.
+    # Chunks of incremental parts kept compressed on the shared tier (a file system or an object store): "auto"
+    # (when it makes the write finish sooner, from what the tier measures), "none", "zstd", "bg-zstd"
+    # (byte-grouped: what model states gain most from). The local tier never compresses.
     compression: str = field(default="auto", metadata=kind(one_of("auto", "none", "zstd", "bg-zstd")))
     # Drain rate cap in bytes/second; None: uncapped.
     max_bandwidth: int | None = field(default=None, metadata=kind(rate_between(1 << 20, 1 << 40)))
@@ -171,10 +171,6 @@ class SharedConfig:
                 f"{self.retry_max_s} is below shared.retry_initial_s ({self.retry_initial_s})",
             )
         self._check_object_store()
-        if self.compression not in ("auto", "none") and self.url is None:
-            raise ConfigError("shared.compression", f"{self.compression!r} needs an object-store shared tier "
-                              "([shared] url): trainers read a file-system tier in place, uncompressed; use "
-                              "\"auto\" or \"none\"")
 
     def _check_object_store(self) -> None:
         """``url`` and ``dir`` name one tier two ways; the object store's keys need a url; keys in the

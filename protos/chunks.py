@@ -41,7 +41,7 @@ from typing import Any
 
 import xxhash
 
-from ckptstage.protos import layout, packs
+from ckptstage.protos import codec, layout, packs
 
 CHUNKS_DIR = "chunks"
 USER_STORE = ".user"          # the store every job of a daemon's user shares on a tier ([persist] dedup = "user")
@@ -256,20 +256,45 @@ def chunk_list(chunks: Sequence[Chunk]) -> list[list[Any]]:
 @dataclass(frozen=True)
 class Extent:
     """Bytes [lo, hi) of a part's data file are those of ``path`` from file offset ``lo - base``; ``whole``: the
-    file holds exactly those bytes (the data file itself, a chunk's own file), else it holds more (a pack)."""
+    file holds exactly those bytes (the data file itself, a chunk's own file), else it holds more (a pack).
+    ``coded`` > 0: the file holds them compressed, as a codec frame of that many bytes from ``lo - base``
+    (:mod:`ckptstage.protos.codec`), read whole and decoded."""
 
     lo: int
     hi: int
     path: Path
     base: int
     whole: bool = True
+    coded: int = 0
+
+    @property
+    def end(self) -> int:
+        """Where the extent's bytes end in its file."""
+        return self.lo - self.base + (self.coded or self.hi - self.lo)
 
     def size_error(self, size: int) -> str | None:
         """What is wrong with the extent's file being ``size`` bytes long (None: nothing)."""
-        end = self.hi - self.base
+        end = self.end
         if size == end or (size > end and not self.whole):
             return None
         return f"size {size} != {end} in the manifest" if self.whole else f"size {size} < {end}, where the chunk ends"
+
+    def decode(self, frame: bytes | bytearray | memoryview) -> memoryview:
+        """The extent's bytes, from its frame as read; :class:`layout.ChecksumMismatch` naming its file when the
+        frame does not decode to them."""
+        return decode_frame(frame, self.hi - self.lo, self.path)
+
+
+def decode_frame(frame: bytes | bytearray | memoryview, size: int, where: Path) -> memoryview:
+    """The ``size`` bytes a compressed chunk's ``frame`` (read from ``where``) holds; :class:`layout.ChecksumMismatch`
+    naming ``where`` when it does not hold them (a damaged frame: a copy like any other that fails its checks)."""
+    try:
+        data = memoryview(codec.decode(frame)).cast("B")
+    except codec.CodecError as e:
+        raise layout.ChecksumMismatch(where, f"a compressed chunk that does not decode: {e}") from None
+    if len(data) != size:
+        raise layout.ChecksumMismatch(where, f"a compressed chunk decodes to {len(data)} bytes, not {size}")
+    return data
 
 
 Find = Callable[[str], "packs.Place | None"]
@@ -295,7 +320,7 @@ def extents(part: Path, manifest: dict[str, Any], file: str = layout.DATA_FILE, 
         if place is None or place.whole:
             out.append(Extent(c.lo, c.hi, place.path if place else chunk_path(store, c.name), c.lo))
         else:
-            out.append(Extent(c.lo, c.hi, place.path, c.lo - place.offset, whole=False))
+            out.append(Extent(c.lo, c.hi, place.path, c.lo - place.offset, whole=False, coded=place.size and place.length))
     return out
 
 
@@ -316,16 +341,17 @@ def missing(store: Path, names: Iterable[str]) -> list[str]:
     return [n for n, place in packs.store_index(store).find_all(names).items() if place is None]
 
 
-def read_chunk(store: Path, name: str) -> bytes:
-    """Chunk ``name``'s bytes from ``store`` (a range of a pack, or its own file), unchecked. A pack removed under
-    the read (a repack moved the chunk) is looked up again, once; FileNotFoundError: the store lacks it."""
-    def read(place: packs.Place) -> bytes:
+def read_chunk(store: Path, name: str) -> bytes | memoryview:
+    """Chunk ``name``'s bytes from ``store`` (a range of a pack, or its own file; decoded where it is kept
+    compressed), unchecked. A pack removed under the read (a repack moved the chunk) is looked up again, once;
+    FileNotFoundError: the store lacks it."""
+    def read(place: packs.Place) -> bytes | memoryview:
         with open(place.path, "rb") as f:
             f.seek(place.offset)
             data = f.read(place.length)
         if len(data) != place.length:
             raise OSError(errno.EIO, f"{place.path}: shorter than its chunk {name} ({place.length} bytes)")
-        return data
+        return decode_frame(data, place.size, place.path) if place.size else data
 
     return packs.use_chunk(packs.store_index(store), name, read, str(store))
 
@@ -373,15 +399,20 @@ def read_pieces(part: Path, manifest: dict[str, Any], file: str, buffer: memoryv
             if wrong:
                 raise layout.ChecksumMismatch(ext.path, wrong)
             f.seek(ext.lo - ext.base)
-            left = ext.hi - ext.lo
-            while left:
-                n = f.readinto(buffer[:min(len(buffer), left)])
-                if not n:
-                    raise layout.ChecksumMismatch(ext.path, "shorter than the manifest says")
-                yield ext.path, buffer[:n]
-                left -= n
+            if ext.coded:
+                decoded = ext.decode(f.read(ext.coded))
+                for lo in range(0, len(decoded), len(buffer)):
+                    yield ext.path, decoded[lo:lo + len(buffer)]
+            else:
+                left = ext.hi - ext.lo
+                while left:
+                    n = f.readinto(buffer[:min(len(buffer), left)])
+                    if not n:
+                        raise layout.ChecksumMismatch(ext.path, "shorter than the manifest says")
+                    yield ext.path, buffer[:n]
+                    left -= n
             if drop_cache:
-                os.posix_fadvise(f.fileno(), ext.lo - ext.base, ext.hi - ext.lo, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(f.fileno(), ext.lo - ext.base, ext.end - (ext.lo - ext.base), os.POSIX_FADV_DONTNEED)
         at += 1
 
 

@@ -8,7 +8,7 @@ each (``<store>/9f/<name>``) or in packs::
                               xxh3_64:<16 hex digits of the line above>
 
 An entry of four, ``[name, offset, length, size]``, is a chunk kept
-compressed (an object store's, ``[shared] compression``): its ``length``
+compressed (a shared tier's, ``[shared] compression``): its ``length``
 bytes are a frame of :mod:`ckptstage.protos.codec` that decodes to ``size``.
 
 A writer fills the ``.pack`` file, makes it durable, then writes its ``.idx``
@@ -73,7 +73,7 @@ class Entry(NamedTuple):
 class Place:
     """Where a chunk's bytes are: ``length`` bytes of ``path`` from ``offset``; ``whole``: the file holds exactly
     those (a chunk stored loose), else a range of a pack. ``size`` > 0: those bytes are a codec frame that
-    decodes to ``size`` bytes (a chunk an object store keeps compressed in a pack)."""
+    decodes to ``size`` bytes (a chunk a shared tier keeps compressed in a pack)."""
 
     path: Path
     offset: int
@@ -91,13 +91,16 @@ class Place:
 class Run:
     """Chunks read with one read: ``length`` bytes of ``path`` from ``offset``, holding each chunk ``(name, offset
     in the run, length)``; chunks of a pack lie at page-aligned offsets of the run, with the pack's padding
-    between them. A run of a chunk stored on its own (``whole``) is that file, its length what the reader finds."""
+    between them. A run of a chunk stored on its own (``whole``) is that file, its length what the reader finds.
+    A run of a compressed chunk (``coded``) holds it alone: its ``length`` bytes are the frame, the chunk's
+    length what it decodes to."""
 
     path: Path
     offset: int
     length: int
     chunks: tuple[tuple[str, int, int], ...]
     whole: bool = False
+    coded: bool = False
 
     @property
     def names(self) -> list[str]:
@@ -111,11 +114,13 @@ class Run:
 def runs(places: Iterable[tuple[str, Place]], max_bytes: int) -> list[Run]:
     """Chunks at ``places`` grouped into as few reads as possible: ranges of one pack that follow each other (up
     to the page padding between them) in runs of at most ``max_bytes`` (a chunk longer is a run alone); a chunk
-    stored on its own is a run by itself. Runs come in the order of their files and offsets."""
+    stored on its own, or compressed (read whole, then decoded), is a run by itself, first; the others come in
+    the order of their files and offsets."""
     places = list(places)
     out: list[Run] = []
-    ranged = sorted((p.path, p.offset, p.length, name) for name, p in places if not p.whole)
-    out += [Run(p.path, 0, p.length, ((name, 0, p.length),), whole=True) for name, p in places if p.whole]
+    ranged = sorted((p.path, p.offset, p.length, name) for name, p in places if not (p.whole or p.size))
+    out += [Run(p.path, 0 if p.whole else p.offset, p.length, ((name, 0, p.nbytes),), whole=p.whole,
+                coded=bool(p.size)) for name, p in places if p.whole or p.size]
     held: list[tuple[str, int, int]] = []
     path, lo, hi = Path(), 0, 0
     for where, offset, length, name in ranged:

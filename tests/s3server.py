@@ -255,8 +255,9 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     yield from serving(tmp_path_factory.mktemp("seaweedfs"))
 
 
-def open_tier(server: S3Server, owner: str, prefix: str | None = None) -> Any:
-    """An :class:`ckptstage.daemon.tiers.s3.tier.S3Tier` on a fresh prefix of :data:`BUCKET` (empty), as ``owner``."""
+def open_tier(server: S3Server, owner: str, prefix: str | None = None, compression: str = "none") -> Any:
+    """An :class:`ckptstage.daemon.tiers.s3.tier.S3Tier` on a fresh prefix of :data:`BUCKET` (empty), as ``owner``,
+    keeping chunks compressed as ``compression`` says."""
     import uuid
 
     from ckptstage.daemon.tiers.s3.client import Location, open_connection
@@ -264,7 +265,7 @@ def open_tier(server: S3Server, owner: str, prefix: str | None = None) -> Any:
 
     conn = open_connection(Location(BUCKET, prefix or f"t-{uuid.uuid4().hex[:12]}"), server.endpoint, REGION,
                            access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY)
-    return S3Tier(conn, owner)
+    return S3Tier(conn, owner, compression=compression)
 
 
 def object_bytes(tier: Any, location: Path, data: bytes | None = None) -> bytes:

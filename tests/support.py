@@ -141,23 +141,26 @@ def data_size(part: Path) -> int:
 
 
 def read_data(part: Path) -> bytes:
-    """A part's data file, whole or put together from its chunks (no checksum checked)."""
+    """A part's data file, whole or put together from its chunks (decoded where a tier keeps one compressed; no
+    checksum checked)."""
     out = bytearray()
     for e in data_extents(part):
         with open(e.path, "rb") as f:
             f.seek(e.lo - e.base)
-            out += f.read(e.hi - e.lo)
+            out += e.decode(f.read(e.coded)) if e.coded else f.read(e.hi - e.lo)
     return bytes(out)
 
 
 def flip_data_byte(part: Path, offset: int) -> Path:
     """Flips the lowest bit of byte ``offset`` of a part's data file wherever it is stored (the file
-    itself, a chunk's own file, a pack) and fsyncs it; returns the file it changed."""
+    itself, a chunk's own file, a pack; of a chunk kept compressed, a byte of its frame) and fsyncs it;
+    returns the file it changed."""
     ext = next(e for e in data_extents(part) if e.lo <= offset < e.hi)
+    at = ext.lo - ext.base + min(offset - ext.lo, ext.coded - 1) if ext.coded else offset - ext.base
     with open(ext.path, "r+b") as f:
-        f.seek(offset - ext.base)
+        f.seek(at)
         byte = f.read(1)
-        f.seek(offset - ext.base)
+        f.seek(at)
         f.write(bytes([byte[0] ^ 0x01]))
         f.flush()
         os.fsync(f.fileno())

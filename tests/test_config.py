@@ -339,7 +339,6 @@ BAD = [
     ("[persist]\nfrobnicate = 1", "persist.frobnicate",
      "unknown key (known: chunk_bytes, chunk_grace_s, dedup, direct_io"),
     ("[shared]\ncompression = 'lz4'", "shared.compression", "must be one of 'auto', 'none', 'zstd', 'bg-zstd'"),
-    ("[shared]\ncompression = 'zstd'", "shared.compression", "'zstd' needs an object-store shared tier"),
     ("[persist]\ndedup = 'everyone'", "persist.dedup", "must be one of 'job', 'user', got 'everyone'"),
     ("[persist]\ndedup = true", "persist.dedup", "must be one of 'job', 'user', got True"),
     ("local_dir = '/x'", "local_dir", "unknown key"),

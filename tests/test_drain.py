@@ -333,7 +333,9 @@ def test_flipped_byte_on_local_loads_the_shared_copy_and_reports_it(daemon_facto
 def test_bandwidth_cap_is_held_and_used(daemon_factory: Any) -> None:
     port = free_port()
     rate = 50 * MiB
-    d = daemon_factory(**{"metrics.listen": f"127.0.0.1:{port}", "shared.max_bandwidth": "50MiB/s"}).start()
+    # Uncompressed: the cap counts the bytes stored, and these would compress (tests/test_fs_compression.py).
+    d = daemon_factory(**{"metrics.listen": f"127.0.0.1:{port}", "shared.max_bandwidth": "50MiB/s",
+                          "shared.compression": "none"}).start()
     nbytes = 128 * MiB
     with Client(JOB, socket=d.socket) as c:
         h = c.save(1, {"w": torch.arange(nbytes // 8, dtype=torch.int64)})

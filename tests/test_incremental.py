@@ -23,7 +23,7 @@ from ckptstage.daemon.catalog.chunkstore import CONDEMNED_DIR, ChunkStore
 from ckptstage.daemon.catalog import repack
 from ckptstage.daemon.tiers import fspacks
 from ckptstage.daemon.tiers.fs import FsTier
-from ckptstage.protos import chunks, layout, packs
+from ckptstage.protos import chunks, codec, layout, packs
 
 from support import wait_until
 
@@ -41,11 +41,12 @@ def lora_like(step: int) -> dict[str, Any]:
 
 
 def store(tier: Path, job: str = JOB) -> dict[str, int]:
-    """The chunks in a job's store on a tier, in packs or files of their own: name -> bytes."""
+    """The chunks in a job's store on a tier, in packs or files of their own: name -> bytes (what a compressed
+    one decodes to)."""
     root = chunks.store_dir(tier, job)
     index = packs.StoreIndex(root)
     index.refresh()
-    out = {name: place.length for name, place in index.packed().items()}
+    out = {name: place.nbytes for name, place in index.packed().items()}
     for p in root.glob("??/*"):
         try:
             if chunks.is_chunk_name(p.name):
@@ -87,7 +88,8 @@ def read_place(place: packs.Place | None) -> bytes:
     assert place is not None
     with open(place.path, "rb") as f:
         f.seek(place.offset)
-        return f.read(place.length)
+        data = f.read(place.length)
+    return bytes(codec.decode(data)) if place.size else data
 
 
 def save(c: Client, step: int, state: dict[str, Any], tier: str = "local") -> None:

@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 
 from ckptstage.client import Client, errors  # noqa: E402
 from ckptstage.daemon.launcher import DaemonProcess  # noqa: E402
-from ckptstage.daemon.tiers.s3.compression import PROBE_EVERY, Compression  # noqa: E402
+from ckptstage.daemon.tiers.compression import PROBE_EVERY, Compression  # noqa: E402
 from conftest import DEFAULTS  # noqa: E402
 from s3server import BUCKET, S3Server, s3_server  # noqa: E402
 from support import wait_until  # noqa: E402

@@ -16,8 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
+from ckptstage.daemon.catalog import repack
 from ckptstage.daemon.tiers import interface as tier_mod
 from ckptstage.daemon.catalog.index import Catalog
 from ckptstage.daemon.catalog.chunkstore import ChunkStore, referenced
@@ -459,3 +461,73 @@ def test_packs_are_condemned_put_back_and_deleted_whole_and_a_pack_with_no_index
     assert {p.pack_id: p.names for p in fs.list_packs(JOB)}["cut-short"] == frozenset()
     swept = ChunkStore(fs, grace_s=-3600).sweep(JOB, mark=lambda: {chunks.digest(b"1" * 10)})
     assert swept.restored == 0 and [p.pack_id for p in fs.list_packs(JOB)] == [first.pack_id]
+
+
+@pytest.fixture(params=["fs", "s3"])
+def ztier(request: Any, tmp_path: Path) -> Tier:
+    """Each implementation of :class:`Tier` as a shared tier that keeps chunks compressed (``bg-zstd``)."""
+    if request.param == "s3":
+        return open_tier(request.getfixturevalue("s3_server"), OWNER, compression="bg-zstd")
+    return FsTier(tmp_path / "tier", OWNER, compression="bg-zstd")
+
+
+def _floats(n: int, seed: int) -> bytes:
+    """``n`` float32 values of a normal distribution: model-state-like bytes that byte-grouped zstd shrinks."""
+    return np.random.default_rng(seed).standard_normal(n).astype(np.float32).tobytes()
+
+
+def test_a_tier_that_compresses_serves_every_chunk_decoded_through_reads_repacks_and_quarantine(ztier: Tier) -> None:
+    """A compressing tier keeps what shrinks as a codec frame (an index entry of four) and the rest as it is;
+    every read of the interface (a chunk, a run, its size) gives the chunk's own bytes, a repack and a quarantine
+    carry compressed chunks over intact, and a damaged frame is caught by the name check."""
+    noise = np.random.default_rng(9).bytes(3 << 20)  # does not shrink: kept as it is
+    kept = {chunks.digest(d): d for d in (_floats(64 << 10, 1), bytes(100_000), _floats(3000, 2))}
+    items = {**kept, chunks.digest(noise): noise}
+    batch = ztier.new_chunks(JOB)
+    names = list(items)
+    batch.write(names[0], memoryview(items[names[0]]), direct_io=True)
+    joined = items[names[1]] + bytes(packs.page_up(100_000) - 100_000) + items[names[2]]
+    batch.write_run([(names[1], 0, 100_000), (names[2], packs.page_up(100_000), 12000)], memoryview(joined),
+                    direct_io=True)
+    batch.write(names[3], memoryview(noise), direct_io=True)
+    batch.publish()
+    [pack] = ztier.list_packs(JOB)
+    stored = dict(pack.chunks)
+    assert stored[names[3]] == len(noise) and all(stored[n] < 0.95 * len(items[n]) for n in kept), stored
+    for name, data in items.items():
+        assert ztier.chunk_size(JOB, name) == len(data)
+        with ztier.open_chunk(JOB, name) as f:
+            assert f.size == len(data) and f.read(len(data) + 10) == data
+    runs = ztier.chunk_runs(JOB, names, 16 << 20)
+    assert sorted(r.names[0] for r in runs if r.coded) == sorted(kept) and all(len(r.chunks) == 1 for r in runs)
+    for run in runs:
+        with ztier.open_chunk_run(JOB, run) as f:
+            got = f.read(f.size)
+        assert all(chunks.digest(got[o:o + n]) == name for name, o, n in run.sized(len(got)))
+
+    # A repack keeps the live compressed chunks (the noise is dead), each decoded and checked on the way.
+    live = set(kept)
+    assert repack.worth_repacking(pack, live)
+    assert repack.repack(ztier, JOB, [pack], live) == sum(stored[n] for n in live)
+    assert ztier.condemn_pack(JOB, pack.pack_id, time.time() + 3600)
+    [moved] = ztier.list_packs(JOB)
+    assert dict(moved.chunks).keys() == live and all(dict(moved.chunks)[n] < len(kept[n]) for n in live)
+    for name in live:
+        with ztier.open_chunk(JOB, name) as f:
+            assert f.read(f.size) == kept[name]
+
+    # A damaged frame: the chunk fails its name; the quarantine carries the others over, still compressed.
+    bad = chunks.digest(_floats(64 << 10, 1))
+    [run] = ztier.chunk_runs(JOB, [bad], 16 << 20)
+    damaged = bytearray(_stored(ztier, run.path))
+    damaged[run.offset + run.length // 2] ^= 0x01
+    _stored(ztier, run.path, bytes(damaged))
+    with ztier.open_chunk(JOB, bad) as f:
+        assert chunks.digest(f.read(f.size)) != bad
+    assert ztier.quarantine_chunk(ztier.chunk_location(JOB, bad)) is not None
+    assert ztier.missing_chunks(JOB, list(live)) == [bad]
+    for name in live - {bad}:
+        with ztier.open_chunk(JOB, name) as f:
+            assert f.read(f.size) == kept[name]
+    [again] = ztier.list_packs(JOB)
+    assert all(dict(again.chunks)[n] < len(kept[n]) for n in live - {bad})

@@ -64,13 +64,13 @@ def repack(tier: Tier, job: str, stored: list[Pack], marked: set[str], budget: i
 def _copy(tier: Tier, job: str, live: list[tuple[str, int]], pace: Callable[[int], None]) -> int:
     batch = tier.new_chunks(job)
     try:
-        for name, size in live:
+        for name, size in live:  # size: what the chunk is stored as (a compressed one's frame)
             def write(view: memoryview, name: str = name, size: int = size) -> None:
                 pace(size)
                 batch.write(name, view, direct_io=True)
 
-            with tier.open_chunk(job, name) as f:
-                if not chunks.copy_checked(name, size, f.readinto, write):
+            with tier.open_chunk(job, name) as f:  # its bytes, decoded where it is kept compressed
+                if not chunks.copy_checked(name, f.size, f.readinto, write):
                     raise ValueError(f"chunk {name} does not hash to its name (or is short): left in place")
         batch.publish()
     finally:

@@ -19,6 +19,7 @@ from typing import Any
 
 from ckptstage.daemon import fsutil
 from ckptstage.daemon.tiers import fspacks, fsquarantine
+from ckptstage.daemon.tiers.compression import Compression
 from ckptstage.daemon.tiers.fschunks import FsChunkCalls
 from ckptstage.daemon.tiers.fsread import FileReader
 from ckptstage.daemon.tiers.fsreplace import REPLACE_DIR, FsReplacing
@@ -31,12 +32,15 @@ class FsTier(FsChunkCalls):
     """One directory tree holding checkpoints, as the daemon ``owner`` uses it.
 
     ``owner`` names this daemon's temporaries (``.tmp/<owner>/``); a tier
-    used only to index (list and read) needs none.
+    used only to index (list and read) needs none. ``compression``: whether
+    new chunks are kept compressed (``[shared] compression``; the local tier's
+    never are: :mod:`ckptstage.daemon.tiers.compression`).
     """
 
-    def __init__(self, root: Path, owner: str = "") -> None:
+    def __init__(self, root: Path, owner: str = "", compression: str = "none") -> None:
         self._root = root
         self._owner = owner
+        self._compression = Compression(compression)
         self._replacing = FsReplacing(root, owner)
 
     @property
@@ -201,7 +205,7 @@ class FsTier(FsChunkCalls):
             staging = layout.tmp_root(self._root, self._owner) / f"chunks.{uuid.uuid4().hex[:12]}"
             fsutil.makedirs_durable(staging.parent, within=self._root)
             staging.mkdir()
-            return fspacks.quarantine_pack(self._root, location.parent.parent, location, staging)
+            return fspacks.quarantine_pack(self._root, location.parent.parent, location, staging, self._compression)
         return fsquarantine.quarantine_chunk(location)
 
     def list_quarantined(self) -> list[QuarantinedCopy]:

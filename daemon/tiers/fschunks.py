@@ -14,17 +14,20 @@ from pathlib import Path
 from ckptstage.daemon import fsutil
 from ckptstage.daemon.tiers import fspacks
 from ckptstage.daemon.tiers.fspacks import FsPackBatch
-from ckptstage.daemon.tiers.fsread import FileReader
+from ckptstage.daemon.tiers.compression import Compression, DecodedReader
+from ckptstage.daemon.tiers.fsread import FileReader, open_place
 from ckptstage.daemon.tiers.fswalk import subdirs
 from ckptstage.daemon.tiers.interface import PartWriter
 from ckptstage.protos import chunks, layout, packs
 
 
 class FsChunkCalls(fspacks.PackCalls):
-    """The chunk stores of the tier rooted at ``_root``, whose temporaries are ``.tmp/<_owner>/``."""
+    """The chunk stores of the tier rooted at ``_root``, whose temporaries are ``.tmp/<_owner>/``; new chunks are
+    kept compressed where ``_compression`` chooses (:mod:`ckptstage.daemon.tiers.compression`)."""
 
     _root: Path
     _owner: str
+    _compression: Compression
 
     def _store(self, job: str) -> Path:
         return chunks.store_dir(self._root, job)
@@ -75,13 +78,12 @@ class FsChunkCalls(fspacks.PackCalls):
         return packs.touch_each(packs.store_index(self._store(job)), names, touch)
 
     def chunk_size(self, job: str, name: str) -> int:
-        return self._find(job, name).length
+        return self._find(job, name).nbytes
 
-    def open_chunk(self, job: str, name: str) -> FileReader:
-        """A reader of the chunk's bytes. A pack a repack emptied and a sweep removed between the lookup and the
-        open is looked up again (the chunk is in the new pack)."""
-        return packs.use_chunk(packs.store_index(self._store(job)), name,
-                               lambda place: FileReader(place.path, sequential=False, place=place), str(self._store(job)))
+    def open_chunk(self, job: str, name: str) -> FileReader | DecodedReader:
+        """A reader of the chunk's bytes (decoded, where it is kept compressed). A pack a repack emptied and a
+        sweep removed between the lookup and the open is looked up again (the chunk is in the new pack)."""
+        return packs.use_chunk(packs.store_index(self._store(job)), name, open_place, str(self._store(job)))
 
     def chunk_runs(self, job: str, names: Iterable[str], max_bytes: int) -> list[packs.Run]:
         """Reads that fetch every chunk among ``names``: neighbours in one pack in one read
@@ -93,7 +95,9 @@ class FsChunkCalls(fspacks.PackCalls):
                                     str(chunks.chunk_path(self._store(job), lost[0])))
         return packs.runs([(name, place) for name, place in found.items() if place is not None], max_bytes)
 
-    def open_chunk_run(self, job: str, run: packs.Run) -> FileReader:
+    def open_chunk_run(self, job: str, run: packs.Run) -> FileReader | DecodedReader:
+        if run.coded:
+            return open_place(packs.Place(run.path, run.offset, run.length, whole=False, size=run.chunks[0][2]))
         return FileReader(run.path, sequential=True,
                           place=None if run.whole else packs.Place(run.path, run.offset, run.length, whole=False))
 
@@ -108,7 +112,7 @@ class FsChunkCalls(fspacks.PackCalls):
             staging = layout.tmp_root(self._root, self._owner) / f"chunks.{uuid.uuid4().hex[:12]}"
             fsutil.makedirs_durable(staging.parent, within=self._root)
         staging.mkdir()
-        return FsPackBatch(self._root, self._store(job), staging)
+        return FsPackBatch(self._root, self._store(job), staging, self._compression)
 
     def list_chunks(self, job: str) -> list[str]:
         out = []

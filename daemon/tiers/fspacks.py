@@ -4,7 +4,9 @@ back or removed as a whole by the chunk store's sweep (:mod:`ckptstage.daemon.ca
 A batch writes its chunks at page-aligned offsets of one file in its
 staging directory (the part's temporary: an abort removes it), from any
 number of threads, through :class:`fsutil.DataFile` (aligned chunks with
-``O_DIRECT``). :meth:`FsPackBatch.publish` makes the file durable, writes its
+``O_DIRECT``); on a tier that keeps chunks compressed
+(:mod:`ckptstage.daemon.tiers.compression`), each chunk as its tier chooses,
+a compressed one as its codec frame (an index entry of four). :meth:`FsPackBatch.publish` makes the file durable, writes its
 index, and renames the pack, then its index, into ``<store>/packs/``: the
 index publishes it (:mod:`ckptstage.protos.packs`). A crash between the two
 renames leaves a pack with no index, which no reader sees and the sweep
@@ -18,15 +20,18 @@ then index) if one is named again before it is deleted.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import shutil
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ckptstage.daemon import fsutil
+from ckptstage.daemon.tiers.compression import Compression
+from ckptstage.daemon.tiers.fsread import open_place
 from ckptstage.daemon.tiers.interface import Pack
 from ckptstage.protos import chunks, layout, packs
 
@@ -37,26 +42,55 @@ _RESERVE_BYTES = 256 << 20
 
 
 class FsPackBatch:
-    """New chunks written into one pack under ``staging``, then published into ``store``."""
+    """New chunks written into one pack under ``staging``, then published into ``store``; ``compression``:
+    whether each is kept compressed (None: none is)."""
 
-    def __init__(self, root: Path, store: Path, staging: Path) -> None:
+    def __init__(self, root: Path, store: Path, staging: Path, compression: Compression | None = None) -> None:
         self._root = root
         self._store = store
         self._staging = staging
+        self._compression = compression if compression is not None and compression.mode != "none" else None
+        self._pace: Callable[[int], None] = lambda n: None
         self._id = uuid.uuid4().hex[:16]
         self._lock = threading.Lock()
         self._file: fsutil.DataFile | None = None
         self._next = 0    # where the next write goes
         self._end = 0     # where the pack's last byte written ends
-        self._entries: list[tuple[str, int, int]] = []
+        self._entries: list[packs.Entry] = []
+
+    def pace_with(self, pace: Callable[[int], None]) -> None:
+        """``pace(n)`` before each write of ``n`` bytes (a rate limit counting what is stored, a compressed chunk's
+        frame, not what the chunks hold)."""
+        self._pace = pace
 
     def write(self, name: str, data: memoryview, direct_io: bool) -> None:
-        """Writes one new chunk at the pack's next page (several threads at once; each its own range)."""
-        self.write_run(((name, 0, len(data)),), data, direct_io)
+        """Writes one new chunk at the pack's next page, compressed where the tier says so (several threads at
+        once; each its own range)."""
+        frame = self._compression.encode(data) if self._compression is not None else None
+        if frame is None:
+            self._append(((name, 0, len(data)),), data, direct_io)
+            return
+        buf = mmap.mmap(-1, len(frame))  # page-aligned: the frame's whole pages go O_DIRECT too
+        try:
+            buf[:] = frame
+            with memoryview(buf) as view:
+                self._append(((name, 0, len(frame)),), view, direct_io, size=data.nbytes)
+        finally:
+            buf.close()
 
     def write_run(self, held: Sequence[tuple[str, int, int]], data: memoryview, direct_io: bool) -> None:
-        """Writes ``data`` with one write at the pack's next page: it holds the chunks ``held`` (name, offset in
-        ``data``, length; page-aligned offsets stay page-aligned in the pack)."""
+        """Writes ``data`` at the pack's next page: it holds the chunks ``held`` (name, offset in ``data``,
+        length; page-aligned offsets stay page-aligned in the pack). One write, unless chunks may be kept
+        compressed: then each chunk is written as :meth:`write` does."""
+        if self._compression is not None:
+            for name, offset, length in held:
+                self.write(name, data[offset:offset + length], direct_io)
+            return
+        self._append(held, data, direct_io)
+
+    def _append(self, held: Sequence[tuple[str, int, int]], data: memoryview, direct_io: bool, size: int = 0) -> None:
+        """One write of ``data`` (paced, and timed where the tier weighs compressing) at the pack's next page;
+        ``size`` > 0: it is one chunk's frame, which decodes to that many bytes."""
         with self._lock:
             if self._file is None:
                 self._file = fsutil.DataFile(self._staging / f"{self._id}{packs.PACK_SUFFIX}", 0, direct_io,
@@ -72,9 +106,13 @@ class FsPackBatch:
                     if e.errno != errno.ENOSPC:
                         raise
                     out.reserve(self._next)  # room for this run at least, or ENOSPC
+        t0 = time.perf_counter()
+        self._pace(len(data))  # a cap on the tier is part of what a write costs: "auto" weighs it too
         out.write(data, base)
+        if self._compression is not None:
+            self._compression.sent(len(data), time.perf_counter() - t0)
         with self._lock:
-            self._entries += [(name, base + offset, length) for name, offset, length in held]
+            self._entries += [packs.Entry(name, base + offset, length, size) for name, offset, length in held]
 
     def publish(self) -> None:
         """Durable pack, its index, both renamed into the store (the index last), the store's directory synced;
@@ -217,11 +255,12 @@ def delete_condemned_pack(store: Path, pack_id: str) -> int:
     return size
 
 
-def quarantine_pack(root: Path, store: Path, pack: Path, staging: Path) -> Path:
+def quarantine_pack(root: Path, store: Path, pack: Path, staging: Path, compression: Compression | None = None) -> Path:
     """A pack one of whose chunks failed verification: every chunk that still hashes to its name is copied into
     a new pack (published first: no intact chunk leaves the store), then the pack and its index move to
     ``<store>/.corrupt/`` (kept for forensics, listed and expired like every quarantined copy), so that no save
-    reuses the bad chunk and the next one with its bytes writes them again. Returns where the pack went."""
+    reuses the bad chunk and the next one with its bytes writes them again. ``compression``: the tier's (the new
+    pack keeps chunks compressed as any of its batches would). Returns where the pack went."""
     pack_id = packs.pack_id_of(pack.name)
     if pack_id is None or pack.parent != packs.packs_dir(store):
         raise ValueError(f"{pack} is not a pack of {store}")
@@ -230,17 +269,18 @@ def quarantine_pack(root: Path, store: Path, pack: Path, staging: Path) -> Path:
         entries = packs.read_index(index)
     except (FileNotFoundError, packs.PackError):
         entries = []  # nothing it holds can be trusted to be anywhere: it only goes aside
-    batch = FsPackBatch(root, store, staging)
+    batch = FsPackBatch(root, store, staging, compression)
     try:
-        with open(pack, "rb", buffering=0) as f:
-            for e in entries:  # a chunk that fails its name is left behind
-                def read_into(view: memoryview, at: int = e.offset) -> int:
-                    return os.preadv(f.fileno(), [view], at)
+        for e in entries:  # a chunk that fails its name (or is past the pack's end) is left behind
+            def write(view: memoryview, name: str = e.name) -> None:
+                batch.write(name, view, direct_io=True)
 
-                def write(view: memoryview, name: str = e.name) -> None:
-                    batch.write(name, view, direct_io=True)
-
-                chunks.copy_checked(e.name, e.length, read_into, write)
+            try:
+                with open_place(packs.Place(pack, e.offset, e.length, whole=False, size=e.size)) as f:
+                    chunks.copy_checked(e.name, e.size or e.length, f.readinto, write)
+            except FileNotFoundError:
+                if not pack.exists():
+                    raise
         batch.publish()
     finally:
         batch.discard()

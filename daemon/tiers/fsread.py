@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from types import TracebackType
 
+from ckptstage.daemon.tiers.compression import DecodedReader
 from ckptstage.protos import packs
 
 
@@ -50,3 +51,14 @@ class FileReader:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def open_place(place: packs.Place, sequential: bool = False) -> FileReader | DecodedReader:
+    """A reader of what the chunk at ``place`` holds: its bytes in the file, or where it is kept compressed, its
+    frame read whole and decoded (a frame that does not decode is served as it is, and fails the reader's check
+    of the chunk's name)."""
+    reader = FileReader(place.path, sequential, place=place)
+    if not place.size:
+        return reader
+    with reader:
+        return DecodedReader(reader.read(place.length))

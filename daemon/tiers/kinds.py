@@ -25,7 +25,7 @@ def open_tiers(config: Config, owner: str) -> dict[TierName, Tier]:
     if config.shared.url is not None:
         tiers[TierName.SHARED] = open_object_store(config.shared, owner)
     elif config.shared.dir is not None:
-        tiers[TierName.SHARED] = FsTier(config.shared.dir, owner)
+        tiers[TierName.SHARED] = FsTier(config.shared.dir, owner, config.shared.compression)
     return tiers
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ckptstage.daemon.tiers.interface import Pack, PartWriter
 from ckptstage.daemon.tiers.s3.chunks import S3Chunks
-from ckptstage.daemon.tiers.s3.compression import DecodedReader
+from ckptstage.daemon.tiers.compression import DecodedReader
 from ckptstage.daemon.tiers.s3.io import ObjectReader
 from ckptstage.daemon.tiers.s3.listing import S3Index
 from ckptstage.daemon.tiers.s3.packbatch import S3PackBatch

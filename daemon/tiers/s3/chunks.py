@@ -17,7 +17,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ckptstage.daemon.tiers.interface import PartWriter
-from ckptstage.daemon.tiers.s3.compression import SIZE_META, Compression, DecodedReader, open_object, read_decoded
+from ckptstage.daemon.tiers.compression import Compression, DecodedReader
+from ckptstage.daemon.tiers.s3.compression import SIZE_META, open_object, read_decoded
 from ckptstage.daemon.tiers.s3.io import ObjectReader, Transfers
 from ckptstage.daemon.tiers.s3.keys import Keys
 from ckptstage.daemon.tiers.s3.objects import Objects
@@ -106,17 +107,13 @@ class S3Chunks:
         if lost:
             raise FileNotFoundError(errno.ENOENT, f"no chunk {lost[0]} in {self._keys.url_of(self._keys.store(job))}",
                                     str(self._keys.chunk_location(job, lost[0])))
-        placed = [(name, place) for name, place in found.items() if place is not None]
-        alone = [packs.Run(p.path, p.offset, p.length, ((name, 0, p.nbytes),), whole=p.whole)
-                 for name, p in placed if p.whole or p.size]
-        return alone + packs.runs([(n, p) for n, p in placed if not (p.whole or p.size)], max_bytes)
+        return packs.runs([(name, place) for name, place in found.items() if place is not None], max_bytes)
 
     def open_chunk_run(self, job: str, run: packs.Run) -> ObjectReader | DecodedReader:
         if run.whole:
             return open_object(self._transfers, self._keys.key(run.path))
-        name, _, size = run.chunks[0]
-        if len(run.chunks) == 1 and size != run.length:  # a frame (kept only when shorter than its chunk)
-            return self.open_place(packs.Place(run.path, run.offset, run.length, whole=False, size=size))
+        if run.coded:
+            return self.open_place(packs.Place(run.path, run.offset, run.length, whole=False, size=run.chunks[0][2]))
         return self._transfers.reader(self._keys.key(run.path), window=(run.offset, run.length))
 
     def missing_chunks(self, job: str, names: Iterable[str]) -> list[str]:

@@ -1,100 +1,20 @@
-"""Whether the object-store tier keeps a chunk compressed (``[shared] compression``), and the reader of one.
+"""Compressed chunks on the object store: how a chunk object says it is one, and the readers that decode it.
 
-"none" never compresses, "zstd" and "bg-zstd" always try (:mod:`ckptstage.protos.codec`;
-"bg-zstd" over byte planes, what model states gain most from), keeping a
-chunk as it is when it does not shrink by 5%. "auto" (the default) compresses
-when it makes the upload finish sooner, judged per chunk from what the tier
-has measured on this node:
-
-* each upload's bytes per second (one stream: a chunk goes up on one thread),
-* the codec's bytes per second on this node's data, and the share it saved.
-
-A chunk compressed in a stream and then sent takes ``n / C + r n / B``, sent
-as it is ``n / B`` (``C`` the codec's speed, ``r`` the stored share, ``B``
-the stream's bandwidth): compressing pays when ``C (1 - r) > B``. So a store
-that takes a stream at 2 GB/s never sees compressed chunks, and one that
-takes it at 100 MB/s gets them for fp32 and bf16 states (bg-zstd saves
-17-32% at about 0.8 GB/s per core; docs/BENCHMARKS.md). Until it has
-measured both, and every :data:`PROBE_EVERY` chunks after, "auto" compresses
-one to keep its figures current.
-
-A compressed chunk's object carries its decoded size in its metadata
-(:data:`SIZE_META`); that is also what tells a reader to decode it. Its
-bytes are the codec's frame, whose decoded bytes every reader checks against
-the chunk's name, as it checks a chunk stored as it is.
+Whether a chunk is kept compressed is :mod:`ckptstage.daemon.tiers.compression`'s
+choice, as on any shared tier. A compressed chunk stored as an object of its
+own (as stores written before packs hold them) carries its decoded size in its
+metadata (:data:`SIZE_META`); that is also what tells a reader to decode it.
+In a pack, the index's entry says so (:mod:`ckptstage.protos.packs`). Either
+way its bytes are the codec's frame, whose decoded bytes every reader checks
+against the chunk's name, as it checks a chunk stored as it is.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from types import TracebackType
-
+from ckptstage.daemon.tiers.compression import DecodedReader
 from ckptstage.daemon.tiers.s3.io import ObjectReader, Transfers
-from ckptstage.protos import codec
 
-MODES = ("auto", "none", "zstd", "bg-zstd")
 SIZE_META = "ckptstage-size"  # x-amz-meta-ckptstage-size: a compressed chunk's decoded size
-PROBE_EVERY = 64              # "auto": one chunk in this many is compressed to keep the figures current
-_WEIGHT = 0.2                 # of a new measurement in the running figures
-
-
-class Compression:
-    """One tier's choice per chunk, and what it measured."""
-
-    def __init__(self, mode: str) -> None:
-        if mode not in MODES:
-            raise ValueError(f"compression must be one of {', '.join(MODES)}, not {mode!r}")
-        self.mode = mode
-        self._lock = threading.Lock()
-        self._stream_bps: float | None = None  # one upload's bytes per second
-        self._codec_bps: float | None = None   # uncompressed bytes per second through the codec
-        self._stored: float | None = None      # the share of its bytes a compressed chunk kept
-        self._count = 0
-
-    def encode(self, data: memoryview) -> bytes | None:
-        """The frame to upload for ``data`` (None: upload it as it is)."""
-        if not self._wanted():
-            return None
-        t0 = time.perf_counter()
-        frame = codec.encode(data, grouped=self.mode != "zstd")
-        took = time.perf_counter() - t0
-        with self._lock:
-            self._codec_bps = _blend(self._codec_bps, len(data) / max(took, 1e-9))
-            self._stored = _blend(self._stored, 1.0 if frame is None else len(frame) / max(1, len(data)))
-        return frame
-
-    def sent(self, nbytes: int, seconds: float) -> None:
-        """An upload of ``nbytes`` took ``seconds``."""
-        if nbytes >= 64 << 10:  # smaller ones measure the round trip, not the stream
-            with self._lock:
-                self._stream_bps = _blend(self._stream_bps, nbytes / max(seconds, 1e-9))
-
-    def pays(self) -> bool | None:
-        """Whether compressing makes an upload finish sooner, from the figures so far (None: not measured)."""
-        with self._lock:
-            if self._stream_bps is None or self._codec_bps is None or self._stored is None:
-                return None
-            return self._codec_bps * (1.0 - self._stored) > self._stream_bps
-
-    def figures(self) -> dict[str, float | None]:
-        with self._lock:
-            return {"stream_bytes_per_s": self._stream_bps, "codec_bytes_per_s": self._codec_bps,
-                    "stored_share": self._stored}
-
-    def _wanted(self) -> bool:
-        if self.mode == "none":
-            return False
-        if self.mode != "auto":
-            return True
-        with self._lock:
-            self._count += 1
-            probe = self._count % PROBE_EVERY == 1
-        return bool(self.pays()) or probe
-
-
-def _blend(old: float | None, new: float) -> float:
-    return new if old is None else (1 - _WEIGHT) * old + _WEIGHT * new
 
 
 def open_object(transfers: Transfers, key: str) -> ObjectReader | DecodedReader:
@@ -112,40 +32,3 @@ def read_decoded(reader: ObjectReader) -> DecodedReader:
     return DecodedReader(bytes(frame[:got]) if got < len(frame) else frame)
 
 
-class DecodedReader:
-    """A compressed chunk's decoded bytes, read from memory (a chunk is at most a unit of the daemon's
-    persist, 64 MiB). A frame that does not decode is served as it is: the reader's check of the bytes
-    against the chunk's name then fails and names the chunk, as it does for a damaged chunk stored raw."""
-
-    def __init__(self, frame: bytes | bytearray) -> None:
-        try:
-            self._data = memoryview(codec.decode(frame))
-        except codec.CodecError:
-            self._data = memoryview(frame)
-        self.size = len(self._data)
-        self._pos = 0
-
-    def readinto(self, buf: memoryview) -> int | None:
-        view = memoryview(buf).cast("B")
-        n = min(len(view), self.size - self._pos)
-        view[:n] = self._data[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-    def read(self, n: int) -> bytes:
-        out = bytes(self._data[self._pos:self._pos + max(0, n)])
-        self._pos += len(out)
-        return out
-
-    def seek(self, pos: int) -> None:
-        self._pos = max(0, min(pos, self.size))
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> DecodedReader:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()

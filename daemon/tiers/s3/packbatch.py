@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptstage.daemon.tiers.s3.client import Connection
-from ckptstage.daemon.tiers.s3.compression import Compression
+from ckptstage.daemon.tiers.compression import Compression
 from ckptstage.daemon.tiers.s3.io import begin_upload, complete_upload, upload_piece
 from ckptstage.daemon.tiers.s3.keys import Keys
 from ckptstage.daemon.tiers.s3.objects import Objects, abort

@@ -47,7 +47,7 @@ from typing import Any
 from ckptstage.daemon.tiers.interface import Manifest, QuarantinedCopy, Usage
 from ckptstage.daemon.tiers.s3.chunkcalls import S3ChunkCalls
 from ckptstage.daemon.tiers.s3.chunks import S3Chunks
-from ckptstage.daemon.tiers.s3.compression import Compression
+from ckptstage.daemon.tiers.compression import Compression
 from ckptstage.daemon.tiers.s3.claims import CLAIM_STALE_S, Claims
 from ckptstage.daemon.tiers.s3.cleanup import Cleanup
 from ckptstage.daemon.tiers.s3.conditions import check_conditions
