@@ -249,14 +249,15 @@ def test_a_write_puts_its_aligned_pages_and_its_tail_where_they_belong(tmp_path:
         assert (tmp_path / f"f{length}").read_bytes() == (bytes(4096) + buf[:length] if length else b"")
 
 
-def save_steps(d: Any, steps: range) -> dict[int, dict[str, torch.Tensor]]:
+def save_steps(d: Any, steps: range, tier: str = "local") -> dict[int, dict[str, torch.Tensor]]:
+    """Saves ``steps``, each once it is on ``tier``."""
     states = {}
     with Client(JOB, socket=d.socket) as c:
         for step in steps:
             g = torch.Generator().manual_seed(step)
             states[step] = {"frozen": torch.ones(300_000), "w": torch.randn(50_000, generator=g),
                             "tail": torch.arange(step + 10, dtype=torch.float64)}
-            c.save(step, states[step]).wait("local", timeout=30)
+            c.save(step, states[step]).wait(tier, timeout=30)
     return states
 
 
@@ -340,3 +341,14 @@ def test_the_documented_script_rebuilds_a_packed_part_without_ckptstage(daemon_f
     exec(format_doc_script(), scope)  # noqa: S102 - the documentation's own code, run as a reader would
     tensors = scope["tensors"]
     assert torch.equal(tensors["['w']"], states[2]["w"]) and torch.equal(tensors["['tail']"], states[2]["tail"])
+
+
+def test_the_documented_script_rebuilds_a_part_a_shared_directory_keeps_compressed(daemon_factory: Any) -> None:
+    d = daemon_factory(**{**INCREMENTAL, "shared.drain_every": 1, "shared.compression": "bg-zstd"}).start()
+    states = save_steps(d, range(1, 3), tier="shared")
+    store = chunks.store_dir(d.shared, JOB)
+    assert any(e.size for idx in packs.packs_dir(store).glob("*.idx") for e in packs.read_index(idx))
+    scope = {"part": str(layout.part_dir(d.shared, JOB, 2, 0)), "tier": str(d.shared)}
+    exec(format_doc_script(), scope)  # noqa: S102 - the documentation's own code, run as a reader would
+    tensors = scope["tensors"]
+    assert all(torch.equal(tensors[f"['{k}']"], v) for k, v in states[2].items())

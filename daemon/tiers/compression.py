@@ -46,8 +46,8 @@ class Compression:
             raise ValueError(f"compression must be one of {', '.join(MODES)}, not {mode!r}")
         self.mode = mode
         self._lock = threading.Lock()
-        self._stream_bps: float | None = None  # one write's bytes per second
-        self._codec_bps: float | None = None   # uncompressed bytes per second through the codec
+        self._stream = _Rate()                 # one write's bytes per second
+        self._codec = _Rate()                  # uncompressed bytes per second through the codec
         self._stored: float | None = None      # the share of its bytes a compressed chunk kept
         self._count = 0
 
@@ -59,7 +59,7 @@ class Compression:
         frame = codec.encode(data, grouped=self.mode != "zstd")
         took = time.perf_counter() - t0
         with self._lock:
-            self._codec_bps = _blend(self._codec_bps, len(data) / max(took, 1e-9))
+            self._codec.add(len(data), took)
             self._stored = _blend(self._stored, 1.0 if frame is None else len(frame) / max(1, len(data)))
         return frame
 
@@ -67,18 +67,19 @@ class Compression:
         """A write of ``nbytes`` to the tier took ``seconds``."""
         if nbytes >= 64 << 10:  # smaller ones measure the round trip, not the stream
             with self._lock:
-                self._stream_bps = _blend(self._stream_bps, nbytes / max(seconds, 1e-9))
+                self._stream.add(nbytes, seconds)
 
     def pays(self) -> bool | None:
         """Whether compressing makes a write finish sooner, from the figures so far (None: not measured)."""
         with self._lock:
-            if self._stream_bps is None or self._codec_bps is None or self._stored is None:
+            stream, codec_bps = self._stream.value, self._codec.value
+            if stream is None or codec_bps is None or self._stored is None:
                 return None
-            return self._codec_bps * (1.0 - self._stored) > self._stream_bps
+            return codec_bps * (1.0 - self._stored) > stream
 
     def figures(self) -> dict[str, float | None]:
         with self._lock:
-            return {"stream_bytes_per_s": self._stream_bps, "codec_bytes_per_s": self._codec_bps,
+            return {"stream_bytes_per_s": self._stream.value, "codec_bytes_per_s": self._codec.value,
                     "stored_share": self._stored}
 
     def _wanted(self) -> bool:
@@ -90,6 +91,25 @@ class Compression:
             self._count += 1
             probe = self._count % PROBE_EVERY == 1
         return bool(self.pays()) or probe
+
+
+class _Rate:
+    """Bytes per second over the recent measurements: bytes and seconds each summed with older ones fading
+    (by :data:`_WEIGHT` a measurement), then divided. Weighted by time, not by measurement, so a write that
+    went through at memory speed (a rate limit's burst, the page cache) does not outweigh the many that waited
+    for the tier."""
+
+    def __init__(self) -> None:
+        self._bytes = 0.0
+        self._seconds = 0.0
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self._bytes = (1 - _WEIGHT) * self._bytes + nbytes
+        self._seconds = (1 - _WEIGHT) * self._seconds + max(seconds, 1e-9)
+
+    @property
+    def value(self) -> float | None:
+        return self._bytes / self._seconds if self._seconds else None
 
 
 def _blend(old: float | None, new: float) -> float:
