@@ -85,7 +85,7 @@ class Place:
 
 
 def daemon(root: Path, place: Place, arena: int, **settings: Any) -> h.Daemon:
-    d = h.Daemon(root, root / "local", None, **{
+    d = h.Daemon(root, root / "local", None, metrics=True, **{
         **place.settings(), "persist.incremental": True, "arena.max_bytes": arena, "local.keep_last": 2,
         "shared.keep_last": 100, "memory.enabled": False, **settings})
     if place.server is not None:
@@ -104,6 +104,17 @@ def stored(place: Place, before: set[str]) -> tuple[set[str], int, int]:
                 logical += e.size or e.length
                 sent += e.length
     return set(found), logical, sent
+
+
+def figures(d: h.Daemon) -> str:
+    """What "auto" decides from, as the daemon's metrics say: one stream's speed, the codec's, the share kept."""
+    got = d.scrape()
+
+    def value(name: str) -> float:
+        return got.get(f'ckptstage_compression_{name}{{tier="shared"}}', 0.0)
+
+    return (f"; auto: stream {value('stream_bytes_per_second') / 1e6:.0f} MB/s, codec "
+            f"{value('codec_bytes_per_second') / 1e6:.0f} MB/s x saved {1 - value('stored_share'):.2f}")
 
 
 def zstd_cli(files: list[Path]) -> tuple[float, int]:
@@ -191,7 +202,7 @@ def run_cap(args: argparse.Namespace, tier: str, cap: str, server: Any, droot: P
                     for k, v in (("drain_s", z_s), ("logical", logical), ("sent", z_bytes)):
                         cli.setdefault(k, []).append(v)
                 out(f"  {label:>11} round {r}: {m:8} drain {took:6.2f} s, sent {sent / h.MiB:7.1f} of "
-                    f"{logical / h.MiB:7.1f} MiB  (load {h.load()})")
+                    f"{logical / h.MiB:7.1f} MiB  (load {h.load()}){figures(nodes[m]) if m == 'auto' else ''}")
     finally:
         for c in clients.values():
             c.close()

@@ -10,7 +10,7 @@ default ``honor_labels: false`` it stores the label exported here as
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,6 +22,7 @@ from ckptstage.daemon.retention.planner import DELETE_REASONS
 
 if TYPE_CHECKING:
     from ckptstage.daemon.node.jobs import JobSummary
+    from ckptstage.daemon.tiers.compression import Figures
 
 _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 150, 300, 900)
 
@@ -60,6 +61,7 @@ class StateProbe:
     loads_began: Callable[[], int] = lambda: 0
     quarantined: Callable[[str], tuple[int, int]] = lambda tier: (0, 0)  # copies moved aside, their bytes
     tier_stored: Callable[[str], int | None] = lambda tier: None  # chunks shared once (None: not weighed yet)
+    compression: Callable[[str], Figures | None] = lambda tier: None  # a tier that may compress chunks: its figures
 
 
 def package_version() -> str:
@@ -192,6 +194,7 @@ class _StateCollector(Collector):
         yield stored_fam
         yield aside
         yield aside_bytes
+        yield from compression_families({t: f for t in p.tiers() for f in [p.compression(t)] if f is not None})
         parts, nbytes = p.drain_queue()
         yield GaugeMetricFamily("ckptstage_drain_queue_parts", "Parts waiting to reach the shared tier.",
                                 value=parts)
@@ -345,3 +348,28 @@ def job_families(summaries: Sequence[JobSummary], cap: int = MAX_JOB_SERIES) -> 
         q_parts.add_metric(key, r.drain_queue_parts)
         q_bytes.add_metric(key, r.drain_queue_bytes)
     return [jobs, folded_f, ckpts, latest, commit, nbytes, sessions, failing, failures, err_time, q_parts, q_bytes]
+
+
+def compression_families(figures: Mapping[str, Figures]) -> Iterator[Metric]:
+    """What the tiers that may keep chunks compressed did, and what "auto" decides from (its figures)."""
+    chunks = CounterMetricFamily("ckptstage_compression_chunks", "New chunks written to the tier, by how they were "
+                                 "kept ([shared] compression).", labels=["tier", "kept"])
+    nbytes = CounterMetricFamily("ckptstage_compression_bytes", "Their bytes, as saved (logical) and as written "
+                                 "(stored).", labels=["tier", "form"])
+    stream = GaugeMetricFamily("ckptstage_compression_stream_bytes_per_second", "One write stream's recent speed "
+                               "to the tier, a rate limit's waits included (\"auto\" compresses when the codec's "
+                               "speed times the share it saves beats it).", labels=["tier"])
+    codec = GaugeMetricFamily("ckptstage_compression_codec_bytes_per_second", "The codec's recent speed on this "
+                              "node's data, bytes in.", labels=["tier"])
+    share = GaugeMetricFamily("ckptstage_compression_stored_share", "The recent share of its bytes a compressed "
+                              "chunk kept.", labels=["tier"])
+    for tier, f in figures.items():
+        chunks.add_metric([tier, "compressed"], f.compressed)
+        chunks.add_metric([tier, "raw"], f.raw)
+        nbytes.add_metric([tier, "logical"], f.logical_bytes)
+        nbytes.add_metric([tier, "stored"], f.stored_bytes)
+        for family, value in ((stream, f.stream_bytes_per_s), (codec, f.codec_bytes_per_s), (share, f.stored_share)):
+            if value is not None:
+                family.add_metric([tier], value)
+    if figures:
+        yield from (chunks, nbytes, stream, codec, share)

@@ -19,7 +19,7 @@ import torch
 from ckptstage.client import Client
 from ckptstage.protos import chunks, codec, layout, packs
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
-from support import data_extents, flip_data_byte, read_data
+from support import data_extents, flip_data_byte, free_port, metric, read_data, scrape
 
 JOB = "zjob"
 
@@ -97,8 +97,9 @@ def test_a_damaged_compressed_chunk_never_loads_and_is_named(daemon_factory: Any
 
 def test_auto_compresses_behind_a_bandwidth_cap(daemon_factory: Any) -> None:
     """Capped at 8 MiB/s a write stream is far slower than the codec's savings are fast: "auto" (the default)
-    keeps the chunks that shrink compressed, and the cap counts what is stored."""
-    a = daemon_factory("a", **{"shared.max_bandwidth": "8MiB/s"}).start()
+    keeps the chunks that shrink compressed, and the cap counts what is stored; the metrics show both."""
+    port = free_port()
+    a = daemon_factory("a", **{"shared.max_bandwidth": "8MiB/s", "metrics.listen": f"127.0.0.1:{port}"}).start()
     with Client(JOB, socket=a.socket) as c:
         for step in (1, 2, 3):
             c.save(step, _state(step)).wait("shared", timeout=60)
@@ -108,3 +109,10 @@ def test_auto_compresses_behind_a_bandwidth_cap(daemon_factory: Any) -> None:
     assert len(coded) >= 3 * len(would), (len(coded), len(would))  # all but the first few, before it measured
     for step in (1, 2, 3):
         chunks.verify_part(layout.part_dir(a.shared, JOB, step, 0))
+    text = scrape(port)
+    compressed = metric(text, "ckptstage_compression_chunks_total", tier="shared", kept="compressed")
+    logical, stored = (metric(text, "ckptstage_compression_bytes_total", tier="shared", form=f)
+                       for f in ("logical", "stored"))
+    assert compressed == len(coded) and stored == sum(e.length for e in _entries(a.shared)) < 0.9 * logical
+    assert 0 < metric(text, "ckptstage_compression_stream_bytes_per_second", tier="shared") <= 9 << 20
+    assert metric(text, "ckptstage_compression_chunks_total", tier="local", kept="raw") == 0  # never compresses

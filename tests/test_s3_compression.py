@@ -83,7 +83,7 @@ def test_auto_compresses_only_where_the_codec_outruns_the_upload() -> None:
     fast = Compression("auto")
     frame = fast.encode(data)
     assert frame is not None  # nothing measured yet: the first chunk probes
-    assert fast.figures()["stored_share"] == pytest.approx(len(frame) / len(data))  # what it saw, not a prior
+    assert fast.figures().stored_share == pytest.approx(len(frame) / len(data))  # what it saw, not a prior
     fast.sent(10 << 20, (10 << 20) / 20e9)  # a stream at 20 GB/s: no codec saves time there
     assert fast.pays() is False
     chosen = [fast.encode(data) is not None for _ in range(2 * PROBE_EVERY)]

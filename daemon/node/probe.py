@@ -21,6 +21,8 @@ from ckptstage.daemon.peers.tier import PeerTier
 from ckptstage.daemon.save.arena import Budget
 from ckptstage.daemon.save.memtier import MemoryTier
 from ckptstage.daemon.save.sessions import SessionTable
+from ckptstage.daemon.tiers.compression import Figures
+from ckptstage.daemon.tiers.interface import Tier
 from ckptstage.daemon.tiers.loadgate import LoadGate
 from ckptstage.daemon.tiers.probe import TierProbe
 
@@ -72,4 +74,11 @@ def state_probe(budget: Budget, sessions: SessionTable, catalog: Catalog, tier_p
         loads_began=gate.began if gate else (lambda: 0),
         quarantined=(lambda tier: quarantine.usage(TierName(tier))) if quarantine else (lambda tier: (0, 0)),
         tier_stored=(lambda tier: chunk_lists.total(TierName(tier), catalog.jobs())) if chunk_lists
-        else (lambda tier: None))
+        else (lambda tier: None),
+        compression=lambda tier: compression_figures(tier_probes[TierName(tier)].tier))
+
+
+def compression_figures(tier: Tier) -> Figures | None:
+    """What the tier's compression did and measured; None where it never compresses."""
+    figures = tier.compression.figures()
+    return figures if figures.mode != "none" else None

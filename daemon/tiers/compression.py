@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from types import TracebackType
 
 from ckptstage.protos import codec
@@ -36,6 +37,20 @@ from ckptstage.protos import codec
 MODES = ("auto", "none", "zstd", "bg-zstd")
 PROBE_EVERY = 64              # "auto": one chunk in this many is compressed to keep the figures current
 _WEIGHT = 0.2                 # of a new measurement in the running figures
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What a tier's :class:`Compression` did and measured since the daemon started (its metrics)."""
+
+    mode: str
+    compressed: int                  # new chunks kept compressed
+    raw: int                         # ... kept as they are
+    logical_bytes: int               # their bytes, as saved
+    stored_bytes: int                # ... as written
+    stream_bytes_per_s: float | None  # "auto"'s figures (None: not measured yet)
+    codec_bytes_per_s: float | None
+    stored_share: float | None
 
 
 class Compression:
@@ -50,17 +65,23 @@ class Compression:
         self._codec = _Rate()                  # uncompressed bytes per second through the codec
         self._stored: float | None = None      # the share of its bytes a compressed chunk kept
         self._count = 0
+        self._kept = [0, 0]                    # chunks written raw, compressed
+        self._bytes = [0, 0]                   # their bytes: logical, stored
 
     def encode(self, data: memoryview) -> bytes | None:
         """The frame to write for ``data`` (None: write it as it is)."""
-        if not self._wanted():
-            return None
-        t0 = time.perf_counter()
-        frame = codec.encode(data, grouped=self.mode != "zstd")
-        took = time.perf_counter() - t0
+        frame = None
+        if self._wanted():
+            t0 = time.perf_counter()
+            frame = codec.encode(data, grouped=self.mode != "zstd")
+            took = time.perf_counter() - t0
+            with self._lock:
+                self._codec.add(len(data), took)
+                self._stored = _blend(self._stored, 1.0 if frame is None else len(frame) / max(1, len(data)))
         with self._lock:
-            self._codec.add(len(data), took)
-            self._stored = _blend(self._stored, 1.0 if frame is None else len(frame) / max(1, len(data)))
+            self._kept[frame is not None] += 1
+            self._bytes[0] += len(data)
+            self._bytes[1] += len(data) if frame is None else len(frame)
         return frame
 
     def sent(self, nbytes: int, seconds: float) -> None:
@@ -77,10 +98,10 @@ class Compression:
                 return None
             return codec_bps * (1.0 - self._stored) > stream
 
-    def figures(self) -> dict[str, float | None]:
+    def figures(self) -> Figures:
         with self._lock:
-            return {"stream_bytes_per_s": self._stream.value, "codec_bytes_per_s": self._codec.value,
-                    "stored_share": self._stored}
+            return Figures(self.mode, self._kept[1], self._kept[0], self._bytes[0], self._bytes[1],
+                           self._stream.value, self._codec.value, self._stored)
 
     def _wanted(self) -> bool:
         if self.mode == "none":

@@ -48,6 +48,10 @@ class FsTier(FsChunkCalls):
         return self._root
 
     @property
+    def compression(self) -> Compression:
+        return self._compression
+
+    @property
     def location(self) -> str:
         return str(self._root)
 

@@ -42,6 +42,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
 
+from ckptstage.daemon.tiers.compression import Compression
 from ckptstage.protos import layout, packs
 
 Manifest = dict[str, Any]
@@ -278,6 +279,11 @@ class ChunkStorage(Protocol):
     twice) are :class:`ckptstage.daemon.catalog.chunkstore.ChunkStore`'s; a tier
     only stores, lists and moves chunks.
     """
+
+    @property
+    def compression(self) -> Compression:
+        """Whether new chunks are kept compressed (``[shared] compression``; "none" on the local tier), and what
+        that did and measured."""
 
     def has_chunk_store(self, job: str) -> bool: ...
 

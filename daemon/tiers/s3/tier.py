@@ -112,6 +112,10 @@ class S3Tier(S3ChunkCalls):
         return self._keys.root
 
     @property
+    def compression(self) -> Compression:
+        return self._chunks.compression
+
+    @property
     def owner(self) -> str:
         return self._keys.owner
 
