@@ -97,6 +97,25 @@ def test_auto_compresses_only_where_the_codec_outruns_the_upload() -> None:
         Compression("lz4")
 
 
+def test_behind_a_cap_that_binds_auto_compresses_once_the_codec_outruns_one_stream() -> None:
+    """Writes that spend most of their time waiting for the tier's cap share a fixed rate: compressing pays as
+    soon as the codec is faster than one stream (the others send while it compresses), though its savings
+    alone would not outrun the stream. The same stream speed without the waits does not compress."""
+    data = memoryview(_weights(4, torch.float32))
+    for capped in (True, False):
+        z = Compression("auto")
+        z.encode(data)  # the probe: the codec's speed and the share it keeps, measured
+        figures = z.figures()
+        assert figures.codec_bytes_per_s is not None and figures.stored_share is not None
+        codec_s = figures.codec_bytes_per_s
+        # A stream a little slower than the codec, but faster than the codec's savings.
+        stream = codec_s * (1 - figures.stored_share) * 2
+        assert stream < codec_s
+        seconds = (10 << 20) / stream
+        z.sent(10 << 20, seconds, waited=0.8 * seconds if capped else 0.0)
+        assert z.pays() is capped, (capped, z.figures())
+
+
 # ------------------------------------------------------------------ a real store
 
 

@@ -8,18 +8,27 @@ has measured on this node:
 
 * each write's bytes per second (one stream: a chunk is written by one
   thread; a cap on the tier, ``[shared] max_bandwidth``, is part of what a
-  write costs),
+  write costs), and the share of that time spent waiting for the cap,
 * the codec's bytes per second on this node's data, and the share it saved.
 
 A chunk compressed in a stream and then written takes ``n / C + r n / B``,
 written as it is ``n / B`` (``C`` the codec's speed, ``r`` the stored share,
-``B`` the stream's bandwidth): compressing pays when ``C (1 - r) > B``. So a
-tier that takes a stream at 2 GB/s never sees compressed chunks, and one that
-takes it at 100 MB/s (an object store, a throttled shared file system) gets
-them for fp32 and bf16 states (bg-zstd saves 17-32% at about 0.8 GB/s per
-core; docs/BENCHMARKS.md). Until it has measured both, and every
-:data:`PROBE_EVERY` chunks after, "auto" compresses one to keep its figures
-current.
+``B`` the stream's bandwidth): compressing pays when ``C (1 - r) > B``, even
+when nothing overlaps the compression. So a tier that takes a stream at
+2 GB/s never sees compressed chunks, and one that takes it at 100 MB/s (an
+object store) gets them for fp32 and bf16 states (bg-zstd saves 17-32% at
+about 0.8 GB/s per core; docs/BENCHMARKS.md).
+
+Behind a cap that binds (most of a write's time is spent waiting for it),
+the writers share a fixed rate: while one stream compresses, the others
+take the whole of it, so what the cap lets through is what decides, and
+every byte saved is time saved as long as the codec keeps up with a
+stream's share: compressing pays when ``C > B``. (A drain that does not
+wait for its cap is bound by something else, often the node's own CPU,
+which compressing would only load more.)
+
+Until it has measured them, and every :data:`PROBE_EVERY` chunks after,
+"auto" compresses one chunk to keep its figures current.
 
 The local tier never compresses: it is the restore's fast path, read in
 place at the disk's speed.
@@ -29,14 +38,19 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TypeVar
 
 from ckptstage.protos import codec
 
 MODES = ("auto", "none", "zstd", "bg-zstd")
 PROBE_EVERY = 64              # "auto": one chunk in this many is compressed to keep the figures current
+CAP_BINDS = 0.5               # "auto": a cap binds when writes spend more than this share of their time waiting
 _WEIGHT = 0.2                 # of a new measurement in the running figures
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,7 @@ class Compression:
         self.mode = mode
         self._lock = threading.Lock()
         self._stream = _Rate()                 # one write's bytes per second
+        self._waited = _Rate()                 # the seconds of those writes spent waiting for the cap, per second
         self._codec = _Rate()                  # uncompressed bytes per second through the codec
         self._stored: float | None = None      # the share of its bytes a compressed chunk kept
         self._count = 0
@@ -84,19 +99,31 @@ class Compression:
             self._bytes[1] += len(data) if frame is None else len(frame)
         return frame
 
-    def sent(self, nbytes: int, seconds: float) -> None:
-        """A write of ``nbytes`` to the tier took ``seconds``."""
+    def timed_write(self, nbytes: int, pace: Callable[[int], None], write: Callable[[], T]) -> T:
+        """``write()`` of ``nbytes`` once ``pace(nbytes)`` let it (the tier's rate limit), timed: what "auto"
+        weighs."""
+        t0 = time.perf_counter()
+        pace(nbytes)
+        t1 = time.perf_counter()
+        out = write()
+        self.sent(nbytes, time.perf_counter() - t0, waited=t1 - t0)
+        return out
+
+    def sent(self, nbytes: int, seconds: float, waited: float = 0.0) -> None:
+        """A write of ``nbytes`` to the tier took ``seconds``, ``waited`` of them for the tier's rate limit."""
         if nbytes >= 64 << 10:  # smaller ones measure the round trip, not the stream
             with self._lock:
                 self._stream.add(nbytes, seconds)
+                self._waited.add(waited, seconds)
 
     def pays(self) -> bool | None:
         """Whether compressing makes a write finish sooner, from the figures so far (None: not measured)."""
         with self._lock:
-            stream, codec_bps = self._stream.value, self._codec.value
+            stream, codec_bps, waited = self._stream.value, self._codec.value, self._waited.value
             if stream is None or codec_bps is None or self._stored is None:
                 return None
-            return codec_bps * (1.0 - self._stored) > stream
+            capped = waited is not None and waited > CAP_BINDS and self._stored < 1 - codec.MIN_GAIN
+            return codec_bps * (1.0 - self._stored) > stream or (capped and codec_bps > stream)
 
     def figures(self) -> Figures:
         with self._lock:
@@ -124,7 +151,7 @@ class _Rate:
         self._bytes = 0.0
         self._seconds = 0.0
 
-    def add(self, nbytes: int, seconds: float) -> None:
+    def add(self, nbytes: float, seconds: float) -> None:
         self._bytes = (1 - _WEIGHT) * self._bytes + nbytes
         self._seconds = (1 - _WEIGHT) * self._seconds + max(seconds, 1e-9)
 

@@ -106,11 +106,11 @@ class FsPackBatch:
                     if e.errno != errno.ENOSPC:
                         raise
                     out.reserve(self._next)  # room for this run at least, or ENOSPC
-        t0 = time.perf_counter()
-        self._pace(len(data))  # a cap on the tier is part of what a write costs: "auto" weighs it too
-        out.write(data, base)
         if self._compression is not None:
-            self._compression.sent(len(data), time.perf_counter() - t0)
+            self._compression.timed_write(len(data), self._pace, lambda: out.write(data, base))
+        else:
+            self._pace(len(data))
+            out.write(data, base)
         with self._lock:
             self._entries += [packs.Entry(name, base + offset, length, size) for name, offset, length in held]
 

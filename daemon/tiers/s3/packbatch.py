@@ -26,7 +26,6 @@ restarts aborts the uploads it left at once (:meth:`S3Packs.abort_own_uploads`).
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 
 import xxhash
@@ -155,10 +154,9 @@ class S3PackBatch:
         with pack.begin:
             if pack.upload_id is None:
                 pack.upload_id = begin_upload(self._conn, key)
-        t0 = time.perf_counter()
-        self._pace(len(body))  # a cap on the tier is part of what an upload costs: "auto" weighs it too
-        got = upload_piece(self._conn, key, pack.upload_id, number, body)
-        self._compression.sent(len(body), time.perf_counter() - t0)
+        upload_id = pack.upload_id
+        got = self._compression.timed_write(len(body), self._pace,
+                                            lambda: upload_piece(self._conn, key, upload_id, number, body))
         with self._lock:
             pack.pieces[number] = got
 
@@ -167,10 +165,8 @@ class S3PackBatch:
         with self._lock:
             last = self._take_piece(pack) if pack.buf else None
         if pack.upload_id is None and last is not None:  # the whole pack is one piece: one PUT
-            t0 = time.perf_counter()
-            self._pace(len(last[1]))
-            self._objects.put(key, bytes(last[1]))
-            self._compression.sent(len(last[1]), time.perf_counter() - t0)
+            body = bytes(last[1])
+            self._compression.timed_write(len(body), self._pace, lambda: self._objects.put(key, body))
         else:
             if last is not None:
                 self._send(pack, *last)
