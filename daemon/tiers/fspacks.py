@@ -6,7 +6,8 @@ staging directory (the part's temporary: an abort removes it), from any
 number of threads, through :class:`fsutil.DataFile` (aligned chunks with
 ``O_DIRECT``); on a tier that keeps chunks compressed
 (:mod:`ckptstage.daemon.tiers.compression`), each chunk as its tier chooses,
-a compressed one as its codec frame (an index entry of four). :meth:`FsPackBatch.publish` makes the file durable, writes its
+a compressed one as its codec frame (an index entry of four).
+:meth:`FsPackBatch.publish` makes the file durable, writes its
 index, and renames the pack, then its index, into ``<store>/packs/``: the
 index publishes it (:mod:`ckptstage.protos.packs`). A crash between the two
 renames leaves a pack with no index, which no reader sees and the sweep
@@ -255,7 +256,8 @@ def delete_condemned_pack(store: Path, pack_id: str) -> int:
     return size
 
 
-def quarantine_pack(root: Path, store: Path, pack: Path, staging: Path, compression: Compression | None = None) -> Path:
+def quarantine_pack(root: Path, store: Path, pack: Path, staging: Path,
+                    compression: Compression | None = None) -> Path:
     """A pack one of whose chunks failed verification: every chunk that still hashes to its name is copied into
     a new pack (published first: no intact chunk leaves the store), then the pack and its index move to
     ``<store>/.corrupt/`` (kept for forensics, listed and expired like every quarantined copy), so that no save
