@@ -170,8 +170,9 @@ class _StateCollector(Collector):
                                  labels=["tier"])
         size = GaugeMetricFamily("ckptstage_tier_size_bytes", "Size of the tier's file system.", labels=["tier"])
         stored_fam = GaugeMetricFamily("ckptstage_tier_stored_bytes", "Bytes the committed checkpoints take on the "
-                                   "tier, each chunk of incremental ones once (ckptstage_tier_used_bytes counts "
-                                   "every part whole); as of the last retention pass.", labels=["tier"])
+                                   "tier, each chunk of incremental ones once, a compressed one as stored "
+                                   "(ckptstage_tier_used_bytes counts every part whole, as saved); as of the last "
+                                   "retention pass.", labels=["tier"])
         aside = GaugeMetricFamily("ckptstage_quarantined_copies", "Copies moved aside as corrupt, kept for "
                                   "forensics until [retention] quarantine_keep_s.", labels=["tier"])
         aside_bytes = GaugeMetricFamily("ckptstage_quarantined_bytes", "Their bytes.", labels=["tier"])

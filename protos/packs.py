@@ -313,6 +313,11 @@ class StoreIndex:
         with self._lock:
             return dict(self._places)
 
+    def compressed(self) -> dict[str, int]:
+        """The chunks the packs read so far keep compressed: name -> the bytes their frame takes."""
+        with self._lock:
+            return {name: p.length for name, p in self._places.items() if p.size}
+
     def find(self, name: str, refreshed: bool = False) -> Place | None:
         """Where chunk ``name`` is (None: nowhere in this store). ``refreshed``: the caller refreshed just now, or
         does not need what was published since the last listing (the store is listed all the same when it was

@@ -10,6 +10,7 @@ the codec shrinks it: behind a bandwidth cap, it does.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from ckptstage.client import Client
+from ckptstage.client.cli import main as cli
 from ckptstage.protos import chunks, codec, layout, packs
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
 from support import data_extents, flip_data_byte, free_port, metric, read_data, scrape
@@ -48,7 +50,8 @@ def _pack_bytes(tier: Path) -> int:
     return sum(p.stat().st_size for p in packs.packs_dir(chunks.store_dir(tier, JOB)).glob(f"*{packs.PACK_SUFFIX}"))
 
 
-def test_a_compressed_shared_directory_reads_in_place_verifies_and_prefetches_bit_exact(daemon_factory: Any) -> None:
+def test_a_compressed_shared_directory_reads_in_place_verifies_and_prefetches_bit_exact(daemon_factory: Any,
+                                                                                       capsys: Any) -> None:
     a = daemon_factory("a", **{"shared.compression": "bg-zstd"}).start()
     state = _state(1)
     with Client(JOB, socket=a.socket) as c:
@@ -61,6 +64,13 @@ def test_a_compressed_shared_directory_reads_in_place_verifies_and_prefetches_bi
     assert _pack_bytes(a.shared) < 0.9 * _pack_bytes(a.local)
     assert read_data(shared) == read_data(local)
     chunks.verify_part(shared)  # verification decodes, then checks every block
+    # What the step stores on each tier, a compressed chunk at what it takes there.
+    assert cli(["--socket", str(a.socket), "gc"]) == 0  # a retention pass weighs every part
+    capsys.readouterr()
+    assert cli(["--socket", str(a.socket), "ls", JOB, "--json"]) == 0
+    [listed] = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert listed["stored_local"] == listed["bytes"], listed
+    assert listed["stored_shared"] == sum(e.length for e in _entries(a.shared)) < 0.9 * listed["bytes"], listed
 
     # Another node, nothing on its SSD: its trainer reads the shared directory in place, frames decoded.
     b = daemon_factory("b", **{"shared.dir": str(a.shared)}).start()

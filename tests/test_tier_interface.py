@@ -494,6 +494,7 @@ def test_a_tier_that_compresses_serves_every_chunk_decoded_through_reads_repacks
     [pack] = ztier.list_packs(JOB)
     stored = dict(pack.chunks)
     assert stored[names[3]] == len(noise) and all(stored[n] < 0.95 * len(items[n]) for n in kept), stored
+    assert ztier.compressed_sizes(JOB) == {n: stored[n] for n in kept}  # what ls and the metrics count
     for name, data in items.items():
         assert ztier.chunk_size(JOB, name) == len(data)
         with ztier.open_chunk(JOB, name) as f:

@@ -7,8 +7,9 @@ asked of that, each answered from the same rows (each part's chunk list,
 read from its manifest once per part, since parts never change):
 
 * what a step *added* (:func:`added_bytes`): the chunks no older step on the
-  tier names; ``ckptstage ls`` shows it, and the sum over a job's steps is
-  what its parts hold there;
+  tier names, a chunk the tier keeps compressed counted at what it takes
+  there; ``ckptstage ls`` shows it, and the sum over a job's steps is what
+  its parts hold there;
 * what deleting it would *free* (:func:`~ckptstage.daemon.catalog.chunkstore.stored_bytes`),
   steps deleted oldest first: retention's ``max_bytes`` weighs that.
 
@@ -87,7 +88,10 @@ class ChunkLists:
         rows = self.rows(job, tier, ckpts, read)
         if rows is None:
             rows = [(c.step, p.nbytes, None) for c in ckpts for p in c.on_tier(tier)]
-        out = added_bytes(rows)
+        storage = self._tiers.get(tier)
+        coded = {} if storage is None else \
+            {**storage.compressed_sizes(chunks.USER_STORE), **storage.compressed_sizes(job)}
+        out = added_bytes(rows, coded)
         if read:
             with self._lock:
                 self._added[(job, tier)] = sum(out.values())
@@ -126,9 +130,11 @@ def _index_lists(storage: Tier, ckpt: Checkpoint, tier: TierName) -> dict[int, C
         return {}
 
 
-def added_bytes(rows: Iterable[Row]) -> dict[int, int]:
+def added_bytes(rows: Iterable[Row], coded: Mapping[str, int] | None = None) -> dict[int, int]:
     """Per step, its whole parts' bytes plus the chunks that no older step (and no other part of the step
-    before it) names: what the step added to the tier. Summed over the steps: what the parts hold there."""
+    before it) names: what the step added to the tier. Summed over the steps: what the parts hold there.
+    ``coded``: the chunks the tier keeps compressed, and what each takes there (the others take their length)."""
+    coded = coded or {}
     out: dict[int, int] = {}
     named: set[str] = set()
     for step, nbytes, listed in sorted(rows, key=lambda r: r[0]):
@@ -139,5 +145,5 @@ def added_bytes(rows: Iterable[Row]) -> dict[int, int]:
         for name, length in listed:
             if name not in named:
                 named.add(name)
-                out[step] += length
+                out[step] += coded.get(name, length)
     return out

@@ -35,6 +35,9 @@ class FsChunkCalls(fspacks.PackCalls):
     def has_chunk_store(self, job: str) -> bool:
         return self._store(job).is_dir()
 
+    def compressed_sizes(self, job: str) -> dict[str, int]:
+        return packs.store_index(self._store(job)).compressed()
+
     def _find(self, job: str, name: str) -> packs.Place:
         """Where a chunk of the job's store is: its own file, or a range of a pack (FileNotFoundError: neither)."""
         place = packs.store_index(self._store(job)).find(name)

@@ -287,6 +287,10 @@ class ChunkStorage(Protocol):
 
     def has_chunk_store(self, job: str) -> bool: ...
 
+    def compressed_sizes(self, job: str) -> dict[str, int]:
+        """The chunks of the store kept compressed, as far as this process has read its packs' indexes: name ->
+        the bytes each takes there. From memory only: never waits on the tier."""
+
     def chunk_location(self, job: str, name: str) -> Path: ...
 
     def touch_chunk(self, job: str, name: str) -> bool:

@@ -25,6 +25,9 @@ class S3ChunkCalls:
     def has_chunk_store(self, job: str) -> bool:
         return self._chunks.has_chunk_store(job)
 
+    def compressed_sizes(self, job: str) -> dict[str, int]:
+        return self._chunks.packs.index(job).compressed()
+
     def chunk_location(self, job: str, name: str) -> Path:
         return self._chunks.chunk_location(job, name)
 
