@@ -106,6 +106,11 @@ class Run:
     def names(self) -> list[str]:
         return [name for name, _, _ in self.chunks]
 
+    @property
+    def place(self) -> Place:
+        """What the run reads, as a :class:`Place` (a compressed chunk's: its frame, and what it decodes to)."""
+        return Place(self.path, self.offset, self.length, self.whole, self.chunks[0][2] if self.coded else 0)
+
     def sized(self, size: int) -> tuple[tuple[str, int, int], ...]:
         """The chunks of the run once its reader says it holds ``size`` bytes (what a whole file's one chunk is)."""
         return ((self.chunks[0][0], 0, size),) if self.whole else self.chunks

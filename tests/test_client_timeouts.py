@@ -14,10 +14,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from ckptstage.client import Client, DaemonTimeout, DaemonUnavailable
 from ckptstage.protos.v1 import ckptstage_pb2 as pb
+from support import wait_until
 
 TIMEOUT = 2.0
 
@@ -56,6 +58,9 @@ def test_a_stopped_daemon_raises_a_typed_timeout(daemon: Any) -> None:
         c.save(1, state_of(1)).wait("local", timeout=30)
         daemon.proc.send_signal(signal.SIGSTOP)
         try:
+            # The signal is delivered asynchronously: a call made before every thread has stopped may be answered.
+            stopped = psutil.Process(daemon.proc.pid)
+            wait_until(lambda: stopped.status() == psutil.STATUS_STOPPED, 10, "the daemon to stop")
             with pytest.raises(DaemonTimeout):  # a CkptStageError and a TimeoutError
                 c._conn.call("Status", pb.StatusRequest(), timeout=0.5)
         finally:

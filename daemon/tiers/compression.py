@@ -142,10 +142,10 @@ class Compression:
 
 
 class _Rate:
-    """Bytes per second over the recent measurements: bytes and seconds each summed with older ones fading
-    (by :data:`_WEIGHT` a measurement), then divided. Weighted by time, not by measurement, so a write that
-    went through at memory speed (a rate limit's burst, the page cache) does not outweigh the many that waited
-    for the tier."""
+    """An amount per second (bytes; or seconds spent waiting: a share) over the recent measurements: the
+    amounts and the seconds each summed with older ones fading (by :data:`_WEIGHT` a measurement), then
+    divided. Weighted by time, not by measurement, so a write that went through at memory speed (a rate
+    limit's burst, the page cache) does not outweigh the many that waited for the tier."""
 
     def __init__(self) -> None:
         self._bytes = 0.0

@@ -100,9 +100,8 @@ class FsChunkCalls(fspacks.PackCalls):
 
     def open_chunk_run(self, job: str, run: packs.Run) -> FileReader | DecodedReader:
         if run.coded:
-            return open_place(packs.Place(run.path, run.offset, run.length, whole=False, size=run.chunks[0][2]))
-        return FileReader(run.path, sequential=True,
-                          place=None if run.whole else packs.Place(run.path, run.offset, run.length, whole=False))
+            return open_place(run.place)
+        return FileReader(run.path, sequential=True, place=None if run.whole else run.place)
 
     def missing_chunks(self, job: str, names: Iterable[str]) -> list[str]:
         return chunks.missing(self._store(job), names)

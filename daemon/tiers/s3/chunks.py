@@ -113,7 +113,7 @@ class S3Chunks:
         if run.whole:
             return open_object(self._transfers, self._keys.key(run.path))
         if run.coded:
-            return self.open_place(packs.Place(run.path, run.offset, run.length, whole=False, size=run.chunks[0][2]))
+            return self.open_place(run.place)
         return self._transfers.reader(self._keys.key(run.path), window=(run.offset, run.length))
 
     def missing_chunks(self, job: str, names: Iterable[str]) -> list[str]:
