@@ -182,19 +182,15 @@ def list_packs(store: Path) -> list[Pack]:
     for pack_id in sorted({i for n in files if n.endswith(packs.PACK_SUFFIX) for i in [packs.pack_id_of(n)] if i}):
         try:
             mtime = os.stat(packs.pack_path(store, pack_id)).st_mtime
-            held = _held(packs.index_path(store, pack_id))
+            entries = packs.read_index(packs.index_path(store, pack_id))
         except FileNotFoundError:
             if not os.path.exists(packs.pack_path(store, pack_id)):
                 continue  # removed meanwhile
-            held = ()  # a writer cut short between its two renames
+            entries = []  # a writer cut short between its two renames
         except packs.PackError:
-            held = ()  # an index that cannot be trusted publishes nothing
-        out.append(Pack(pack_id, held, mtime))
+            entries = []  # an index that cannot be trusted publishes nothing
+        out.append(Pack.of(pack_id, entries, mtime))
     return out
-
-
-def _held(index: Path) -> tuple[tuple[str, int], ...]:
-    return tuple((e.name, e.length) for e in packs.read_index(index))
 
 
 def _condemned(store: Path) -> Path:
@@ -230,10 +226,10 @@ def condemned_packs(store: Path) -> list[Pack]:
         if pack_id is None or not name.endswith(packs.PACK_SUFFIX):
             continue
         try:
-            held = _held(where / f"{pack_id}{packs.INDEX_SUFFIX}")
+            entries = packs.read_index(where / f"{pack_id}{packs.INDEX_SUFFIX}")
         except (FileNotFoundError, packs.PackError):
-            held = ()
-        out.append(Pack(pack_id, held, time.time()))
+            entries = []
+        out.append(Pack.of(pack_id, entries, time.time()))
     return out
 
 

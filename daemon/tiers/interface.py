@@ -92,6 +92,11 @@ class Pack:
     chunks: tuple[tuple[str, int], ...]  # (name, length) of each chunk it holds
     mtime: float
 
+    @classmethod
+    def of(cls, pack_id: str, entries: Iterable[packs.Entry], mtime: float) -> Pack:
+        """The pack whose index lists ``entries`` (each chunk at what it takes in the pack)."""
+        return cls(pack_id, tuple((e.name, e.length) for e in entries), mtime)
+
     @property
     def names(self) -> frozenset[str]:
         return frozenset(n for n, _ in self.chunks)

@@ -65,7 +65,7 @@ class S3PackSource:
 
     def read_index(self, name: str) -> list[packs.Entry]:
         location = packs.packs_dir(self._keys.store(self._job)) / name
-        return packs.decode_index(self._objects.get(self._keys.key(location)), location)
+        return read_index(self._objects, self._keys, self._keys.key(location))
 
     def loose(self, name: str) -> packs.Place | None:
         size = self._loose.get(name)
@@ -113,7 +113,7 @@ class S3Packs:
         found = self._entries.get((key, etag))
         if found is None:
             try:
-                found = packs.decode_index(self._objects.get(key), self._keys.location(key))
+                found = read_index(self._objects, self._keys, key)
             except packs.PackError:
                 found = []
             self._entries[(key, etag)] = found
@@ -154,7 +154,7 @@ class S3Packs:
             except FileNotFoundError:
                 continue  # condemned meanwhile
             stamp = (index or obj)["LastModified"].timestamp()
-            out.append(Pack(pack_id, tuple((e.name, e.length) for e in entries), stamp))
+            out.append(Pack.of(pack_id, entries, stamp))
         # Forget the indexes of packs no longer here (deleted, or moved): the cache holds what the store holds.
         self._entries = {k: v for k, v in self._entries.items()
                          if not k[0].startswith(prefix) or k[0][len(prefix):] in listed}
@@ -194,7 +194,7 @@ class S3Packs:
                 entries = self._read(obj["Key"], str(obj.get("ETag")))
             except FileNotFoundError:
                 continue
-            out.append(Pack(pack_id, tuple((e.name, e.length) for e in entries), time.time()))
+            out.append(Pack.of(pack_id, entries, time.time()))
         return out
 
     def restore_pack(self, job: str, pack_id: str) -> None:
@@ -235,7 +235,7 @@ class S3Packs:
             raise ValueError(f"{self._keys.url_of(location)} is not a pack of a chunk store")
         index = self._key(job, f"{pack_id}{packs.INDEX_SUFFIX}")
         try:
-            entries = packs.decode_index(self._objects.get(index), self._keys.location(index))
+            entries = read_index(self._objects, self._keys, index)
         except (FileNotFoundError, packs.PackError):
             entries = []  # nothing it holds can be trusted to be anywhere: it only goes aside
         batch = self._new_batch(job)
@@ -260,3 +260,9 @@ class S3Packs:
                 self._objects.delete(key, str(head["ETag"]))
         self.index(job).reset()
         return target
+
+
+def read_index(objects: Objects, keys: Keys, key: str) -> list[packs.Entry]:
+    """The entries of the pack index at ``key``. FileNotFoundError: it is not there; :class:`packs.PackError`:
+    it cannot be trusted (named by its location)."""
+    return packs.decode_index(objects.get(key), keys.location(key))
